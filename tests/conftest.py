@@ -1,0 +1,28 @@
+"""Shared test set-up: hypothesis profiles.
+
+* ``ci`` (default, and always under ``CI=true``): fixed seed (derandomized), bounded examples,
+  no deadline -- minutes, not hours.
+* ``dev``: many more examples with random seeds, for local runs:
+  ``HYPOTHESIS_PROFILE=dev python -m pytest``.
+"""
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=30,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+_profile = "ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(_profile)
