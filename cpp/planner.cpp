@@ -1,0 +1,252 @@
+// Block planner: classify -> dedupe -> tables.
+//
+// The seed's insight (getTriuOffsetSequence in the PopART op), generalised: inside a block whose
+// first query row is q0 and first key column is k0, the local cell (r, c) is global (q0 + r, k0 + c),
+// and every mask condition is a condition on the global diagonal j - i - shift only. With the
+// block's diagonal offset
+//     offset = (q0 + shift) - k0,
+// the cell is visible iff  band.low <= c - r - offset <= band.high.  So the pattern of a causal or
+// window block depends only on its diagonal offset and its valid extents (rows < Lq, columns < Lkv
+// in a padded tail chunk). The seed only enumerated the offsets of causal Lq == Lkv square-ish
+// tilings and looped forever when the kv chunk length was 1; here the offset comes closed-form from
+// each block's corner, so there is no search at all.
+//
+// (offset, valid rows, valid cols) determines the pattern but is not injective: a band clipped by
+// the block edge, or a padded tail, can give equal contents for different offsets or extents. The
+// dedupe key is therefore canonical: shrink the valid rectangle to the smallest top-left
+// rectangle [0, rows') x [0, cols') that still holds every visible cell, then clip the band to
+// the local diagonals that rectangle holds, [1 - rows', cols' - 1]. The visible set is exactly
+// band intersected with that rectangle, and every diagonal of the clipped span holds a visible cell, so equal keys
+// <=> equal contents: deduplicating by this key is deduplicating by content.
+#include "planner.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace popxl_flash {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// Allowed values of (j - i - shift): [low, high], each side possibly unbounded.
+struct DiagonalBand {
+    bool has_low = false;
+    int64_t low = 0;
+    bool has_high = false;
+    int64_t high = 0;
+};
+
+// The valid (unpadded) part of one block.
+struct BlockExtent {
+    int64_t q0 = 0;
+    int64_t k0 = 0;
+    int64_t rows = 0;  // valid query rows, 1..chunk_q
+    int64_t cols = 0;  // valid key columns, 1..chunk_kv
+};
+
+// Local diagonals (c - r) that are visible inside a block, clipped to the valid rectangle.
+// Empty (lo > hi) for a skipped block.
+struct LocalSpan {
+    int64_t lo = 0;
+    int64_t hi = -1;
+    bool empty() const { return lo > hi; }
+};
+
+// Canonical dedupe key of a partial block (see the file comment).
+struct PatternKey {
+    int64_t rows = 0;  // rows'  = last row holding a visible cell + 1
+    int64_t cols = 0;  // cols'  = last column holding a visible cell + 1
+    int64_t lo = 0;    // visible local diagonals, clipped to [1 - rows', cols' - 1]
+    int64_t hi = 0;
+    bool operator<(const PatternKey& o) const {
+        return std::tie(rows, cols, lo, hi) < std::tie(o.rows, o.cols, o.lo, o.hi);
+    }
+};
+
+void require(bool ok, const std::string& message) {
+    if (!ok) throw std::invalid_argument(message);
+}
+
+void validate(const PlanRequest& req) {
+    require(req.lq >= 1, "Lq=" + std::to_string(req.lq) + " must be >= 1");
+    require(req.lkv >= 1, "Lkv=" + std::to_string(req.lkv) + " must be >= 1");
+    require(req.chunk_q >= 1 && req.chunk_q <= req.lq,
+            "chunk_q=" + std::to_string(req.chunk_q) + " must be in 1..Lq=" + std::to_string(req.lq));
+    require(req.chunk_kv >= 1 && req.chunk_kv <= req.lkv,
+            "chunk_kv=" + std::to_string(req.chunk_kv) + " must be in 1..Lkv=" +
+                std::to_string(req.lkv));
+    require(req.window_left >= kUnbounded && req.window_right >= kUnbounded,
+            "window=(" + std::to_string(req.window_left) + ", " +
+                std::to_string(req.window_right) + ") sides must be >= -1 (-1 = unbounded)");
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+DiagonalBand bandOf(const PlanRequest& req) {
+    DiagonalBand band;
+    if (req.window_left != kUnbounded) {
+        band.has_low = true;
+        band.low = -req.window_left;
+    }
+    if (req.causal) {
+        band.has_high = true;
+        band.high = 0;
+    }
+    if (req.window_right != kUnbounded) {
+        band.high = band.has_high ? std::min(band.high, req.window_right) : req.window_right;
+        band.has_high = true;
+    }
+    return band;
+}
+
+BlockExtent extentOf(const PlanRequest& req, int64_t bi, int64_t bj) {
+    BlockExtent e;
+    e.q0 = bi * req.chunk_q;
+    e.k0 = bj * req.chunk_kv;
+    e.rows = std::min(req.chunk_q, req.lq - e.q0);
+    e.cols = std::min(req.chunk_kv, req.lkv - e.k0);
+    return e;
+}
+
+// ---- classify --------------------------------------------------------------------------------
+
+LocalSpan localSpan(const DiagonalBand& band, const BlockExtent& e, int64_t shift) {
+    const int64_t offset = (e.q0 + shift) - e.k0;  // the block's diagonal offset
+    LocalSpan span{1 - e.rows, e.cols - 1};
+    if (band.has_low) span.lo = std::max(span.lo, offset + band.low);
+    if (band.has_high) span.hi = std::min(span.hi, offset + band.high);
+    return span;
+}
+
+// Closed-form per block: no per-element work.
+BlockKind classify(const PlanRequest& req, const BlockExtent& e, const LocalSpan& span) {
+    if (span.empty()) return BlockKind::Skip;
+    const bool unpadded = e.rows == req.chunk_q && e.cols == req.chunk_kv;
+    const bool whole_band = span.lo == 1 - e.rows && span.hi == e.cols - 1;
+    return unpadded && whole_band ? BlockKind::Full : BlockKind::Partial;
+}
+
+// ---- dedupe ----------------------------------------------------------------------------------
+
+// Closed form: in a non-skip block, row r has visible cells iff -hi <= r <= cols - 1 - lo, and the
+// last visible column of the last visible row is the rightmost visible column overall.
+PatternKey canonicalKey(const BlockExtent& e, const LocalSpan& span) {
+    PatternKey key;
+    const int64_t last_row = std::min(e.rows - 1, e.cols - 1 - span.lo);
+    const int64_t last_col = std::min(e.cols - 1, last_row + span.hi);
+    key.rows = last_row + 1;
+    key.cols = last_col + 1;
+    key.lo = std::max(span.lo, 1 - key.rows);
+    key.hi = std::min(span.hi, key.cols - 1);
+    return key;
+}
+
+// Hands out pattern ids in first-seen order and materialises each distinct pattern once.
+class PatternTable {
+public:
+    PatternTable(int64_t chunk_q, int64_t chunk_kv) : chunk_q_(chunk_q), chunk_kv_(chunk_kv) {}
+
+    int32_t idFor(const PatternKey& key) {
+        const auto found = ids_.find(key);
+        if (found != ids_.end()) return found->second;
+        const auto id = static_cast<int32_t>(ids_.size());
+        ids_.emplace(key, id);
+        materialise(key);
+        return id;
+    }
+
+    int64_t size() const { return static_cast<int64_t>(ids_.size()); }
+    std::vector<uint8_t> release() { return std::move(cells_); }
+
+private:
+    // Per-element work, once per distinct pattern: row r sees local columns
+    // [max(0, r + lo), min(cols' - 1, r + hi)]; everything else (padding too) stays invisible.
+    void materialise(const PatternKey& key) {
+        const size_t base = cells_.size();
+        cells_.resize(base + static_cast<size_t>(chunk_q_ * chunk_kv_), 0);
+        for (int64_t r = 0; r < key.rows; ++r) {
+            const int64_t first = std::max<int64_t>(0, r + key.lo);
+            const int64_t last = std::min(key.cols - 1, r + key.hi);
+            uint8_t* row = cells_.data() + base + static_cast<size_t>(r * chunk_kv_);
+            for (int64_t c = first; c <= last; ++c) row[c] = 1;
+        }
+    }
+
+    int64_t chunk_q_;
+    int64_t chunk_kv_;
+    std::map<PatternKey, int32_t> ids_;
+    std::vector<uint8_t> cells_;
+};
+
+// ---- tables ----------------------------------------------------------------------------------
+
+void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
+    const DiagonalBand band = bandOf(req);
+    const int64_t shift = req.lkv - req.lq;
+    const auto num_blocks = static_cast<size_t>(plan.nq * plan.nkv);
+    plan.kind.assign(num_blocks, static_cast<int8_t>(BlockKind::Skip));
+    plan.pattern_id.assign(num_blocks, kNoPattern);
+    plan.visited_per_q.assign(static_cast<size_t>(plan.nq), 0);
+
+    PatternTable table(req.chunk_q, req.chunk_kv);
+    for (int64_t bi = 0; bi < plan.nq; ++bi) {  // row-major: first-seen order of patterns
+        for (int64_t bj = 0; bj < plan.nkv; ++bj) {
+            const BlockExtent e = extentOf(req, bi, bj);
+            const LocalSpan span = localSpan(band, e, shift);
+            const BlockKind kind = classify(req, e, span);
+            const auto flat = static_cast<size_t>(bi * plan.nkv + bj);
+            plan.kind[flat] = static_cast<int8_t>(kind);
+            if (kind == BlockKind::Skip) continue;
+            plan.visited_per_q[static_cast<size_t>(bi)] += 1;
+            if (kind == BlockKind::Full) {
+                plan.full_blocks += 1;
+            } else {
+                plan.partial_blocks += 1;
+                plan.pattern_id[flat] = table.idFor(canonicalKey(e, span));
+            }
+        }
+    }
+    plan.visited_blocks = plan.full_blocks + plan.partial_blocks;
+    plan.num_patterns = table.size();
+    plan.patterns = table.release();
+}
+
+// Closed-form per row: row i sees [max(0, i + shift + low), min(Lkv - 1, i + shift + high)].
+void fillRowCounts(const PlanRequest& req, BlockPlan& plan) {
+    const DiagonalBand band = bandOf(req);
+    const int64_t shift = req.lkv - req.lq;
+    for (int64_t i = 0; i < req.lq; ++i) {
+        const int64_t first = band.has_low ? std::max<int64_t>(0, i + shift + band.low) : 0;
+        const int64_t last =
+            band.has_high ? std::min(req.lkv - 1, i + shift + band.high) : req.lkv - 1;
+        if (last >= first) {
+            plan.visible_elements += last - first + 1;
+        } else {
+            plan.empty_rows.push_back(static_cast<int32_t>(i));
+        }
+    }
+}
+
+}  // namespace
+
+BlockPlan planBlocks(const PlanRequest& req) {
+    validate(req);
+    BlockPlan plan;
+    plan.nq = ceilDiv(req.lq, req.chunk_q);
+    plan.nkv = ceilDiv(req.lkv, req.chunk_kv);
+    if (req.lq > kInt32Max || plan.nq > kInt32Max || plan.nkv > kInt32Max ||
+        plan.nq * plan.nkv > kInt32Max) {
+        throw std::length_error("the block grid " + std::to_string(plan.nq) + "x" +
+                                std::to_string(plan.nkv) + " for Lq=" + std::to_string(req.lq) +
+                                " does not fit the int32 schedule tables");
+    }
+    fillBlockTables(req, plan);
+    fillRowCounts(req, plan);
+    return plan;
+}
+
+}  // namespace popxl_flash
