@@ -1,0 +1,127 @@
+"""Build-time context: the graph stack, in_sequence topological constraints, name scopes."""
+from collections import defaultdict
+from contextlib import contextmanager
+
+_graphs = []
+_state = {"in_sequence": None, "previous": defaultdict(list), "scopes": [], "ipu": 0}
+
+
+def push_graph(g):
+    """Args: g: Graph to make current (all graphs on the stack must share one Ir)."""
+    if _graphs and _graphs[0].ir is not g.ir:
+        raise RuntimeError("Trying to a create a context manager nested in another context, "
+                           "when the previous context's Ir is different.")
+    _graphs.append(g)
+
+
+def pop_graph():
+    """Returns: the graph popped from the stack."""
+    return _graphs.pop()
+
+
+def _require():
+    if not _graphs:
+        raise RuntimeError("Trying to access a graph, but no graph has been selected. Hint - try "
+                           "performing the operations in a context manager (for example "
+                           "`with graph_instance:`) or inside a function that's called by "
+                           "`popxl.Ir().create_graph()`")
+
+
+def gcg():
+    """Returns: the current (innermost) graph; RuntimeError without a context."""
+    _require()
+    return _graphs[-1]
+
+
+def gmg():
+    """Returns: the main graph of the current Ir; RuntimeError without a context."""
+    _require()
+    return _graphs[-1].ir.main_graph
+
+
+def gir():
+    """Returns: the Ir of the current graph; RuntimeError without a context."""
+    _require()
+    return _graphs[-1].ir
+
+
+get_current_graph, get_main_graph, get_ir = gcg, gmg, gir
+
+
+@contextmanager
+def in_sequence(mode=True):
+    """Force creation-order execution of the ops created inside (PopXL semantics).
+
+    Args:
+        mode: True (sequence), False (unordered block, one unit of an outer True block) or "pass".
+    """
+    if mode is None:
+        raise TypeError("`None` cannot be passed to `in_sequence`. Try `False` instead.")
+    if mode == "pass":
+        mode = None
+    elif not isinstance(mode, bool):
+        raise ValueError(f"`in_sequence` mode not understood: {mode}. "
+                         "Must be one of `True`, `False`, `'pass'`.")
+    prev = _state["in_sequence"]
+    _set_in_sequence(mode)
+    try:
+        yield mode
+    finally:
+        _set_in_sequence(prev)
+
+
+def _set_in_sequence(mode):
+    if mode is None:
+        _state["previous"].clear()
+    _state["in_sequence"] = mode
+
+
+def op_created(op):
+    """Add PopXL's in_sequence topological constraints for a newly created op.
+
+    Args:
+        op: the new op record (its ``after`` list receives indices of ops that must run first).
+    """
+    mode = _state["in_sequence"]
+    if mode is None:
+        return
+    prev = _state["previous"][id(op.graph)]
+    if mode:
+        op.after.extend(i for i in prev if i >= 0)
+        prev.clear()
+    elif prev:
+        if prev[0] >= 0:
+            op.after.append(prev[0])
+    else:
+        prev.append(-1)
+    prev.append(op.index)
+
+
+@contextmanager
+def name_scope(name):
+    """Args: name: prefix for the names of tensors created inside."""
+    _state["scopes"].append(str(name))
+    try:
+        yield
+    finally:
+        _state["scopes"].pop()
+
+
+def scoped(name):
+    """Args: name: a tensor name. Returns: it prefixed by the active name scopes."""
+    return "/".join([*_state["scopes"], name])
+
+
+@contextmanager
+def ipu(ipu):
+    """Place ops on an IPU; the emulator has one IPU (index 0)."""
+    if ipu != 0:
+        raise NotImplementedError(f"popxl.ipu({ipu}): the emulator has a single IPU (0)")
+    yield ipu
+
+
+@contextmanager
+def io_tiles(*args, **kwargs):
+    """Not supported by the emulator."""
+    raise NotImplementedError("popxl.io_tiles is not implemented by the emulator")
+    yield  # pragma: no cover

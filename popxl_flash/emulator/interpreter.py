@@ -1,0 +1,79 @@
+"""The evaluator: runs a graph's plan over a slot environment, recursing for subgraphs.
+
+It also keeps the run profile counters: ops executed, matmul FLOPs, live bytes and their peak.
+"""
+import numpy as np
+
+from .plan import MULTI, PLAIN
+
+_ndarray, _asarray = np.ndarray, np.asarray
+
+
+class Runtime:
+    """State of one ``Session.run``: stream buffers and profile counters.
+
+    Args:
+        h2d: {stream: array (num_host_transfers, *shape)}. d2h: same for outputs (written).
+        base_bytes: bytes live for the whole run (variables and constants).
+    """
+
+    def __init__(self, h2d, d2h, base_bytes):
+        self.h2d, self.d2h = h2d, d2h
+        self.loads = dict.fromkeys(h2d, 0)
+        self.stores = dict.fromkeys(d2h, 0)
+        self.live = self.peak = base_bytes
+        self.ops = self.flops = 0
+
+    def load(self, stream):
+        """Returns: a copy of the stream's next buffer entry (wrapping)."""
+        buf = self.h2d[stream]
+        i = self.loads[stream]
+        self.loads[stream] = i + 1
+        return buf[i % len(buf)].copy()
+
+    def store(self, stream, value):
+        """Write ``value`` into the stream's next buffer entry (wrapping)."""
+        buf = self.d2h[stream]
+        i = self.stores[stream]
+        self.stores[stream] = i + 1
+        buf[i % len(buf)] = value
+
+    def run_graph(self, plan, inputs):
+        """Run a subgraph frame. Args: plan, inputs (arrays). Returns: list of output arrays."""
+        env = plan.template[:]
+        for s, v in zip(plan.in_slots, inputs):
+            env[s] = v
+        return self.run_env(plan, env)
+
+    def run_env(self, plan, env):
+        """Execute ``plan`` over a prepared environment. Returns: list of output arrays."""
+        base = self.live
+        live = base + plan.in_bytes
+        if live > self.peak:
+            self.peak = live
+        live -= plan.entry_free_bytes
+        for s in plan.entry_free:
+            env[s] = None
+        for fn, ins, outs, attrs, code, alloc, freed, free, data in plan.steps:
+            if code == PLAIN:
+                r = fn(*[env[i] for i in ins], **attrs)
+                env[outs[0]] = r if r.__class__ is _ndarray else _asarray(r)
+            elif code == MULTI:
+                for s, r in zip(outs, fn(*[env[i] for i in ins], **attrs)):
+                    env[s] = r
+            else:
+                self.live = live
+                for s, r in zip(outs, fn(self, data, [env[i] for i in ins])):
+                    env[s] = r
+            live += alloc
+            if live > self.peak:
+                self.peak = live
+            if free:
+                live -= freed
+                for s in free:
+                    env[s] = None
+        self.ops += plan.n_ops
+        self.flops += plan.flops
+        out = [env[s].copy() if c else env[s] for s, c in zip(plan.out_slots, plan.copy_out)]
+        self.live = base
+        return out

@@ -1,0 +1,97 @@
+"""Dynamic slicing: dynamic_slice, dynamic_update, dynamic_update_.
+
+Out-of-range starts (start < 0 or start + size > dim) are unspecified on the device; the
+emulator raises ``IndexError`` when the op executes.
+"""
+import numpy as np
+
+from ..errors import PopartError
+from ..registry import emit, register
+from ._common import INTS
+
+
+def _check(t, index, axes, sizes):
+    if index.dtype not in INTS:
+        raise PopartError(f"dynamic slice: index {index.id} must be an integer tensor, got "
+                          f"{index.dtype.name}")
+    if index.nelms != len(axes):
+        raise PopartError(f"dynamic slice: index {index.id} has {index.nelms} elements but "
+                          f"{len(axes)} axes were given")
+    if len(sizes) != len(axes):
+        raise PopartError(f"dynamic slice: {len(axes)} axes but {len(sizes)} sizes")
+    if len(set(axes)) != len(axes) or any(a < 0 or a >= t.rank for a in axes):
+        raise PopartError(f"dynamic slice: invalid axes {axes} for rank {t.rank}")
+    shape = list(t.shape)
+    for a, s in zip(axes, sizes):
+        if not 1 <= s <= t.shape[a]:
+            raise PopartError(f"dynamic slice: size {s} invalid for axis {a} of {t.shape}")
+        shape[a] = s
+    return tuple(shape)
+
+
+def _ds_rule(t, index, axes, sizes):
+    return [(_check(t, index, axes, sizes), t.dtype)]
+
+
+def _du_rule(t, index, upd, axes, sizes):
+    shape = _check(t, index, axes, sizes)
+    if upd.shape != shape or upd.dtype != t.dtype:
+        raise PopartError(f"dynamic_update: t_update {upd.id} {upd.shape} {upd.dtype.name} must "
+                          f"equal the slice {shape} {t.dtype.name}")
+    return [(t.shape, t.dtype)]
+
+
+def _key(a, index, axes, sizes):
+    key = [slice(None)] * a.ndim
+    for i, (ax, size) in enumerate(zip(axes, sizes)):
+        start = int(index.flat[i])
+        if start < 0 or start + size > a.shape[ax]:
+            raise IndexError(f"dynamic slice: start {start} + size {size} out of range for axis "
+                             f"{ax} of size {a.shape[ax]} (unspecified on device)")
+        key[ax] = slice(start, start + size)
+    return tuple(key)
+
+
+def _ds(a, index, axes, sizes):
+    return a[_key(a, index, axes, sizes)].copy()
+
+
+def _du(a, index, upd, axes, sizes):
+    out = a.copy()
+    out[_key(a, index, axes, sizes)] = upd
+    return out
+
+
+def _du_(a, index, upd, axes, sizes):
+    a[_key(a, index, axes, sizes)] = upd
+    return a
+
+
+register("dynamic_slice", _ds_rule, _ds)
+register("dynamic_update", _du_rule, _du)
+register("dynamic_update_", _du_rule, _du_, alias="modify")
+
+
+def _attrs(axes, sizes, no_overlap):
+    return {"axes": tuple(int(a) for a in axes), "sizes": tuple(int(s) for s in sizes)}
+
+
+def dynamic_slice(t, index, axes, sizes, no_overlap):
+    """Args: t: Tensor. index: int tensor with len(axes) starts. axes, sizes: lists.
+    no_overlap: hint. Returns: copy of the slice (rank kept)."""
+    return emit("dynamic_slice", {"t": t, "index": index}, _attrs(axes, sizes, no_overlap))[0]
+
+
+def dynamic_update(t, index, t_update, axes, sizes, no_overlap):
+    """Returns: copy of t with the slice at ``index`` replaced by t_update."""
+    return emit("dynamic_update", {"t": t, "index": index, "t_update": t_update},
+                _attrs(axes, sizes, no_overlap))[0]
+
+
+def dynamic_update_(t, index, t_update, axes, sizes, no_overlap):
+    """In-place dynamic_update. Returns: tensor aliasing t."""
+    return emit("dynamic_update_", {"t": t, "index": index, "t_update": t_update},
+                _attrs(axes, sizes, no_overlap))[0]
+
+
+_ = np

@@ -1,0 +1,105 @@
+"""Fused arithmetic: scaled_add(_), increment_mod(_)."""
+import numpy as np
+
+from .. import dtypes
+from ..errors import PopartError
+from ..registry import emit, register
+from ..tensor import Tensor
+from ._common import F32, FLOATS, NUMERIC, require, scalar_value
+
+
+def _scaled_add_rule(x, y, *scales, a, b):
+    require("scaled_add", x, FLOATS)
+    require("scaled_add", y, FLOATS)
+    if x.shape != y.shape:
+        raise PopartError(f"scaled_add: X {x.id} {x.shape} and Y {y.id} {y.shape} must have the "
+                          "same shape (no broadcasting)")
+    for s in scales:
+        if s.nelms != 1:
+            raise PopartError(f"scaled_add: scale tensor {s.id} must have one element")
+        require("scaled_add", s, FLOATS)
+    return [(x.shape, x.dtype)]
+
+
+def _scaled_value(x, y, scales, a, b):
+    it = iter(scales)
+    fa = F32(a) if a is not None else F32(next(it).reshape(()))
+    fb = F32(b) if b is not None else F32(next(it).reshape(()))
+    if x.dtype == np.float32 and y.dtype == np.float32:
+        return fa * x + fb * y
+    return fa * x.astype(F32) + fb * y.astype(F32)
+
+
+def _scaled_add(x, y, *scales, a, b):
+    return _scaled_value(x, y, scales, a, b).astype(x.dtype, copy=False)
+
+
+def _scaled_add_(x, y, *scales, a, b):
+    x[...] = _scaled_value(x, y, scales, a, b)
+    return x
+
+
+register("scaled_add", _scaled_add_rule, _scaled_add)
+register("scaled_add_", _scaled_add_rule, _scaled_add_, alias="modify")
+
+
+def _scaled(kind, X, Y, a, b):
+    tensors, attrs = {"X": X, "Y": Y}, {}
+    for name, v in (("a", a), ("b", b)):
+        if isinstance(v, Tensor):
+            tensors[name] = v
+            attrs[name] = None
+        else:
+            attrs[name] = scalar_value(kind, name, v)
+    return emit(kind, tensors, attrs)[0]
+
+
+def scaled_add(X, Y, a=1.0, b=1.0):  # noqa: N803 - PopXL names
+    """Args: X, Y: same-shape float tensors. a, b: floats or one-element tensors.
+    Returns: a*X + b*Y in X's dtype."""
+    return _scaled("scaled_add", X, Y, a, b)
+
+
+def scaled_add_(X, Y, a=1.0, b=1.0):  # noqa: N803
+    """In place ``X = a*X + b*Y``. Returns: tensor aliasing X."""
+    return _scaled("scaled_add_", X, Y, a, b)
+
+
+def _incmod_rule(t, increment, modulus):
+    require("increment_mod", t, NUMERIC)
+    if modulus == 0:
+        raise ValueError(f"increment_mod: modulus converted to {t.dtype.name} is 0")
+    return [(t.shape, t.dtype)]
+
+
+def _incmod(a, increment, modulus):
+    return np.fmod(a + increment, modulus)
+
+
+def _incmod_(a, increment, modulus):
+    np.add(a, increment, out=a)
+    np.fmod(a, modulus, out=a)
+    return a
+
+
+register("increment_mod", _incmod_rule, _incmod)
+register("increment_mod_", _incmod_rule, _incmod_, alias="modify")
+
+
+def _incmod_op(kind, t, increment, modulus):
+    dt = t.dtype if isinstance(t, Tensor) else dtypes.float32
+    npdt = dt.as_numpy()
+    inc = np.array(scalar_value(kind, "increment", increment)).astype(npdt)[()]
+    mod = np.array(scalar_value(kind, "modulus", modulus)).astype(npdt)[()]
+    return emit(kind, {"t": t}, {"increment": inc, "modulus": mod})[0]
+
+
+def increment_mod(t, increment, modulus):
+    """Args: t: tensor. increment, modulus: numbers cast to t's dtype.
+    Returns: (t + increment) C-fmod modulus."""
+    return _incmod_op("increment_mod", t, increment, modulus)
+
+
+def increment_mod_(t, increment, modulus):
+    """In-place increment_mod. Returns: tensor aliasing t."""
+    return _incmod_op("increment_mod_", t, increment, modulus)

@@ -1,0 +1,73 @@
+"""Matrix multiplication with numpy ``matmul`` shape rules.
+
+float16 inputs with float32 partials (the default) compute in float32 and round once to the
+output dtype; float16 partials compute with numpy's float16 matmul; float32 inputs compute in
+float32.
+"""
+import numpy as np
+
+from .. import dtypes
+from ..errors import PopartError
+from ..registry import FLOPS, emit, register
+from ._common import FLOATS, require
+
+
+def _padded(a, b):
+    sa = (1,) + a.shape if a.rank == 1 else a.shape
+    sb = b.shape + (1,) if b.rank == 1 else b.shape
+    return sa, sb
+
+
+def _matmul_rule(a, b, output_type, partials_f32):
+    if a.rank == 0 or b.rank == 0:
+        raise PopartError(f"matmul: operands must have rank >= 1 ({a.id} {a.shape}, "
+                          f"{b.id} {b.shape})")
+    if a.dtype != b.dtype:
+        raise PopartError(f"matmul: lhs {a.id} ({a.dtype.name}) and rhs {b.id} "
+                          f"({b.dtype.name}) must have the same dtype")
+    require("matmul", a, FLOATS)
+    sa, sb = _padded(a, b)
+    if sa[-1] != sb[-2]:
+        raise PopartError(f"matmul: contracting dims differ: lhs {a.shape} rhs {b.shape}")
+    try:
+        batch = tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
+    except ValueError:
+        raise PopartError(f"matmul: group dims do not broadcast: {a.shape} {b.shape}") from None
+    out = batch + ((sa[-2],) if a.rank > 1 else ()) + ((sb[-1],) if b.rank > 1 else ())
+    return [(out, output_type or a.dtype)]
+
+
+def _matmul(a, b, output_type, partials_f32):
+    if partials_f32 and a.dtype != np.float32:
+        r = np.matmul(a.astype(np.float32), b.astype(np.float32))
+    else:
+        r = np.matmul(a, b)
+    return r.astype(output_type.as_numpy() if output_type else a.dtype, copy=False)
+
+
+def _matmul_flops(op):
+    a, b = op.inputs
+    sa, sb = _padded(a, b)
+    batch = int(np.prod(np.broadcast_shapes(sa[:-2], sb[:-2]), dtype=np.int64))
+    return 2 * sa[-2] * sa[-1] * sb[-1] * batch
+
+
+register("matmul", _matmul_rule, _matmul)
+FLOPS["matmul"] = _matmul_flops
+
+
+def matmul(lhs, rhs, available_memory_proportion=None, output_type=None, partials_type=None):
+    """Args: lhs, rhs: float16/float32 tensors of one dtype. output_type: result dtype
+    (default lhs dtype). partials_type: float16 or float32 (default float32).
+    Returns: lhs @ rhs."""
+    if partials_type is None:
+        partials_f32 = True
+    elif partials_type in (dtypes.float16, dtypes.float32):
+        partials_f32 = partials_type == dtypes.float32
+    else:
+        raise ValueError(f"dtype {partials_type} is not valid, must be float16 or float32")
+    if output_type is not None and output_type not in FLOATS:
+        raise NotImplementedError(f"matmul output_type {output_type} is not supported by the "
+                                  "emulator (float16 or float32)")
+    return emit("matmul", {"lhs": lhs, "rhs": rhs},
+                {"output_type": output_type, "partials_f32": partials_f32})[0]

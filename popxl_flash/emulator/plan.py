@@ -1,0 +1,217 @@
+"""Compile step of a Session: checks PopXL defers to compile time and builds execution plans.
+
+Each graph gets one ``Plan``: slot-indexed environment template, a list of step tuples
+``(fn, in_slots, out_slots, attrs, code, alloc_bytes, freed_bytes, free_slots, data)`` and the
+liveness/copy facts the interpreter and the run profile need. Built once per Session.
+"""
+import copy
+from collections import defaultdict
+
+from .errors import PopartError
+from .registry import FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
+from .tensor import Constant, Variable
+
+PLAIN, MULTI, CONTROL = 0, 1, 2
+
+
+class Plan:
+    """Execution plan of one graph (see module docstring)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.template, self.steps = [], []
+        self.in_slots, self.out_slots, self.copy_in, self.copy_out = [], [], [], []
+        self.var_slots, self.entry_free = [], []
+        self.in_bytes = self.entry_free_bytes = self.flops = 0
+        self.n_ops, self.n_outputs, self.repeat_count = 0, len(graph.outputs), None
+        self.const_bytes = 0
+
+    def with_repeat(self, count):
+        """Returns: a shallow copy carrying the repeat trip count."""
+        p = copy.copy(self)
+        p.repeat_count = count
+        return p
+
+
+def build_plans(ir):
+    """Check and plan every graph reachable from the main graph.
+
+    Returns:
+        (main plan, {id(graph): plan}).
+    """
+    plans, building = {}, set()
+
+    def plan_of(g):
+        if id(g) in plans:
+            return plans[id(g)]
+        if id(g) in building:
+            raise PopartError(f"graph {g.name} calls itself (recursion is not allowed)")
+        building.add(id(g))
+        plans[id(g)] = _build(g, plan_of)
+        building.discard(id(g))
+        return plans[id(g)]
+
+    return plan_of(ir.main_graph), plans
+
+
+class _Aliases:
+    """Union of tensors sharing storage (in-place outputs and views alias input 0)."""
+
+    def __init__(self, graph):
+        self.parent = {}
+        for op in graph._ops:
+            if op.alias:
+                self.parent[id(op.outputs[0])] = self.find(op.inputs[0])
+
+    def find(self, t):
+        while id(t) in self.parent:
+            t = self.parent[id(t)]
+        return t
+
+
+def _build(g, plan_of):
+    _check_call_specs(g)
+    al = _Aliases(g)
+    check_ambiguity(g, al)
+    plan = Plan(g)
+    tensors = list(g._tensors.values())
+    slot = {id(t): i for i, t in enumerate(tensors)}
+    plan.template = [None] * len(tensors)
+    pinned = _pinned(g, tensors, plan, slot)
+    modified = _modified_roots(g, al, pinned)
+    last, members = _liveness(g, al, slot)
+    out_roots = {id(al.find(o)) for o in g._outputs}
+    _plan_inputs(g, plan, slot, modified, last, out_roots)
+    _plan_outputs(g, plan, slot, al, pinned)
+    for k, op in enumerate(g._ops):
+        plan.steps.append(_step(op, k, slot, al, pinned, last, members, out_roots, plan_of))
+    plan.n_ops = len(g._ops)
+    plan.flops = sum(FLOPS[op.kind](op) for op in g._ops if op.kind in FLOPS)
+    return plan
+
+
+def _check_call_specs(g):
+    for op in g._ops:
+        if op.kind == "repeat":
+            body = op.attrs["graph"]
+            for i, (o, x) in enumerate(zip(body.outputs, body.inputs)):
+                if (o.shape, o.dtype) != (x.shape, x.dtype):
+                    raise PopartError(f"repeat of {body.name}: output {i} {o.dtype.name}"
+                                      f"{list(o.shape)} does not match loop-carried input {i} "
+                                      f"{x.dtype.name}{list(x.shape)}")
+        elif op.kind == "conditional":
+            t, e = op.attrs["then"], op.attrs["else"]
+            for i, (a, b) in enumerate(zip(t.outputs, e.outputs)):
+                if (a.shape, a.dtype) != (b.shape, b.dtype):
+                    raise PopartError(f"conditional: else_branch output {i} {b.dtype.name}"
+                                      f"{list(b.shape)} does not match then_branch output "
+                                      f"{a.dtype.name}{list(a.shape)}")
+
+
+def _pinned(g, tensors, plan, slot):
+    """Storage not managed by frame liveness: constants, variables, by-ref inputs."""
+    pinned = set()
+    for t in tensors:
+        if isinstance(t, Constant):
+            plan.template[slot[id(t)]] = t._data
+            plan.const_bytes += t.nbytes
+            pinned.add(id(t))
+        elif isinstance(t, Variable):
+            plan.var_slots.append((slot[id(t)], t))
+            plan.const_bytes += t.nbytes
+            pinned.add(id(t))
+    pinned.update(id(t) for t in g._by_ref_inputs)
+    return pinned
+
+
+def _modified_roots(g, al, pinned):
+    modified = set()
+    for op in g._ops:
+        for pos in op.modifies:
+            root = al.find(op.inputs[pos])
+            if isinstance(root, Constant):
+                raise NotImplementedError(f"{op.kind} modifies constant {root.id} in place; not "
+                                          "supported by the emulator")
+            modified.add(id(root))
+    return modified
+
+
+def _liveness(g, al, slot):
+    last, members = {}, defaultdict(list)
+    for t in g._tensors.values():
+        members[id(al.find(t))].append(slot[id(t)])
+    for k, op in enumerate(g._ops):
+        for t in op.inputs + op.outputs:
+            last[id(al.find(t))] = k
+    return last, members
+
+
+def _plan_inputs(g, plan, slot, modified, last, out_roots):
+    for t in g._inputs:
+        by_ref = t in g._by_ref_inputs
+        plan.in_slots.append(slot[id(t)])
+        plan.copy_in.append(not by_ref and id(t) in modified)
+        if by_ref:
+            continue
+        plan.in_bytes += t.nbytes
+        if id(t) not in last and id(t) not in out_roots:
+            plan.entry_free.append(slot[id(t)])
+            plan.entry_free_bytes += t.nbytes
+
+
+def _plan_outputs(g, plan, slot, al, pinned):
+    seen, inputs = set(), {id(t) for t in g._inputs}
+    for o in g._outputs:
+        root = id(al.find(o))
+        plan.out_slots.append(slot[id(o)])
+        plan.copy_out.append(root in pinned or root in inputs or root in seen)
+        seen.add(root)
+
+
+def _step(op, k, slot, al, pinned, last, members, out_roots, plan_of):
+    alloc = 0 if op.alias else sum(t.nbytes for t in op.outputs)
+    freed, free = 0, []
+    roots = {id(al.find(t)): al.find(t) for t in op.inputs + op.outputs}
+    for rid, root in roots.items():
+        if last[rid] == k and rid not in pinned and rid not in out_roots:
+            freed += root.nbytes
+            free.extend(members[rid])
+    ins = tuple(slot[id(t)] for t in op.inputs)
+    outs = tuple(slot[id(t)] for t in op.outputs)
+    if op.kind in RUNTIME:
+        code, data, attrs = CONTROL, PREPARE[op.kind](op, plan_of), None
+    else:
+        code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
+    return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)
+
+
+def check_ambiguity(g, al):
+    """Raise PopartError for a read/modify (or modify/modify) pair of aliased storage that no
+    data dependency or ``in_sequence`` constraint orders (PopXL's inplacing ambiguity check)."""
+    ops = g._ops
+    producer = {id(t): k for k, op in enumerate(ops) for t in op.outputs}
+    anc = []
+    for op in ops:
+        a = 0
+        for p in [producer.get(id(t)) for t in op.inputs] + op.after:
+            if p is not None:
+                a |= anc[p] | (1 << p)
+        anc.append(a)
+    readers, modifiers, names = defaultdict(set), defaultdict(set), {}
+    for k, op in enumerate(ops):
+        for pos, t in enumerate(op.inputs):
+            root = id(al.find(t))
+            names[root] = al.find(t).id
+            if pos in op.modifies:
+                modifiers[root].add(k)
+            if op.alias != "view":
+                readers[root].add(k)
+    for root, mods in modifiers.items():
+        for m in mods:
+            for k in readers[root]:
+                if k != m and not ((anc[m] >> k) & 1 or (anc[k] >> m) & 1):
+                    raise PopartError(
+                        f"Inplacing ambiguity in graph {g.name}: {ops[m]} modifies "
+                        f"{names[root]} (or an alias of it) while "
+                        f"{ops[k]} reads it, and nothing orders the two. Use popxl.in_sequence() "
+                        "or a data dependency.")

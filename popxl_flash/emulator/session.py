@@ -1,0 +1,207 @@
+"""``popxl.Session`` for the emulator: compile (checks + plans), device state, runs."""
+import numbers
+import time
+
+import numpy as np
+
+from . import dtypes
+from .errors import PopartError
+from .interpreter import Runtime
+from .plan import build_plans
+from .profile import RunProfile
+from .tensor import Constant, Variable
+
+DEVICES = ("ipu_hw", "ipu_model", "cpu")
+
+
+class Session:
+    """Compile ``ir`` and run it on the emulated device.
+
+    Args:
+        ir: the Ir (must not be modified afterwards).
+        device_desc: "cpu" (default), "ipu_model" or "ipu_hw".
+        weights_to_host_on_exit: copy variables to host when leaving the outermost context.
+    """
+
+    def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
+        _check_device(device_desc, ir)
+        self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
+        self._main, plans = build_plans(ir)
+        self._const_bytes = sum(p.const_bytes for p in plans.values())
+        ir._prepared = True
+        self._vars = list(ir.main_graph.variables)
+        self._host = {v: np.array(v._data, copy=True) for v in self._vars}
+        self._device, self._depth, self._host_in_sync = {}, 0, True
+        self.profile = None
+
+    ir = property(lambda self: self._ir)
+    is_attached = property(lambda self: self._depth > 0)
+
+    def expected_inputs(self):
+        """Returns: the h2d streams a run needs."""
+        return self._ir.get_all_h2d_streams()
+
+    # -- context ---------------------------------------------------------------------------
+    def __enter__(self):
+        self._depth += 1
+        if self._depth == 1:
+            self.weights_from_host()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._depth == 1 and exc_type is None and self.weights_to_host_on_exit:
+            self.weights_to_host()
+        self._depth -= 1
+        return False
+
+    def _assert_attached(self):
+        if not self.is_attached:
+            raise ValueError("Must be attached to device before calling a runtime function. Put "
+                             "the call inside a `Session` context, for example `with session: "
+                             "session.run()`.")
+
+    # -- weights -----------------------------------------------------------------------------
+    def weights_from_host(self):
+        """Copy all host variable values to the device."""
+        self._assert_attached()
+        self._device = {v: np.array(a, copy=True) for v, a in self._host.items()}
+        self._host_in_sync = True
+
+    def weights_to_host(self):
+        """Copy all device variable values to the host."""
+        self._assert_attached()
+        self._host = {v: np.array(a, copy=True) for v, a in self._device.items()}
+        self._host_in_sync = True
+
+    def get_tensor_data(self, tensor):
+        """Args: tensor: Variable or Constant. Returns: its value (numpy copy)."""
+        return self.get_tensors_data([tensor])[tensor]
+
+    def get_tensors_data(self, tensors):
+        """Args: tensors: Variables/Constants. Returns: {tensor: numpy copy}."""
+        tensors = list(tensors)
+        for t in tensors:
+            if not isinstance(t, (Constant, Variable)):
+                raise TypeError(f"{t} is not of type Constant or Variable. get_tensor_data is "
+                                "not supported for this type.")
+        if any(isinstance(t, Variable) for t in tensors) and self.is_attached \
+                and not self._host_in_sync:
+            self.weights_to_host()
+        return {t: np.array(self._host[t] if isinstance(t, Variable) else t._data, copy=True)
+                for t in tensors}
+
+    def write_variable_data(self, tensor, data):
+        """Args: tensor: Variable. data: array of exactly ``tensor.dtype`` and shape."""
+        self.write_variables_data({tensor: data})
+
+    def write_variables_data(self, tensors):
+        """Write host values (pushed to the device at once when attached, like PopXL: all host
+        weights are sent)."""
+        for t, data in tensors.items():
+            if not isinstance(t, Variable) or t not in self._host:
+                raise TypeError(f"Tensor {getattr(t, 'id', t)} is not of type Variable (of this "
+                                "Ir). write_variable_data is not supported for this type.")
+            if isinstance(data, numbers.Number):
+                data = np.array(data).astype(t.dtype.as_numpy())
+            if not isinstance(data, np.ndarray) or data.dtype != t.dtype.as_numpy():
+                raise TypeError(f"The dtype of the input array {getattr(data, 'dtype', type(data))}"
+                                f" must match the equivalent type of the tensor {t.id} : "
+                                f"{t.dtype}")
+            if data.shape != t.shape_on_host:
+                raise ValueError(f"The shape of the input array {data.shape} must match the "
+                                 f"shape of the tensor {t.id} : {t.shape}")
+            self._host[t] = np.array(data, copy=True, order="C")
+        if self.is_attached:
+            self.weights_from_host()
+
+    # -- running ---------------------------------------------------------------------------
+    def create_host_outputs(self):
+        """Returns: {d2h stream: empty array of the full output shape}."""
+        return {s: np.empty(self._full_shape(s), s.dtype.as_numpy())
+                for s in self._ir.get_all_d2h_streams()}
+
+    def run(self, inputs=None, downcast_inputs=True):
+        """Run the main graph once.
+
+        Args:
+            inputs: {h2d stream: array}, exactly the streams used by host_load.
+            downcast_inputs: convert 64-bit host arrays to 32-bit first.
+        Returns:
+            {d2h stream: array of shape (num_host_transfers?, *stream.shape)}.
+        """
+        self._assert_attached()
+        outputs = self.create_host_outputs()
+        self.run_with_outputs(inputs, outputs, downcast_inputs)
+        return outputs
+
+    def run_with_outputs(self, inputs=None, outputs=None, downcast_inputs=True):
+        """Run, writing results into the given output arrays (see ``run``)."""
+        self._assert_attached()
+        h2d = self._prepare_inputs(inputs or {}, downcast_inputs)
+        outputs = outputs or {}
+        _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
+        nht = self._ir.num_host_transfers
+        d2h = {s: np.empty((nht,) + s.shape, s.dtype.as_numpy()) for s in outputs}
+        t0 = time.perf_counter()
+        rt = Runtime(h2d, d2h, self._const_bytes)
+        env = self._main.template[:]
+        for slot, var in self._main.var_slots:
+            env[slot] = self._device[var]
+        with np.errstate(all="ignore"):
+            rt.run_env(self._main, env)
+        self._host_in_sync = False
+        for s, n in rt.stores.items():
+            if n < nht:
+                raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
+                                   "never written by host_store this run (their contents are "
+                                   "unspecified on the device)")
+            outputs[s][...] = d2h[s].reshape(outputs[s].shape)
+        self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
+                                  time.perf_counter() - t0)
+
+    def _full_shape(self, stream):
+        nht = self._ir.num_host_transfers
+        return ((nht,) if nht > 1 else ()) + stream.shape
+
+    def _prepare_inputs(self, inputs, downcast):
+        arrays = {s: dtypes.to_numpy(a, downcast=downcast) for s, a in inputs.items()}
+        _check_keys(arrays, self._ir.get_all_h2d_streams(), "input")
+        nht = self._ir.num_host_transfers
+        out = {}
+        for s, arr in arrays.items():
+            full = self._full_shape(s)
+            lead = len(full) - len(s.shape)
+            scalar_ok = arr.size == int(np.prod(full)) and arr.squeeze().shape[lead:] == ()
+            if arr.shape != full and not scalar_ok:
+                raise ValueError(f"Shape mismatch for input stream {s.tensor_id}:\nStream shape "
+                                 f"= {s.shape}, therefore expected full global batch shape "
+                                 f"{full}. Got array shape = {arr.shape}")
+            if arr.dtype != s.dtype.as_numpy():
+                if arr.dtype == np.int64 and s.dtype == dtypes.int32:
+                    arr = arr.astype(np.int32)
+                else:
+                    raise PopartError(f"Type discrepancy for tensor {s.tensor_id}: stream is "
+                                      f"{s.dtype.name}, array is {arr.dtype}")
+            out[s] = arr.reshape((nht,) + s.shape)
+        return out
+
+
+def _check_keys(given, expected, what):
+    if set(given) != set(expected):
+        unexpected = {str(s) for s in set(given) - set(expected)}
+        missing = {str(s) for s in set(expected) - set(given)}
+        raise ValueError(f"Unexpected/Missing {what}.\n  Unexpected: {unexpected}\n  "
+                         f"Missing: {missing}")
+
+
+def _check_device(device_desc, ir):
+    if not isinstance(device_desc, str):
+        raise NotImplementedError(f"device_desc {device_desc!r} is not supported by the emulator "
+                                  f"(use one of {DEVICES})")
+    if device_desc not in DEVICES:
+        raise ValueError(f"device_desc must be one of {DEVICES}, got {device_desc!r}")
+    if ir.replication_factor > 1:
+        if device_desc == "cpu":
+            raise ValueError("The 'cpu' device supports a single IPU; replication_factor "
+                             f"{ir.replication_factor} needs an IPU device")
+        raise NotImplementedError("replication is not supported by the emulator")

@@ -1,0 +1,335 @@
+"""Tensor, Variable, Constant, TensorSpec and the host-value constructors."""
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from . import dtypes
+from .context import gcg, gmg
+
+
+class TensorSpec(Mapping):
+    """Descriptor of a tensor: shape, dtype, meta_shape (usable as a create_graph placeholder)."""
+
+    def __init__(self, shape, dtype, meta_shape=()):
+        self.shape = shape
+        self.dtype = dtype
+        self.meta_shape = meta_shape
+
+    def to_dict(self):
+        return {"shape": self.shape, "dtype": self.dtype, "meta_shape": self.meta_shape}
+
+    def to_tuple(self):
+        return self.shape, self.dtype, self.meta_shape
+
+    def __iter__(self):
+        return iter(self.to_dict())
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, key):
+        return self.to_dict()[key]
+
+    def __hash__(self):
+        return hash(self.to_tuple())
+
+    def __repr__(self):
+        return f"TensorSpec(shape={self.shape}, dtype={self.dtype}, meta_shape={self.meta_shape})"
+
+
+def TensorByRef():  # noqa: N802 - PopXL name
+    """Annotation marking a create_graph parameter as pass-by-reference (not callable)."""
+    raise NotImplementedError("TensorByRef should only be used as an annotation.")
+
+
+def _ops():
+    from . import ops
+    return ops
+
+
+class Tensor:
+    """A tensor of a graph (build-time handle; values exist only while a Session runs)."""
+
+    __iter__ = None
+    __contains__ = None
+    __array_ufunc__ = None
+
+    def __init__(self):
+        raise RuntimeError("popxl.Tensor cannot be constructed directly.")
+
+    @classmethod
+    def _make(cls, graph, tid, name, dtype, shape, meta_shape=()):
+        self = object.__new__(cls)
+        self._graph, self._id, self._name = graph, tid, name
+        self._dtype, self._shape, self._meta_shape = dtype, tuple(shape), tuple(meta_shape)
+        self._nelms = int(np.prod(self._shape, dtype=np.int64))
+        return self
+
+    # -- properties ------------------------------------------------------------------------
+    id = property(lambda self: self._id)
+    name = property(lambda self: self._name)
+    dtype = property(lambda self: self._dtype)
+    shape = property(lambda self: self._shape)
+    meta_shape = property(lambda self: self._meta_shape)
+    rank = property(lambda self: len(self._shape))
+    nelms = property(lambda self: self._nelms)
+    ir = property(lambda self: self._graph.ir)
+    ipu = property(lambda self: 0)
+    tile_set = property(lambda self: "compute")
+
+    @property
+    def scope(self):
+        return "" if self._graph is self._graph.ir.main_graph else self._graph.name
+
+    @property
+    def spec(self):
+        return TensorSpec(self.shape, self.dtype, self.meta_shape)
+
+    @property
+    def nbytes(self):
+        """Emulator-only: bytes of the tensor's value."""
+        return self._nelms * self._dtype.as_numpy().itemsize
+
+    @property
+    def T(self):  # noqa: N802
+        return self.transpose()
+
+    @property
+    def T_(self):  # noqa: N802
+        return self.transpose_()
+
+    # -- methods ---------------------------------------------------------------------------
+    def transpose(self, permutation=None):
+        return _ops().transpose(self, permutation)
+
+    def transpose_(self, permutation=None):
+        return _ops().transpose_(self, permutation)
+
+    def reshape(self, shape):
+        return _ops().reshape(self, shape)
+
+    def reshape_(self, shape):
+        return _ops().reshape_(self, shape)
+
+    def flatten(self):
+        return _ops().flatten(self)
+
+    def flatten_(self):
+        return _ops().flatten_(self)
+
+    def detach(self):
+        return _ops().detach(self)
+
+    def detach_(self):
+        return _ops().detach_(self)
+
+    def diag(self):
+        raise NotImplementedError("Tensor.diag is not implemented by the emulator")
+
+    def copy_to_ipu(self, *args, **kwargs):
+        raise NotImplementedError("Tensor.copy_to_ipu is not implemented by the emulator")
+
+    def _ensure_tensor(self, value, dtype=None, raise_on_empty=True):
+        if isinstance(value, Tensor):
+            return value
+        t = constant(value, self.dtype if dtype is None else dtype)
+        if raise_on_empty and t.nelms == 0:
+            raise ValueError("The value has 0 elements - this is most likely a mistake. "
+                             f"Type: {type(value)}. Value: {value}")
+        return t
+
+    # -- dunders ---------------------------------------------------------------------------
+    def __repr__(self):
+        return f"{type(self).__name__}[{self.id} {self.dtype} {self.shape}]"
+
+    def __hash__(self):
+        return hash((self._id, id(self._graph.ir)))
+
+    def __eq__(self, other):
+        return (isinstance(other, Tensor) and self._id == other._id
+                and self._graph.ir is other._graph.ir)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __len__(self):
+        if not self._shape:
+            raise ValueError("Tensor is a scalar and doesn't have a length.")
+        return self._shape[0]
+
+    def __add__(self, other):
+        return _ops().add(self, self._ensure_tensor(other))
+
+    def __radd__(self, other):
+        return _ops().add(self._ensure_tensor(other), self)
+
+    def __iadd__(self, other):
+        _ops().add_(self, self._ensure_tensor(other))
+        return self
+
+    def __sub__(self, other):
+        return _ops().sub(self, self._ensure_tensor(other))
+
+    def __rsub__(self, other):
+        return _ops().sub(self._ensure_tensor(other), self)
+
+    def __mul__(self, other):
+        return _ops().mul(self, self._ensure_tensor(other))
+
+    def __rmul__(self, other):
+        return _ops().mul(self._ensure_tensor(other), self)
+
+    def __pow__(self, other):
+        return _ops().pow(self, other)
+
+    def __rpow__(self, other):
+        return _ops().pow(constant(other), self)
+
+    def __truediv__(self, other):
+        return _ops().div(self, self._ensure_tensor(other))
+
+    def __rtruediv__(self, other):
+        return _ops().div(self._ensure_tensor(other), self)
+
+    def __mod__(self, other):
+        return _ops().fmod(self, self._ensure_tensor(other))
+
+    def __rmod__(self, other):
+        return _ops().fmod(self._ensure_tensor(other), self)
+
+    def __neg__(self):
+        return _ops().negate(self)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, self._ensure_tensor(other))
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(self._ensure_tensor(other), self)
+
+    def __and__(self, other):
+        return _ops().logical_and(self, self._ensure_tensor(other))
+
+    def __rand__(self, other):
+        return _ops().logical_and(self._ensure_tensor(other), self)
+
+    def __or__(self, other):
+        return _ops().logical_or(self, self._ensure_tensor(other))
+
+    def __ror__(self, other):
+        return _ops().logical_or(self._ensure_tensor(other), self)
+
+    def __invert__(self):
+        return _ops().logical_not(self)
+
+    def __getitem__(self, key):
+        """Slice (int/slice/tuple), gather (int tensor/host ints) or mask (bool) like PopXL."""
+        ops = _ops()
+        if isinstance(key, (bool, str)):
+            pass
+        elif isinstance(key, (slice, int)) or (
+                isinstance(key, tuple) and all(isinstance(e, (slice, int)) for e in key)):
+            return _basic_index(self, (key,) if isinstance(key, (slice, int)) else key)
+        elif isinstance(key, (Tensor, np.ndarray, Iterable)):
+            if not isinstance(key, Tensor):
+                key = constant(key)
+            if key.dtype.is_int:
+                return ops.gather(self, key)
+            if key.dtype == dtypes.bool:
+                return ops.where(condition=key, lhs=self, rhs=constant(0, dtype=self.dtype))
+        raise TypeError("Only integers, slices (`:`), integer tensors and boolean tensors are "
+                        f"valid indices. Not a valid Type: {type(key)}. Value: {key}.")
+
+
+def _basic_index(t, key):
+    """Lower ``t[key]`` to slice -> subsample -> squeeze exactly as PopXL does."""
+    ops = _ops()
+    start, stop, step, sub, ints = [], [], [], [], []
+    for i, k in enumerate(key):
+        if isinstance(k, int):
+            start.append(k)
+            stop.append(k + 1)
+            step.append(1)
+            sub.append(1)
+            ints.append(i)
+        else:
+            start.append(k.start)
+            stop.append(k.stop)
+            step.append(None if k.step is None else max(-1, min(1, k.step)))
+            sub.append(1 if k.step is None else abs(k.step))
+    out = ops.slice(t, start, stop, step)
+    if any(s != 1 for s in sub):
+        out = ops.subsample(out, sub)
+    if ints:
+        out = ops.squeeze(out, axes=ints)
+    return out
+
+
+class Variable(Tensor):
+    """A variable tensor of the main graph (device state kept by the Session)."""
+
+    @property
+    def shape_on_host(self):
+        return self.shape
+
+    @property
+    def replica_grouping(self):
+        raise NotImplementedError("Variable.replica_grouping is not implemented by the emulator")
+
+    retrieval_mode = property(lambda self: "one_per_group")
+
+
+class Constant(Tensor):
+    """A constant tensor (data fixed at build time)."""
+
+
+def _host_data(data, dtype, downcast, what):
+    if isinstance(data, Tensor):
+        raise TypeError(f"{what}: data must be a host value, not a Tensor ({data})")
+    arr = dtypes.to_numpy(data, dtype, downcast)
+    dt = dtypes.from_numpy(arr.dtype)
+    dtypes.check_device(dt, what)
+    arr = np.array(arr, copy=True, order="C")
+    arr.setflags(write=False)
+    return arr, dt
+
+
+def constant(data, dtype=None, name=None, downcast=True, log2_scale=None, nan_on_overflow=None):
+    """Create a constant in the current graph.
+
+    Args:
+        data: host value. dtype: popxl dtype (numpy casting) or None (infer, 64->32-bit).
+        name: tensor name. downcast: downcast 64-bit inferred types.
+    Returns:
+        Constant.
+    """
+    if log2_scale is not None or nan_on_overflow is not None:
+        raise NotImplementedError("float8 constants are not implemented by the emulator")
+    arr, dt = _host_data(data, dtype, downcast, "constant")
+    g = gcg()
+    t = g._new_tensor(Constant, name or "t", dt, arr.shape)
+    t._data = arr
+    return t
+
+
+def variable(data, dtype=None, name=None, downcast=True, replica_grouping=None,
+             retrieval_mode=None, log2_scale=None, nan_on_overflow=None):
+    """Create a variable in the main graph.
+
+    Args:
+        data: initial host value. dtype/name/downcast: as ``constant``.
+    Returns:
+        Variable.
+    """
+    g = gcg()
+    if g is not gmg():
+        raise ValueError("You cannot initialise a variable tensor within a graph. It can only be "
+                         "initialised within the main graph. Please create a graph input for this "
+                         "variable (`popxl.graph_input`) or use a constant tensor.")
+    for arg, val in (("replica_grouping", replica_grouping), ("retrieval_mode", retrieval_mode),
+                     ("log2_scale", log2_scale), ("nan_on_overflow", nan_on_overflow)):
+        if val is not None:
+            raise NotImplementedError(f"variable({arg}=...) is not implemented by the emulator")
+    arr, dt = _host_data(data, dtype, downcast, "variable")
+    t = g._new_tensor(Variable, name or "t", dt, arr.shape)
+    t._data = arr
+    return t

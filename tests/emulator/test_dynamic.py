@@ -1,0 +1,161 @@
+"""dynamic_slice / dynamic_update(_) (reference §5 "Dynamic slicing", §11.9)."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import emulator_only, load, run, store
+from popxl_flash import popxl
+
+ops = popxl.ops
+f32 = popxl.float32
+
+T = np.arange(4 * 5 * 6, dtype=np.float32).reshape(4, 5, 6)
+
+
+@st.composite
+def slice_case(draw):
+    axes = draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+    sizes = [draw(st.integers(1, T.shape[a])) for a in axes]
+    starts = [draw(st.integers(0, T.shape[a] - s)) for a, s in zip(axes, sizes)]
+    dtype = draw(st.sampled_from([np.uint32, np.int32]))
+    return axes, sizes, np.array(starts, dtype)
+
+
+def _expected_slice(t, axes, sizes, starts):
+    key = [slice(None)] * t.ndim
+    for a, s, i in zip(axes, sizes, starts):
+        key[a] = slice(int(i), int(i) + s)
+    return t[tuple(key)]
+
+
+@given(case=slice_case())
+def test_dynamic_slice_keeps_rank(case):
+    """out = t[..., idx:idx+size, ...] on each listed axis; no squeeze."""
+    axes, sizes, starts = case
+    ir = popxl.Ir()
+    feeds = {}
+    with ir.main_graph:
+        t = popxl.constant(T)
+        idx = load(feeds, starts)
+        y = ops.dynamic_slice(t, idx, axes, sizes, False)
+        want_shape = list(T.shape)
+        for a, s in zip(axes, sizes):
+            want_shape[a] = s
+        assert y.shape == tuple(want_shape)
+    np.testing.assert_array_equal(run(ir, feeds, y), _expected_slice(T, axes, sizes, starts))
+
+
+def test_docstring_example_is_start_plus_size():
+    """index [1, 2], sizes [2, 4] on axes [0, 3] is t[1:3, :, :, 2:6] (not the docstring's 1:2, 2:4)."""
+    t4 = np.arange(4 * 2 * 2 * 8, dtype=np.float32).reshape(4, 2, 2, 8)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        y = ops.dynamic_slice(popxl.constant(t4), popxl.constant(np.array([1, 2], np.uint32)), [0, 3], [2, 4],
+                              True)
+    np.testing.assert_array_equal(run(ir, None, y), t4[1:3, :, :, 2:6])
+
+
+def test_dynamic_slice_index_shape_is_flattened():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx = popxl.constant(np.array([[1], [2]], np.int32))
+        y = ops.dynamic_slice(popxl.constant(T), idx, [0, 2], [1, 3], False)
+    np.testing.assert_array_equal(run(ir, None, y), T[1:2, :, 2:5])
+
+
+@pytest.mark.parametrize("n_elems", [1, 3])
+def test_dynamic_slice_index_needs_len_axes_elements(n_elems):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx = popxl.constant(np.zeros(n_elems, np.uint32))
+        with pytest.raises(Exception):
+            ops.dynamic_slice(popxl.constant(T), idx, [0, 1], [1, 1], False)
+
+
+def test_dynamic_slice_needs_all_five_arguments():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx = popxl.constant(np.zeros(1, np.uint32))
+        with pytest.raises(TypeError):
+            ops.dynamic_slice(popxl.constant(T), idx, [0], [1])
+
+
+@emulator_only
+@pytest.mark.parametrize(
+    "starts, dtype", [([4], np.uint32), ([3], np.int32), ([-1], np.int32), ([100], np.uint32)]
+)
+def test_dynamic_slice_out_of_range_raises_on_emulator(starts, dtype):
+    """Unspecified in PopXL (wraps on device); the emulator raises (design §2)."""
+    ir = popxl.Ir()
+    feeds = {}
+    with ir.main_graph:
+        idx = load(feeds, np.array(starts, dtype))
+        store(ops.dynamic_slice(popxl.constant(T), idx, [0], [2], False))
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(Exception):
+            session.run(feeds)
+
+
+def test_dynamic_slice_driven_by_counter_in_repeat():
+    """Sum of rows t[i] for i = 0..3, the counter carried by the loop (no loop index exposed)."""
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        i0 = popxl.constant(np.uint32(0))
+        acc0 = popxl.constant(np.zeros((1, 3), np.float32))
+        tab = popxl.constant(table)
+
+        def body(i, acc, t):
+            row = ops.dynamic_slice(t, i, [0], [1], True)
+            return ops.increment_mod(i, 1, 4), acc + row
+
+        g = ir.create_graph(body, i0, acc0, tab)
+        i_end, acc = ops.repeat(g, 6, i0, acc0, tab)
+    ri, racc = run(ir, None, [i_end, acc])
+    assert ri == 6 % 4
+    np.testing.assert_array_equal(racc, (table.sum(0) + table[0] + table[1])[None])
+
+
+def test_dynamic_update_returns_copy():
+    upd = -np.ones((2, 5, 3), np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(T)
+        idx = popxl.constant(np.array([1, 2], np.uint32))
+        y = ops.dynamic_update(t, idx, popxl.constant(upd), [0, 2], [2, 3], False)
+        assert y.shape == T.shape
+    ry, rt = run(ir, None, [y, t])
+    want = T.copy()
+    want[1:3, :, 2:5] = upd
+    np.testing.assert_array_equal(ry, want)
+    np.testing.assert_array_equal(rt, T)  # input untouched
+
+
+def test_dynamic_update_in_place_modifies_input():
+    upd = -np.ones((1, 5, 6), np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        v = popxl.variable(T, name="v")
+        idx = popxl.constant(np.array([3], np.int32))
+        y = ops.dynamic_update_(v, idx, popxl.constant(upd), [0], [1], False)
+        assert not (y == v)  # a new tensor aliasing v
+        out_y, out_v = store(y), store(v)
+    want = T.copy()
+    want[3] = upd[0]
+    with popxl.Session(ir, "ipu_model") as session:
+        r = session.run()
+        v_data = session.get_tensor_data(v)
+    np.testing.assert_array_equal(r[out_y], want)
+    np.testing.assert_array_equal(r[out_v], want)
+    np.testing.assert_array_equal(v_data, want)
+
+
+@pytest.mark.parametrize("upd_shape", [(2, 5, 2), (2, 5), (1, 5, 3)])
+def test_dynamic_update_shape_mismatch_is_error(upd_shape):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(T)
+        idx = popxl.constant(np.array([1, 2], np.uint32))
+        with pytest.raises(Exception):
+            ops.dynamic_update(t, idx, popxl.constant(np.zeros(upd_shape, np.float32)), [0, 2], [2, 3], False)

@@ -1,0 +1,183 @@
+"""Reductions and shape ops (reference §5 "Reductions", "Casting / shape", §11.6, §11.14)."""
+import numpy as np
+import pytest
+
+from conftest import IR_ERRORS, run, run_fn
+from popxl_flash import popxl
+
+ops = popxl.ops
+
+A = np.random.default_rng(7).standard_normal((2, 3, 4)).astype(np.float32)
+AI = np.arange(24, dtype=np.int32).reshape(2, 3, 4) - 10
+
+AXES = [None, 0, 1, 2, -1, -3, [0, 2], (1, -1), [0, 1, 2], []]
+REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}
+
+
+def _np_axis(axis):
+    if axis is None:
+        return None
+    if isinstance(axis, int):
+        return axis
+    return tuple(axis)
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", AXES, ids=str)
+def test_reductions_axis_and_keepdims(axis, keepdims):
+    names = list(REDUCTIONS)
+    outs = run_fn(lambda t: [getattr(ops, n)(t, axis=axis, keepdims=keepdims) for n in names], A)
+    for name, got in zip(names, outs):
+        want = REDUCTIONS[name](A, axis=_np_axis(axis), keepdims=keepdims)
+        assert got.shape == want.shape, name
+        assert got.dtype == np.float32, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_reduce_default_axis_is_all_and_empty_axis_reduces_nothing():
+    s_all, s_none = run_fn(lambda t: [ops.sum(t), ops.sum(t, axis=[])], A)
+    assert s_all.shape == ()
+    np.testing.assert_allclose(s_all, A.sum(), rtol=1e-5)
+    assert s_none.shape == A.shape
+    np.testing.assert_array_equal(s_none, A)
+
+
+def test_integer_reductions_keep_dtype():
+    s, mx, mn = run_fn(lambda t: [ops.sum(t, axis=1), ops.max(t, axis=-1), ops.min(t)], AI)
+    for got, want in zip([s, mx, mn], [AI.sum(axis=1), AI.max(axis=-1), AI.min()]):
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+
+
+def test_max_min_are_reductions_not_elementwise():
+    """§11.6: ``ops.max(t)`` reduces; it is not numpy's elementwise maximum."""
+    a = np.array([[1.0, 5.0], [7.0, 2.0]], np.float32)
+    r = run_fn(lambda t: ops.max(t, axis=0), a)
+    np.testing.assert_array_equal(r, np.array([7.0, 5.0], np.float32))
+
+
+# --- reshape ------------------------------------------------------------------------------------
+
+
+def test_reshape_with_one_minus_one():
+    outs = run_fn(lambda t: [ops.reshape(t, (4, -1)), ops.reshape(t, [24]), ops.reshape(t, (-1,)),
+                             ops.flatten(t)], A)
+    for got, want in zip(outs, [A.reshape(4, -1), A.reshape(24), A.reshape(-1), A.reshape(-1)]):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(0, 24), (-1, -1, 6), (-2, 12), (4, 0, 6)])
+def test_reshape_bad_entries_are_value_error(shape):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        with pytest.raises(ValueError):
+            ops.reshape(t, shape)
+
+
+def test_reshape_element_count_mismatch_is_ir_error():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        with pytest.raises(IR_ERRORS):
+            ops.reshape(t, (5, 5))
+
+
+# --- transpose / squeeze / concat -----------------------------------------------------------------
+
+
+def test_transpose_default_and_permutation():
+    d, p = run_fn(lambda t: [ops.transpose(t), ops.transpose(t, (1, 0, 2))], A)
+    np.testing.assert_array_equal(d, A.transpose())
+    np.testing.assert_array_equal(p, A.transpose(1, 0, 2))
+
+
+def test_transpose_entry_out_of_range_is_value_error():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        with pytest.raises(ValueError):
+            ops.transpose(t, (0, 3, 1))
+
+
+def test_squeeze():
+    a = np.arange(6, dtype=np.float32).reshape(1, 3, 1, 2, 1)
+    outs = run_fn(lambda t: [ops.squeeze(t), ops.squeeze(t, [0]), ops.squeeze(t, [-1, 2])], a)
+    for got, want in zip(outs, [a.reshape(3, 2), a.reshape(3, 1, 2, 1), a.reshape(1, 3, 2)]):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("axes", [[1], [0, 0], [-2]])
+def test_squeeze_bad_axes_are_value_error(axes):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(np.zeros((1, 3, 1), np.float32))
+        with pytest.raises(ValueError):
+            ops.squeeze(t, axes)
+
+
+def test_concat():
+    b = np.ones((2, 3, 1), np.float32)
+    c0, c2, cn = run_fn(lambda x, y: [ops.concat([x, x], 0), ops.concat([x, y], 2),
+                                      ops.concat([x, y, x], axis=-1)], A, b)
+    np.testing.assert_array_equal(c0, np.concatenate([A, A], 0))
+    np.testing.assert_array_equal(c2, np.concatenate([A, b], 2))
+    np.testing.assert_array_equal(cn, np.concatenate([A, b, A], -1))
+
+
+def test_concat_errors():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(A)
+        with pytest.raises(TypeError):
+            ops.concat([x, popxl.constant(A.astype(np.float16))], 0)
+        with pytest.raises(Exception):
+            ops.concat([x, popxl.constant(np.ones((2, 2, 4), np.float32))], 0)
+
+
+# --- slice / softmax ----------------------------------------------------------------------------
+
+
+def test_slice_onnx_semantics():
+    outs = run_fn(
+        lambda t: [
+            ops.slice(t, start=1, stop=3, axis=1),
+            ops.slice(t, start=[0, 1], stop=[1, 3], axis=[0, 2]),
+            ops.slice(t, start=[1], stop=[2]),  # axis defaults to 0..k-1
+            ops.slice(t, start=-2, axis=2),  # negative bound normalised, stop defaults to the end
+            ops.slice(t, start=1, stop=100, axis=1),  # out-of-range bound clamps
+            ops.slice(t, start=3, stop=0, step=-1, axis=2),
+        ],
+        A,
+    )
+    want = [A[:, 1:3], A[0:1, :, 1:3], A[1:2], A[:, :, -2:], A[:, 1:], A[:, :, 3:0:-1]]
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape
+        np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_softmax(axis):
+    r = run_fn(lambda t: ops.softmax(t, axis), A)
+    e = np.exp(A - A.max(axis=axis, keepdims=True))
+    np.testing.assert_allclose(r, e / e.sum(axis=axis, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert r.shape == A.shape and r.dtype == np.float32
+
+
+def test_softmax_needs_axis():
+    """§11.14: ``axis`` is required."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        with pytest.raises(TypeError):
+            ops.softmax(t)
+
+
+def test_cast_parameter_is_data_type():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        y = ops.cast(t, data_type=popxl.float16)
+    np.testing.assert_array_equal(run(ir, None, y), A.astype(np.float16))
