@@ -1,0 +1,148 @@
+"""PopXL graph helpers shared by the forward and backward modules.
+
+They slice chunks by loop counters, look a block up in the planner's tables, fetch its mask
+pattern and build the counter-driven loops. Everything here is graph code: it runs inside the
+graph context of the module being built and uses only the documented PopXL API.
+"""
+import numpy as np
+
+from popxl_flash.backend import popxl
+from popxl_flash.schedule import PARTIAL
+
+ops = popxl.ops
+
+#: Score given to masked elements when taking the running max, and the initial running max
+#: ``m_i``. Finite on purpose: ``exp(m_old - m_new)`` stays 0 (never NaN) while a row has seen
+#: nothing, and masked probabilities are then zeroed with ``where`` rather than relying on it.
+MASKED_SCORE = -1.0e30
+
+#: dtype of the loop counters and table entries.
+INDEX_DTYPE = np.int32
+
+
+def float32():
+    """The backend's float32 dtype (statistics and accumulators are always float32)."""
+    return popxl.float32
+
+
+def counter(value=0):
+    """A loop counter constant ``[1]`` int32 in the current graph."""
+    return popxl.constant(np.array([value], dtype=INDEX_DTYPE))
+
+
+def pad_rows(t, padded_len):
+    """Pad axis 1 of ``t [G, L, D]`` with zeros to ``[G, padded_len, D]`` (no-op if equal)."""
+    G, L, D = t.shape
+    if padded_len == L:
+        return t
+    zeros = ops.init((G, padded_len - L, D), t.dtype, init_type="zero")
+    return ops.concat([t, zeros], axis=1)
+
+
+def unpad_rows(t, length):
+    """Keep the first ``length`` entries of axis 1 of ``t`` (no-op if already that long)."""
+    if t.shape[1] == length:
+        return t
+    return ops.slice(t, start=[0], stop=[length], axis=[1])
+
+
+def chunk(t, index, chunk_len):
+    """``t[:, index*chunk_len : (index+1)*chunk_len]`` for a counter ``index [1]``.
+
+    Args:
+        t: ``[G, L_pad, ...]``.
+        index: int32 ``[1]`` chunk index.
+        chunk_len: rows per chunk.
+
+    Returns:
+        ``[G, chunk_len, ...]``.
+    """
+    return ops.dynamic_slice(t, index * chunk_len, axes=[1], sizes=[chunk_len], no_overlap=True)
+
+
+def update_chunk(t, index, value, chunk_len):
+    """Copy of ``t`` with chunk ``index`` of axis 1 replaced by ``value``."""
+    return ops.dynamic_update(t, index * chunk_len, value, axes=[1], sizes=[chunk_len],
+                              no_overlap=True)
+
+
+def add_to_chunk(t, index, value, chunk_len):
+    """Copy of ``t`` with ``value`` added to chunk ``index`` of axis 1."""
+    return update_chunk(t, index, chunk(t, index, chunk_len) + value, chunk_len)
+
+
+class BlockTables:
+    """The schedule's ``kind``/``pattern_id``/``patterns`` tables as constants of one graph.
+
+    Create inside the graph that looks blocks up (the constants belong to that graph, so they
+    are not copied through loop boundaries).
+    """
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+        self.kind = popxl.constant(schedule.kind.astype(INDEX_DTYPE))  # [nq, nkv]
+        self.pattern_id = popxl.constant(schedule.pattern_id.astype(INDEX_DTYPE))  # [nq, nkv]
+
+    def lookup(self, i, j):
+        """Block ``(i, j)`` entries for counters ``i, j [1]``.
+
+        Returns:
+            ``(visit, partial, pattern_id)``: bool ``()`` visit (not skip), bool ``()``
+            partial, int32 ``[1]`` pattern id (-1 unless partial).
+        """
+        idx = ops.concat([i, j], axis=0)  # [2]
+        kind = ops.dynamic_slice(self.kind, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
+        pid = ops.dynamic_slice(self.pattern_id, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
+        kind = kind.reshape(())
+        zero = popxl.constant(np.array(0, dtype=INDEX_DTYPE))
+        visit = ops.greater(kind, zero)
+        partial = ops.equal(kind, popxl.constant(np.array(PARTIAL, dtype=INDEX_DTYPE)))
+        return visit, partial, pid.reshape((1,))
+
+    @property
+    def has_partial(self):
+        """Whether any block needs a mask."""
+        return self.schedule.partial_blocks > 0
+
+
+def block_mask(schedule, pattern_id):
+    """The visibility pattern of a partial block, from a pattern table made a constant here.
+
+    Args:
+        schedule: the block schedule (its ``patterns [P, cq, ckv]`` become a constant).
+        pattern_id: int32 ``[1]``.
+
+    Returns:
+        bool ``[1, cq, ckv]`` (True = visible), broadcasting over groups.
+    """
+    patterns = popxl.constant(np.ascontiguousarray(schedule.patterns))  # [P, cq, ckv]
+    return ops.dynamic_slice(patterns, pattern_id, axes=[0], sizes=[1], no_overlap=True)
+
+
+def scores(cfg, q_i, k_j):
+    """``scale * q_i k_j^T`` in float32.
+
+    Args:
+        q_i: ``[G, cq, D]``; k_j: ``[G, ckv, D]`` (input dtype).
+
+    Returns:
+        float32 ``[G, cq, ckv]``.
+    """
+    f32 = float32()
+    s = ops.matmul(q_i, k_j.transpose((0, 2, 1)), output_type=f32, partials_type=f32)
+    return s * cfg.scale
+
+
+def to_input_dtype(cfg, t):
+    """Cast a float32 tensor to the attention's input dtype (no op for float32)."""
+    return t if cfg.dtype == "float32" else ops.cast(t, getattr(popxl, cfg.dtype))
+
+
+def to_float32(t):
+    """Cast an input-dtype tensor to float32 (no op when it already is)."""
+    return t if t.dtype == popxl.float32 else ops.cast(t, popxl.float32)
+
+
+def scalar(value, dtype):
+    """A rank-0 constant of ``dtype`` in the current graph."""
+    return popxl.constant(value, dtype=dtype)

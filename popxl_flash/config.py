@@ -1,0 +1,214 @@
+"""Validated attention options. Every argument error of the public API is raised here.
+
+The configuration is a frozen dataclass built from the tensors' shapes and dtype names and the
+user's options, at graph-build time. It resolves the automatic chunk counts and normalises the
+window, then hands ``(Lq, Lkv, chunk_q, chunk_kv, causal, window)`` to the planner.
+
+Chunking rule (``num_chunks_*=None``): ``num_chunks = ceil(L / DEFAULT_CHUNK_LEN)``. For any
+count ``n`` (automatic or given) the chunk length is ``ceil(L / n)`` and the number of chunks
+actually used is ``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted).
+That count is ``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6``
+gives chunks of 2, so 5 chunks: a sixth would hold padding only).
+"""
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Tuple
+
+from popxl_flash import schedule as _schedule
+
+#: Target chunk length of the automatic rule: 128 rows keep one float32 score block at
+#: 64 KiB per group and the executed/useful FLOP ratio of causal attention near 1 + 128/L.
+DEFAULT_CHUNK_LEN = 128
+
+#: dtypes the kernels support (the IPU has no bfloat16).
+SUPPORTED_DTYPES = ("float16", "float32")
+
+#: Marker of an unbounded window side, FlashAttention's spelling.
+UNBOUNDED = -1
+
+
+def _check_int(name, value, *, low=1, high=None):
+    """Return ``value`` as an int in ``[low, high]`` or raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {name}={value}")
+    return value
+
+
+def _check_shape(name, shape, rank, meaning):
+    """Check a tensor shape's rank and positive dims; return it as a tuple."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({meaning}), got shape {shape}")
+    if any(d < 1 for d in shape):
+        raise ValueError(f"{name} must have non-empty dims ({meaning}), got shape {shape}")
+    return shape
+
+
+def normalise_window(window) -> Tuple[int, int]:
+    """Return ``(left, right)`` with ``-1`` for unbounded sides.
+
+    Args:
+        window: ``None`` or a pair of ``int``/``None``; ``None`` and ``-1`` mean unbounded.
+
+    Returns:
+        ``(left, right)`` ints, each ``>= -1``.
+    """
+    if window is None:
+        return (UNBOUNDED, UNBOUNDED)
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__"):
+        raise TypeError(f"window must be None or a pair (left, right), got window={window!r}")
+    if len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right), got window={window!r}")
+    sides = []
+    for side_name, side in zip(("left", "right"), window):
+        if side is None:
+            sides.append(UNBOUNDED)
+            continue
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(
+                f"window {side_name} must be an int >= -1 or None, got window={window!r}")
+        if side < UNBOUNDED:
+            raise ValueError(f"window {side_name} must be >= -1 (-1 or None = unbounded), "
+                             f"got window={window!r}")
+        sides.append(int(side))
+    return tuple(sides)
+
+
+def resolve_num_chunks(name, length, num_chunks):
+    """Resolve a chunk-count option.
+
+    Args:
+        name: the option's name, for messages (``"num_chunks_q"``).
+        length: the sequence length it splits.
+        num_chunks: ``None`` (automatic) or an int in ``[1, length]``.
+
+    Returns:
+        ``(chunk_len, count)``: chunk length ``ceil(length / n)`` and the number of chunks used.
+    """
+    if num_chunks is None:
+        num_chunks = math.ceil(length / DEFAULT_CHUNK_LEN)
+    num_chunks = _check_int(name, num_chunks, low=1, high=length)
+    chunk_len = math.ceil(length / num_chunks)
+    return chunk_len, math.ceil(length / chunk_len)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Everything static about one attention call.
+
+    Attributes:
+        groups: G = batch x heads.
+        q_len, kv_len: Lq and Lkv.
+        head_dim: D.
+        dtype: ``"float16"`` or ``"float32"`` (q, k, v and out).
+        chunk_q, chunk_kv: chunk lengths (the last chunk may be a padded tail).
+        num_chunks_q, num_chunks_kv: chunk counts actually used.
+        causal: bottom-right aligned causal mask.
+        scale: softmax scale applied to the scores.
+        window: ``(left, right)``, ``-1`` = unbounded.
+    """
+    groups: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    chunk_q: int
+    chunk_kv: int
+    num_chunks_q: int
+    num_chunks_kv: int
+    causal: bool
+    scale: float
+    window: Tuple[int, int]
+
+    @classmethod
+    def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
+                    num_chunks_kv=None, causal=True, scale=None, window=None,
+                    names=("q", "k", "v")):
+        """Validate shapes, dtypes and options.
+
+        Args:
+            q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[G, Lkv, D]``.
+            dtypes: the dtype names of q, k, v (``str``).
+            names: how the three tensors are named in error messages.
+
+        Returns:
+            A validated :class:`AttentionConfig`.
+        """
+        qn, kn, vn = names
+        G, Lq, D = _check_shape(qn, q_shape, 3, "[G, Lq, D]")
+        Gk, Lkv, Dk = _check_shape(kn, k_shape, 3, "[G, Lkv, D]")
+        v_shape = _check_shape(vn, v_shape, 3, "[G, Lkv, D]")
+        if (Gk, Dk) != (G, D):
+            raise ValueError(f"{kn} must have shape [G={G}, Lkv, D={D}] to match {qn} "
+                             f"{(G, Lq, D)}, got {kn} shape {(Gk, Lkv, Dk)}")
+        if v_shape != (Gk, Lkv, Dk):
+            raise ValueError(f"{vn} must have the shape of {kn} {(Gk, Lkv, Dk)}, "
+                             f"got {vn} shape {v_shape}")
+        dtype = cls._check_dtypes(dict(zip(names, dtypes)))
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got causal={causal!r}")
+        chunk_q, nq = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
+        chunk_kv, nkv = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
+        return cls(groups=G, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
+                   chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=nq, num_chunks_kv=nkv,
+                   causal=causal, scale=cls._check_scale(scale, D),
+                   window=normalise_window(window))
+
+    @classmethod
+    def from_packed_shape(cls, qkv_shape, dtype, **options):
+        """Validate a packed ``qkv [3, G, L, D]`` and options (see :meth:`from_shapes`)."""
+        shape = _check_shape("qkv", qkv_shape, 4, "[3, G, L, D]")
+        if shape[0] != 3:
+            raise ValueError(f"qkv must have shape [3, G, L, D], got qkv.shape[0]={shape[0]} "
+                             f"(shape {shape})")
+        inner = shape[1:]
+        return cls.from_shapes(inner, inner, inner, (dtype,) * 3,
+                               names=("qkv[0]", "qkv[1]", "qkv[2]"), **options)
+
+    @staticmethod
+    def _check_dtypes(named_dtypes):
+        """All dtypes equal and supported; return the common name."""
+        for name, dt in named_dtypes.items():
+            if dt not in SUPPORTED_DTYPES:
+                raise TypeError(f"{name} has dtype {dt}; expected one of {SUPPORTED_DTYPES}")
+        if len(set(named_dtypes.values())) != 1:
+            raise TypeError(f"q, k and v must share one dtype, got {named_dtypes}")
+        return next(iter(named_dtypes.values()))
+
+    @staticmethod
+    def _check_scale(scale, head_dim):
+        """``None`` -> ``1/sqrt(D)``; else a finite real number."""
+        if scale is None:
+            return 1.0 / math.sqrt(head_dim)
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got scale={scale!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got scale={scale!r}")
+        return float(scale)
+
+    def check_like(self, name, shape, dtype, expected_shape, expected_dtype):
+        """Check that an extra tensor (``dout``, ``out``, ``lse``) has the expected spec."""
+        if tuple(shape) != tuple(expected_shape) or dtype != expected_dtype:
+            raise ValueError(f"{name} must have shape {tuple(expected_shape)} and dtype "
+                             f"{expected_dtype}, got shape {tuple(shape)} and dtype {dtype}")
+
+    @property
+    def schedule(self) -> "_schedule.BlockSchedule":
+        """The static block schedule (cached by the planner)."""
+        return _schedule.plan(self.q_len, self.kv_len, self.chunk_q, self.chunk_kv,
+                              causal=self.causal, window=self.window)
+
+    @property
+    def padded_q_len(self) -> int:
+        """Lq rounded up to whole chunks."""
+        return self.chunk_q * self.num_chunks_q
+
+    @property
+    def padded_kv_len(self) -> int:
+        """Lkv rounded up to whole chunks."""
+        return self.chunk_kv * self.num_chunks_kv

@@ -1,0 +1,214 @@
+"""FlashAttention forward as a ``popxl.Module``: the seed's algorithm as PopXL graph code.
+
+Graph structure (all static; the op count does not depend on L or the chunk counts)::
+
+    build(q, k, v)                      # module graph
+      pad q, k, v to whole chunks
+      repeat nq x q_body                # outer loop: query chunks i
+        q_i = dynamic_slice(q, i)
+        repeat nkv x kv_body            # inner loop: key/value chunks j
+          k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
+          kind, pattern_id = tables[i, j]          # planner constants
+          conditional(kind != SKIP,
+            conditional(kind == PARTIAL,
+              partial_block  (online-softmax update with the block's mask pattern),
+              full_block     (online-softmax update, no mask)),
+            skip_block       (carries pass through: no matmul))
+        out_i = acc / l_i ; lse_i = m_i + log(l_i)
+        out, lse = dynamic_update(out, i, out_i), dynamic_update(lse, i, lse_i)
+      drop padding rows
+
+Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
+
+    s     = scale * q_i k_j^T                  [G, cq, ckv]
+    m_new = max(m_i, rowmax(s))                [G, cq, 1]
+    p     = exp(s - m_new)                     [G, cq, ckv]
+    alpha = exp(m_i - m_new)
+    l_i   = alpha * l_i + rowsum(p)
+    acc   = alpha * acc + p v_j                [G, cq, D]
+"""
+import numpy as np
+
+from popxl_flash import blocks
+from popxl_flash.backend import popxl
+from popxl_flash.config import AttentionConfig
+
+ops = popxl.ops
+
+
+def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
+    """One block of the online softmax.
+
+    Args:
+        cfg: the :class:`AttentionConfig`.
+        m_i, l_i: running max and sum, float32 ``[G, cq, 1]``.
+        acc: output accumulator, float32 ``[G, cq, D]``.
+        q_i: ``[G, cq, D]``; k_j, v_j: ``[G, ckv, D]`` in the input dtype.
+        visible: ``None`` (full block) or bool ``[1, cq, ckv]`` mask pattern (partial block).
+
+    Returns:
+        Updated ``(m_i, l_i, acc)``.
+    """
+    f32 = blocks.float32()
+    s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    if visible is not None:
+        s = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
+    m_new = ops.maximum(m_i, ops.max(s, axis=-1, keepdims=True))  # [G, cq, 1]
+    p = ops.exp(s - m_new)  # [G, cq, ckv], <= 1
+    if visible is not None:
+        # Rows with nothing visible yet have m_new == MASKED_SCORE: zero them explicitly.
+        p = ops.where(visible, p, blocks.scalar(0.0, f32))
+    alpha = ops.exp(m_i - m_new)  # [G, cq, 1]
+    l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
+    p_in = blocks.to_input_dtype(cfg, p)
+    pv = ops.matmul(p_in, v_j, output_type=f32, partials_type=f32)  # [G, cq, D]
+    return m_new, l_new, alpha * acc + pv
+
+
+def _full_block(cfg, m_i, l_i, acc, q_i, k_j, v_j):
+    """Branch graph body: a fully visible block."""
+    return online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j)
+
+
+def _partial_block(cfg, m_i, l_i, acc, q_i, k_j, v_j, pattern_id):
+    """Branch graph body: a block masked by its deduplicated pattern."""
+    visible = blocks.block_mask(cfg.schedule, pattern_id)  # [1, cq, ckv]
+    return online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible)
+
+
+def _skip_block(m_i, l_i, acc):
+    """Branch graph body: a block with nothing visible; no work."""
+    return m_i, l_i, acc
+
+
+def _visit_block(cfg, graphs, m_i, l_i, acc, q_i, k_j, v_j, partial, pattern_id):
+    """Branch graph body: a visited block, full or partial (chosen by ``partial``)."""
+    if graphs["partial"] is None:
+        return ops.call(graphs["full"], m_i, l_i, acc, q_i, k_j, v_j)
+    return ops.conditional(partial, graphs["partial"], graphs["full"],
+                           then_inputs=[m_i, l_i, acc, q_i, k_j, v_j, pattern_id],
+                           else_inputs=[m_i, l_i, acc, q_i, k_j, v_j])
+
+
+def _kv_body(cfg, graphs, j, m_i, l_i, acc, i, q_i, k, v):
+    """Inner repeat body over key/value chunks.
+
+    Carried: ``j [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``, padded k, v.
+    """
+    tables = blocks.BlockTables(cfg.schedule)
+    visit, partial, pattern_id = tables.lookup(i, j)
+    k_j = blocks.chunk(k, j, cfg.chunk_kv)  # [G, ckv, D]
+    v_j = blocks.chunk(v, j, cfg.chunk_kv)
+    m_i, l_i, acc = ops.conditional(
+        visit, graphs["visit"], graphs["skip"],
+        then_inputs=[m_i, l_i, acc, q_i, k_j, v_j, partial, pattern_id],
+        else_inputs=[m_i, l_i, acc])
+    return j + 1, m_i, l_i, acc
+
+
+def _finalise(cfg, m_i, l_i, acc):
+    """``out_i = acc / l_i`` (0 where the row saw nothing) and ``lse_i = m_i + log(l_i)``.
+
+    Returns:
+        out_i ``[G, cq, D]`` in the input dtype and lse_i float32 ``[G, cq]`` (-inf where nothing seen).
+    """
+    f32 = blocks.float32()
+    seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
+    out_i = blocks.to_input_dtype(cfg, acc / ops.where(seen, l_i, blocks.scalar(1.0, f32)))
+    lse_i = m_i + ops.log(l_i)  # log(0) = -inf, and MASKED_SCORE - inf = -inf
+    G, cq, _ = l_i.shape
+    return out_i, lse_i.reshape((G, cq))
+
+
+def _q_body(cfg, kv_graph, i, out, lse, q, k, v):
+    """Outer repeat body over query chunks.
+
+    Carried: ``i [1]``, ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Invariant: padded q, k, v.
+    """
+    G, D, cq = cfg.groups, cfg.head_dim, cfg.chunk_q
+    f32 = blocks.float32()
+    q_i = blocks.chunk(q, i, cq)  # [G, cq, D]
+    m_i = popxl.constant(np.full((G, cq, 1), blocks.MASKED_SCORE, np.float32))
+    l_i = ops.init((G, cq, 1), f32, init_type="zero")
+    acc = ops.init((G, cq, D), f32, init_type="zero")
+    _, m_i, l_i, acc = ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), m_i, l_i, acc,
+                                  i, q_i, k, v)
+    out_i, lse_i = _finalise(cfg, m_i, l_i, acc)
+    out = blocks.update_chunk(out, i, out_i, cq)
+    lse = blocks.update_chunk(lse, i, lse_i, cq)
+    return i + 1, out, lse
+
+
+def _specs(*shapes_dtypes):
+    return [popxl.TensorSpec(shape, dtype) for shape, dtype in shapes_dtypes]
+
+
+class FlashAttention(popxl.Module):
+    """FlashAttention forward: ``build(q, k, v) -> (out, lse)``.
+
+    Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window`` as
+    :func:`popxl_flash.flash_attention`.
+
+    ``build`` args:
+        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``; float16 or float32.
+
+    Returns:
+        out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
+    """
+
+    def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
+                 window=None):
+        self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                            causal=causal, scale=scale, window=window)
+
+    def config(self, q, k, v) -> AttentionConfig:
+        """Validate the inputs' specs against the options."""
+        return AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
+                                           (q.dtype.name, k.dtype.name, v.dtype.name),
+                                           **self.options)
+
+    def build(self, q, k, v):
+        cfg = self.config(q, k, v)
+        q_pad = blocks.pad_rows(q, cfg.padded_q_len)
+        k_pad = blocks.pad_rows(k, cfg.padded_kv_len)
+        v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
+        q_graph = build_q_loop_graph(cfg, q_pad, k_pad, v_pad)
+        G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
+        out = ops.init((G, cfg.padded_q_len, D), q.dtype, init_type="zero")
+        lse = ops.init((G, cfg.padded_q_len), f32, init_type="zero")
+        _, out, lse = ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), out, lse,
+                                 q_pad, k_pad, v_pad)
+        return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
+
+
+def build_q_loop_graph(cfg, q_pad, k_pad, v_pad):
+    """Create the block-branch graphs, the kv-loop graph and the q-loop graph.
+
+    Args:
+        cfg: the :class:`AttentionConfig`.
+        q_pad, k_pad, v_pad: padded inputs (only their specs are used).
+
+    Returns:
+        The q-loop body graph (inputs ``i, out, lse, q, k, v``).
+    """
+    ir = popxl.gcg().ir
+    G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
+    f32, dt, idx = blocks.float32(), q_pad.dtype, popxl.int32
+    stats = _specs(((G, cq, 1), f32), ((G, cq, 1), f32), ((G, cq, D), f32))
+    block_in = stats + _specs(((G, cq, D), dt), ((G, ckv, D), dt), ((G, ckv, D), dt))
+    graphs = {"skip": ir.create_graph(_skip_block, *stats),
+              "full": ir.create_graph(_full_block, cfg, *block_in),
+              "partial": None}
+    if cfg.schedule.partial_blocks:
+        graphs["partial"] = ir.create_graph(_partial_block, cfg, *block_in,
+                                            popxl.TensorSpec((1,), idx))
+    graphs["visit"] = ir.create_graph(_visit_block, cfg, graphs, *block_in,
+                                      popxl.TensorSpec((), popxl.bool),
+                                      popxl.TensorSpec((1,), idx))
+    counter = popxl.TensorSpec((1,), idx)
+    kv_graph = ir.create_graph(_kv_body, cfg, graphs, counter, *stats, counter,
+                               popxl.TensorSpec((G, cq, D), dt), k_pad.spec, v_pad.spec)
+    out_spec = popxl.TensorSpec((G, cfg.padded_q_len, D), dt)
+    lse_spec = popxl.TensorSpec((G, cfg.padded_q_len), f32)
+    return ir.create_graph(_q_body, cfg, kv_graph, counter, out_spec, lse_spec,
+                           q_pad.spec, k_pad.spec, v_pad.spec)

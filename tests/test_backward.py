@@ -1,0 +1,135 @@
+"""Backward: flash_attention_grad against the analytic float64 reference."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import popxl_flash as pf
+from popxl_flash.config import AttentionConfig
+
+from attention_utils import (assert_within_rule, naive_attention_grad, random_qkv,
+                             run_flash_grad, run_graph)
+from test_forward import attention_cases, emulator_only
+
+
+def grad_magnitudes(dout, q, k, v, *, causal, scale, window):
+    """Float64 bounds on the sums of |terms| each gradient entry accumulates.
+
+    The float32 accumulation error of a sum is at most ~eps32 * sum|terms| per rounding step;
+    these are ``max`` over entries of those sums for dq, dk, dv (see attention_utils).
+    """
+    q, k, v, do = (np.abs(np.asarray(a, np.float64)) for a in (q, k, v, dout))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else abs(scale)
+    p, _, _ = pf.reference._probabilities(q, k, causal=causal, scale=scale, window=window)
+    # |dS| <= P * (|dO| |V|^T + |Dvec|), with |Dvec| <= rowsum(|dO| |O|) <= rowsum(|dO|) max|V|
+    ds = p * (do @ v.transpose(0, 2, 1) + do.sum(-1, keepdims=True) * v.max())
+    return (float((scale * ds @ k).max(initial=0)),
+            float((scale * ds.transpose(0, 2, 1) @ q).max(initial=0)),
+            float((p.transpose(0, 2, 1) @ do).max(initial=0)))
+
+
+def check_backward(case, stash=True):
+    G, Lq, Lkv, D = case["shape"]
+    opts, dtype = case["options"], case["dtype"]
+    rng = np.random.default_rng(case["seed"])
+    q, k, v = random_qkv(rng, G, Lq, Lkv, D, dtype)
+    dout = rng.standard_normal((G, Lq, D)).astype(dtype)
+    grads, session = run_flash_grad(dout, q, k, v, stash=stash, **opts)
+    mask_opts = dict(causal=opts["causal"], scale=opts["scale"], window=opts["window"])
+    refs = pf.reference.attention_grad(dout, q, k, v, **mask_opts)
+    naives = naive_attention_grad(dout, q, k, v, **mask_opts)
+    mags = grad_magnitudes(dout, q, k, v, **mask_opts)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, **opts)
+    steps = {"dq": cfg.num_chunks_kv + cfg.chunk_kv + D, "dk": cfg.num_chunks_q + cfg.chunk_q + D,
+             "dv": cfg.num_chunks_q + cfg.chunk_q + D}
+    for name, g, ref, naive, mag, like in zip(("dq", "dk", "dv"), grads, refs, naives, mags,
+                                              (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        assert np.isfinite(g).all(), f"{name} must be finite"
+        assert_within_rule(name, g, naive, ref, factor=3, dtype=dtype, accum_steps=steps[name],
+                           magnitude=mag)
+    # Rows that see nothing contribute zero gradient.
+    _, lse = pf.reference.attention(q, k, v, **mask_opts)
+    assert (grads[0][np.isneginf(lse)] == 0).all()
+    return grads, session, cfg
+
+
+@given(attention_cases(max_len=200, max_dim=48))
+def test_backward_matches_reference(case):
+    check_backward(case)
+
+
+@given(attention_cases(max_len=40, max_dim=8))
+def test_stash_and_recompute_agree_bitwise(case):
+    """Recompute mode reruns the same forward graph: the gradients are bit-identical."""
+    stash, _, _ = check_backward(case, stash=True)
+    recompute, _, _ = check_backward(case, stash=False)
+    for a, b in zip(stash, recompute):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_two_runs_bit_identical():
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 2, 37, 29, 8, "float16")
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    first, _ = run_flash_grad(dout, q, k, v, num_chunks_q=4, num_chunks_kv=3, window=(5, -1))
+    second, _ = run_flash_grad(dout, q, k, v, num_chunks_q=4, num_chunks_kv=3, window=(5, -1))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (False, (3, 2))])
+def test_reference_grad_matches_finite_differences(causal, window):
+    """The analytic reference backward agrees with central differences of the reference."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in [(2, 4, 3), (2, 5, 3), (2, 5, 3)])
+    dout = rng.standard_normal((2, 4, 3))
+    opts = dict(causal=causal, scale=0.7, window=window)
+    analytic = pf.reference.attention_grad(dout, q, k, v, **opts)
+    h = 1e-6
+    for x, g in zip((q, k, v), analytic):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            x[idx] += h
+            plus = (pf.reference.attention(q, k, v, **opts)[0] * dout).sum()
+            x[idx] -= 2 * h
+            minus = (pf.reference.attention(q, k, v, **opts)[0] * dout).sum()
+            x[idx] += h
+            numeric[idx] = (plus - minus) / (2 * h)
+        # central differences: O(h^2) truncation + O(eps64 / h) cancellation ~ 1e-9
+        np.testing.assert_allclose(g, numeric, atol=1e-7)
+
+
+@emulator_only
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (7, 3))])
+def test_backward_flops_ratio(causal, window):
+    """Executed backward matmul FLOPs are 2.5x the forward's (stash) and 3.5x (recompute)."""
+    rng = np.random.default_rng(5)
+    G, L, D = 2, 70, 16
+    q, k, v = random_qkv(rng, G, L, L, D, "float32")
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    opts = dict(num_chunks_q=5, num_chunks_kv=4, causal=causal, window=window)
+    (out, lse), fwd = run_graph(lambda q, k, v: pf.flash_attention(
+        q, k, v, return_lse=True, **opts), [q, k, v])
+    _, stash = run_graph(lambda do, q, k, v, o, l: pf.flash_attention_grad(
+        do, q, k, v, o, l, **opts), [dout, q, k, v, out, lse])
+    _, recompute = run_graph(lambda do, q, k, v: pf.flash_attention_grad(
+        do, q, k, v, **opts), [dout, q, k, v])
+    forward_flops = fwd.profile.matmul_flops
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float32",) * 3, **opts)
+    assert forward_flops == cfg.schedule.forward_flops(D, G).executed
+    assert stash.profile.matmul_flops * 2 == 5 * forward_flops
+    assert recompute.profile.matmul_flops * 2 == 7 * forward_flops
+    assert stash.profile.matmul_flops == cfg.schedule.backward_flops(D, G, mode="stash").executed
+
+
+def test_packed_grad_matches_unpacked():
+    rng = np.random.default_rng(6)
+    qkv = rng.standard_normal((3, 2, 19, 8)).astype(np.float32)
+    dout = rng.standard_normal((2, 19, 8)).astype(np.float32)
+    (dqkv,), _ = run_graph(lambda do, t: (pf.flash_attention_qkv_packed_grad(
+        do, t, num_chunks_q=3, num_chunks_kv=2),), [dout, qkv])
+    assert dqkv.shape == qkv.shape
+    refs = pf.reference.attention_grad(dout, qkv[0], qkv[1], qkv[2])
+    for g, ref in zip(dqkv, refs):
+        np.testing.assert_allclose(g, ref, atol=2e-5)

@@ -1,0 +1,92 @@
+"""Smoke tests of the attention micro-benchmark CLI (``python -m benchmarks.attention``)."""
+import json
+import pathlib
+import sys
+
+import pytest
+
+import popxl_flash as pf
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
+from benchmarks import attention, report  # noqa: E402
+
+emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator",
+                                   reason="profile counts are an emulator feature")
+
+TINY = ["--seq-len", "32,64", "--head-dim", "8", "--chunks", "4x4", "--dtype", "float32"]
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    assert attention.main(TINY + ["--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+@emulator_only
+@pytest.mark.parametrize("pass_, expected", [("fwd", {"fwd"}), ("both", {"fwd", "bwd"})])
+def test_cli_json_numbers(tmp_path, capsys, pass_, expected):
+    result = _run(tmp_path, "--pass", pass_, "--mask", "causal,window:8,0")
+    meta, rows = result["meta"], result["rows"]
+    assert meta["backend"] == "emulator"
+    assert meta["command"].startswith("python -m benchmarks.attention --seq-len 32,64")
+    assert {"python", "numpy", "popxl_flash"} <= set(meta["versions"])
+    assert {r["case"]["pass_"] for r in rows} == expected
+    assert len(rows) == 2 * 2 * len(expected)  # L x mask x pass
+    for row in rows:
+        assert {"case", "planner", "flash", "naive", "ratios", "flops_check",
+                "naive_executed_flops", "max_abs_diff"} <= set(row)
+        assert {"seconds", "ops_executed", "matmul_flops", "peak_live_bytes",
+                "graph_ops"} <= set(row["flash"])
+        case, planner = row["case"], row["planner"]
+        cfg = pf.AttentionConfig.from_shapes(*[(1, case["seq_len"], 8)] * 3, ("float32",) * 3,
+                                             num_chunks_q=4, num_chunks_kv=4,
+                                             causal=case["mask"] == "causal",
+                                             window=(8, 0) if case["mask"] != "causal" else None)
+        flops = (cfg.schedule.forward_flops(8, 1) if case["pass_"] == "fwd"
+                 else cfg.schedule.backward_flops(8, 1, mode="stash"))
+        assert row["flash"]["matmul_flops"] == planner["executed_flops"] == flops.executed
+        assert row["flops_check"] is True
+        assert row["naive"]["matmul_flops"] == row["naive_executed_flops"]
+        assert row["max_abs_diff"] < 1e-4
+        if case["seq_len"] == 64:
+            assert row["ratios"]["memory"] > 1
+    table = capsys.readouterr().out
+    assert "exec/useful" in table and "mem naive/flash" in table
+
+
+@emulator_only
+def test_cli_markdown_and_no_naive(tmp_path):
+    md = tmp_path / "bench.md"
+    result = _run(tmp_path, "--pass", "fwd", "--seq-len", "32", "--no-naive",
+                  "--markdown", str(md))
+    assert "naive" not in result["rows"][0]
+    text = md.read_text()
+    assert "python -m benchmarks.attention" in text and "not IPU time" in text
+    assert text.count("\n| fwd |") == 1
+
+
+@emulator_only
+@pytest.mark.skipif(not report.have_matplotlib(), reason="matplotlib (extra 'plot') not installed")
+def test_cli_plot_writes_png(tmp_path):
+    png = tmp_path / "bench.png"
+    _run(tmp_path, "--pass", "fwd", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("text, masks", [
+    ("causal", ["causal"]),
+    ("causal,none,window:64,0", ["causal", "none", "window:64,0"]),
+    ("window:-1,16,causal", ["window:-1,16", "causal"]),
+])
+def test_mask_list(text, masks):
+    assert attention._mask_list(text) == masks
+
+
+@pytest.mark.parametrize("argv", [["--mask", "causual"], ["--chunks", "4by4"],
+                                  ["--seq-len", "32", "--chunks", "64x64"],
+                                  ["--dtype", "bfloat16"], ["--repeats", "0"]])
+def test_bad_arguments_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        attention.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err

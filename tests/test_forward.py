@@ -1,0 +1,178 @@
+"""Forward: flash_attention against the float64 reference, on whatever backend is selected."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import popxl_flash as pf
+from popxl_flash import popxl
+from popxl_flash.config import AttentionConfig
+
+from attention_utils import (assert_within_rule, naive_attention, random_qkv, run_flash,
+                             run_graph)
+
+ops = popxl.ops
+emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator",
+                                   reason="profile counts are an emulator feature")
+
+#: Bound on nq * nkv drawn by the properties: keeps an example's loop count (and the emulator's
+#: run time) small while each chunk count alone still ranges over all of 1..L.
+MAX_BLOCKS = 256
+
+
+@st.composite
+def attention_cases(draw, max_len=300, max_dim=80):
+    """Shapes, chunk counts and options over the whole documented space."""
+    G = draw(st.integers(1, 4))
+    Lq = draw(st.integers(1, max_len))
+    Lkv = draw(st.integers(1, max_len))
+    D = draw(st.integers(1, max_dim))
+    nq = draw(st.integers(1, Lq))
+    nkv = draw(st.integers(1, max(1, min(Lkv, MAX_BLOCKS // nq))))
+    side = st.one_of(st.none(), st.integers(-1, max(Lq, Lkv)))
+    window = draw(st.one_of(st.none(), st.tuples(side, side)))
+    return dict(
+        shape=(G, Lq, Lkv, D),
+        options=dict(num_chunks_q=nq, num_chunks_kv=nkv, causal=draw(st.booleans()),
+                     scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), window=window),
+        dtype=draw(st.sampled_from(["float32", "float16"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_forward(case):
+    """Run one case and hold out and lse to the tolerance rule; return the session."""
+    G, Lq, Lkv, D = case["shape"]
+    opts, dtype = case["options"], case["dtype"]
+    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, dtype)
+    out, lse, session = run_flash(q, k, v, **opts)
+    ref_out, ref_lse = pf.reference.attention(q, k, v, causal=opts["causal"],
+                                              scale=opts["scale"], window=opts["window"])
+    naive_out, naive_lse = naive_attention(q, k, v, causal=opts["causal"], scale=opts["scale"],
+                                           window=opts["window"])
+    assert out.dtype == np.dtype(dtype) and out.shape == (G, Lq, D)
+    assert lse.dtype == np.float32 and lse.shape == (G, Lq)
+    assert np.isfinite(out).all(), "out must be finite for finite inputs"
+    # Rows that see nothing: exactly 0 output and -inf lse, like the reference.
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert not np.isnan(lse).any()
+    assert (out[empty] == 0).all()
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, **opts)
+    steps = cfg.num_chunks_kv + cfg.chunk_kv + D
+    assert_within_rule("out", out, naive_out, ref_out, factor=2, dtype=dtype,
+                       accum_steps=steps, magnitude=float(np.abs(v).max()))
+    # lse is float32 in both precisions; naive float16 lse is the baseline for float16 inputs.
+    assert_within_rule("lse", lse, naive_lse, ref_lse, factor=2, dtype="float32",
+                       accum_steps=steps, magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
+    return session, cfg
+
+
+@given(attention_cases())
+def test_forward_matches_reference(case):
+    check_forward(case)
+
+
+@given(attention_cases(max_len=64, max_dim=16), st.data())
+def test_result_independent_of_chunking(case, data):
+    """The same float32 inputs with two different chunkings agree to accumulation error."""
+    G, Lq, Lkv, D = case["shape"]
+    opts = case["options"]
+    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, "float32")
+    other = dict(opts, num_chunks_q=data.draw(st.integers(1, Lq)),
+                 num_chunks_kv=data.draw(st.integers(1, Lkv)))
+    out_a, lse_a, _ = run_flash(q, k, v, **opts)
+    out_b, lse_b, _ = run_flash(q, k, v, **other)
+    np.testing.assert_array_equal(np.isneginf(lse_a), np.isneginf(lse_b))
+    # Each result is within 4 * (n + c + D) * eps32 * max|v| of the exact one (see
+    # attention_utils); with n + c <= Lkv + 1 for any chunking, their difference is within twice.
+    tol = 8 * (Lkv + 1 + D) * np.finfo(np.float32).eps * float(np.abs(v).max())
+    np.testing.assert_allclose(out_a, out_b, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("L", [256, 1024])
+def test_seed_cases_packed(L):
+    """The seed op's own test shapes: qkv [3, 4, L, 128], chunks (16, 16) vs (1, 1), scale 1."""
+    rng = np.random.default_rng(L)
+    # The seed's callers pre-scale q; with scale=1 keep scores O(1) by scaling the inputs.
+    qkv = (rng.standard_normal((3, 4, L, 128)) / 128 ** 0.25).astype(np.float32)
+    results = {}
+    for chunks in [(16, 16), (1, 1)]:
+        (out,), _ = run_graph(lambda t: (pf.flash_attention_qkv_packed(
+            t, num_chunks_q=chunks[0], num_chunks_kv=chunks[1], scale=1.0),), [qkv])
+        results[chunks] = out
+    ref, _ = pf.reference.attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0)
+    naive, _ = naive_attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0, window=None)
+    for chunks, out in results.items():
+        assert_within_rule(f"out{chunks}", out, naive, ref, factor=2, dtype="float32",
+                           accum_steps=chunks[1] + L // chunks[1] + 128,
+                           magnitude=float(np.abs(qkv[2]).max()))
+
+
+def test_bottom_right_alignment_and_empty_rows():
+    """Lq > Lkv causal: the first Lq - Lkv rows see nothing -> out 0, lse -inf, no NaN."""
+    q, k, v = random_qkv(np.random.default_rng(0), 2, 7, 3, 4, "float32")
+    out, lse, _ = run_flash(q, k, v, num_chunks_q=3, num_chunks_kv=2)
+    assert np.isneginf(lse[:, :4]).all() and np.isfinite(lse[:, 4:]).all()
+    assert (out[:, :4] == 0).all()
+    ref, ref_lse = pf.reference.attention(q, k, v)
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+    np.testing.assert_allclose(lse[:, 4:], ref_lse[:, 4:], atol=1e-6)
+    # Row 4 sees only key 0 (bottom-right alignment): its output is v[:, 0].
+    np.testing.assert_allclose(out[:, 4], v[:, 0], atol=1e-6)
+
+
+def test_window_without_causal():
+    """A two-sided window, non-causal, Lq < Lkv."""
+    q, k, v = random_qkv(np.random.default_rng(1), 1, 9, 20, 8, "float32")
+    out, lse, _ = run_flash(q, k, v, num_chunks_q=2, num_chunks_kv=3, causal=False,
+                            window=(2, 1))
+    ref, ref_lse = pf.reference.attention(q, k, v, causal=False, window=(2, 1))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+
+
+@emulator_only
+@given(attention_cases(max_len=96, max_dim=16))
+def test_executed_flops_equal_planner_count(case):
+    """No hidden work: the profile's matmul FLOPs are exactly the planner's executed count,
+    so no block marked skip runs a matmul."""
+    session, cfg = check_forward(case)
+    expected = cfg.schedule.forward_flops(cfg.head_dim, cfg.groups).executed
+    assert session.profile.matmul_flops == expected
+
+
+def naive_popxl_attention(q, k, v):
+    """Naive causal attention as a PopXL user writes it: q @ k.T, mask, softmax, @ v."""
+    L, D = q.shape[1], q.shape[2]
+    s = ops.matmul(q, k.transpose((0, 2, 1))) * (1.0 / D ** 0.5)
+    mask = popxl.constant(np.tril(np.ones((L, L), dtype=bool)))
+    s = ops.where(mask, s, popxl.constant(-1e30, popxl.float32))
+    return (ops.matmul(ops.softmax(s, axis=-1), v),)
+
+
+@emulator_only
+def test_peak_memory_far_below_naive():
+    """L = 2048, auto chunking: peak live bytes at least 10x below a naive PopXL attention."""
+    q, k, v = random_qkv(np.random.default_rng(2), 1, 2048, 2048, 64, "float32")
+    _, _, flash_session = run_flash(q, k, v)
+    (naive_out,), naive_session = run_graph(naive_popxl_attention, [q, k, v])
+    flash_peak = flash_session.profile.peak_live_bytes
+    naive_peak = naive_session.profile.peak_live_bytes
+    assert naive_peak >= 10 * flash_peak, (flash_peak, naive_peak)
+
+
+@emulator_only
+def test_graph_size_independent_of_length_and_chunks():
+    """Loops, not unrolling: the IR's op count is the same for any L and chunk counts."""
+    from popxl_flash.emulator import count_ops
+
+    def op_count(L, nq, nkv):
+        ir = popxl.Ir()
+        with ir.main_graph:
+            q = popxl.variable(np.zeros((2, L, 8), np.float32))
+            pf.flash_attention(q, q, q, num_chunks_q=nq, num_chunks_kv=nkv)
+        return count_ops(ir)
+
+    counts = {op_count(L, nq, nkv) for L, nq, nkv in [(40, 3, 3), (300, 7, 11), (999, 20, 17)]}
+    assert len(counts) == 1, counts
