@@ -11,11 +11,10 @@ Graph structure::
       repeat nkv x kv_body                         # outer loop: key/value chunks j
         k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
         repeat nq x q_body                         # inner loop: query chunks i
-          conditional(kind != SKIP,
-            conditional(kind == PARTIAL, partial_block, full_block),
-            skip_block)
-          dq = dynamic_update(dq, i, dq_i)
-        dk, dv = dynamic_update(dk, j, dk_j), dynamic_update(dv, j, dv_j)
+          conditional(kind == FULL, full_block, passthrough)
+          conditional(kind == PARTIAL, partial_block, passthrough)   # SKIP: no work
+          dynamic_update_(dq, i, dq_i)             # by-ref accumulator, in place
+        dynamic_update_(dk, j, dk_j), dynamic_update_(dv, j, dv_j)
 
 Per visited block (5 matmuls; statistics and accumulators float32)::
 
@@ -30,6 +29,7 @@ from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
 ops = popxl.ops
+ByRef = popxl.TensorByRef
 
 
 def _mm(a, b):
@@ -63,92 +63,63 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
     return dq_i, dk_j, dv_j
 
 
-def _full_block(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j):
-    """Branch graph body: a fully visible block."""
-    return grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j)
-
-
-def _partial_block(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, pattern_id):
-    """Branch graph body: a block masked by its deduplicated pattern."""
-    visible = blocks.block_mask(cfg.schedule, pattern_id)
-    return grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible)
-
-
-def _skip_block(dq_i, dk_j, dv_j):
-    """Branch graph body: nothing visible, no work."""
-    return dq_i, dk_j, dv_j
-
-
-def _visit_block(graphs, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, partial,
-                 pattern_id):
-    """Branch graph body: a visited block, full or partial."""
-    args = [dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j]
-    if graphs["partial"] is None:
-        return ops.call(graphs["full"], *args)
-    return ops.conditional(partial, graphs["partial"], graphs["full"],
-                           then_inputs=args + [pattern_id], else_inputs=args)
-
-
-def _q_body(cfg, graphs, i, dq, dk_j, dv_j, j, k_j, v_j, q, do, lse, dvec):
+def _q_body(cfg, block_graphs, i, dk_j, dv_j, j, k_j, v_j, q: ByRef, do: ByRef, lse: ByRef,
+            dvec: ByRef, dq: ByRef):
     """Inner repeat body over query chunks.
 
-    Carried: ``i [1]``, ``dq [G, Lq_pad, D]``, ``dk_j, dv_j [G, ckv, D]`` (float32).
-    Invariant: ``j [1]``, ``k_j, v_j``, padded ``q, do`` and ``lse, dvec [G, Lq_pad, 1]``.
+    Carried: ``i [1]``, ``dk_j, dv_j [G, ckv, D]`` (float32). Invariant: ``j [1]``, ``k_j, v_j``
+    and, by reference, padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]`` (read-only) and the
+    float32 accumulator ``dq [G, Lq_pad, D]`` whose chunk ``i`` is updated in place.
     """
     cq = cfg.chunk_q
-    visit, partial, pattern_id = blocks.BlockTables(cfg.schedule).lookup(i, j)
     q_i, do_i = blocks.chunk(q, i, cq), blocks.chunk(do, i, cq)  # [G, cq, D]
     lse_i, dvec_i = blocks.chunk(lse, i, cq), blocks.chunk(dvec, i, cq)  # [G, cq, 1]
-    dq_i = blocks.chunk(dq, i, cq)
-    dq_i, dk_j, dv_j = ops.conditional(
-        visit, graphs["visit"], graphs["skip"],
-        then_inputs=[dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, partial, pattern_id],
-        else_inputs=[dq_i, dk_j, dv_j])
-    return i + 1, blocks.update_chunk(dq, i, dq_i, cq), dk_j, dv_j
+    dq_i, dk_j, dv_j = block_graphs.step(
+        blocks.BlockTables(cfg.schedule), i, j, state=(blocks.chunk(dq, i, cq), dk_j, dv_j),
+        operands=(q_i, do_i, lse_i, dvec_i, k_j, v_j))
+    blocks.update_chunk_(dq, i, dq_i, cq)
+    return i + 1, dk_j, dv_j
 
 
-def _kv_body(cfg, q_graph, j, dq, dk, dv, k, v, q, do, lse, dvec):
+def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
+             dq: ByRef, dk: ByRef, dv: ByRef):
     """Outer repeat body over key/value chunks.
 
-    Carried: ``j [1]``, ``dq [G, Lq_pad, D]``, ``dk, dv [G, Lkv_pad, D]`` (float32).
-    Invariant: padded ``k, v, q, do, lse, dvec``.
+    Carried: ``j [1]``. Invariant, by reference: padded ``k, v, q, do, lse, dvec`` (read-only)
+    and the float32 accumulators ``dq [G, Lq_pad, D]``, ``dk, dv [G, Lkv_pad, D]`` (chunk ``j``
+    of dk, dv written in place).
     """
     ckv, f32 = cfg.chunk_kv, blocks.float32()
     k_j, v_j = blocks.chunk(k, j, ckv), blocks.chunk(v, j, ckv)  # [G, ckv, D]
     zeros = ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
-    _, dq, dk_j, dv_j = ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), dq, zeros,
-                                   zeros, j, k_j, v_j, q, do, lse, dvec)
-    dk = blocks.update_chunk(dk, j, dk_j, ckv)
-    dv = blocks.update_chunk(dv, j, dv_j, ckv)
-    return j + 1, dq, dk, dv
+    _, dk_j, dv_j = ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), zeros, zeros, j,
+                               k_j, v_j, q, do, lse, dvec, dq)
+    blocks.update_chunk_(dk, j, dk_j, ckv)
+    blocks.update_chunk_(dv, j, dv_j, ckv)
+    return j + 1
 
 
 def _build_loop_graphs(cfg, k, v, q, do, lse, dvec):
     """Create the branch graphs, the q-loop graph and the kv-loop graph (from specs).
 
     Returns:
-        The kv-loop body graph (inputs ``j, dq, dk, dv, k, v, q, do, lse, dvec``).
+        The kv-loop body graph (inputs ``j, k, v, q, do, lse, dvec, dq, dk, dv``).
     """
     ir = popxl.gcg().ir
     G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
     f32, dt, spec = blocks.float32(), q.dtype, popxl.TensorSpec
-    accs = [spec((G, cq, D), f32), spec((G, ckv, D), f32), spec((G, ckv, D), f32)]
-    block_in = accs + [spec((G, cq, D), dt), spec((G, cq, D), dt), spec((G, cq, 1), f32),
-                       spec((G, cq, 1), f32), spec((G, ckv, D), dt), spec((G, ckv, D), dt)]
+    state = [spec((G, cq, D), f32), spec((G, ckv, D), f32), spec((G, ckv, D), f32)]
+    operands = [spec((G, cq, D), dt), spec((G, cq, D), dt), spec((G, cq, 1), f32),
+                spec((G, cq, 1), f32), spec((G, ckv, D), dt), spec((G, ckv, D), dt)]
+    block_graphs = blocks.BlockGraphs(cfg, grad_block_update, state, operands)
     counter = spec((1,), popxl.int32)
-    graphs = {"skip": ir.create_graph(_skip_block, *accs),
-              "full": ir.create_graph(_full_block, cfg, *block_in), "partial": None}
-    if cfg.schedule.partial_blocks:
-        graphs["partial"] = ir.create_graph(_partial_block, cfg, *block_in, counter)
-    graphs["visit"] = ir.create_graph(_visit_block, graphs, *block_in,
-                                      spec((), popxl.bool), counter)
     dq_spec = spec((G, cfg.padded_q_len, D), f32)
-    q_graph = ir.create_graph(_q_body, cfg, graphs, counter, dq_spec, accs[1], accs[2], counter,
-                              spec((G, ckv, D), dt), spec((G, ckv, D), dt),
-                              q.spec, do.spec, lse.spec, dvec.spec)
+    q_graph = ir.create_graph(_q_body, cfg, block_graphs, counter, state[1], state[2], counter,
+                              operands[4], operands[5], q.spec, do.spec, lse.spec, dvec.spec,
+                              dq_spec)
     dkv_spec = spec((G, cfg.padded_kv_len, D), f32)
-    return ir.create_graph(_kv_body, cfg, q_graph, counter, dq_spec, dkv_spec, dkv_spec,
-                           k.spec, v.spec, q.spec, do.spec, lse.spec, dvec.spec)
+    return ir.create_graph(_kv_body, cfg, q_graph, counter, k.spec, v.spec, q.spec, do.spec,
+                           lse.spec, dvec.spec, dq_spec, dkv_spec, dkv_spec)
 
 
 class FlashAttentionGrad(popxl.Module):
@@ -183,18 +154,18 @@ class FlashAttentionGrad(popxl.Module):
     def build(self, dout, q, k, v, out, lse):
         cfg = self.config(dout, q, k, v, out, lse)
         f32 = blocks.float32()
-        G, Lq = cfg.groups, cfg.q_len
-        # Dvec = rowsum(dO * O)  [G, Lq, 1] float32, computed once
-        dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1, keepdims=True)
-        padded = [blocks.pad_rows(t, cfg.padded_q_len)
-                  for t in (q, dout, lse.reshape((G, Lq, 1)), dvec)]
-        k_pad, v_pad = (blocks.pad_rows(t, cfg.padded_kv_len) for t in (k, v))
-        kv_graph = _build_loop_graphs(cfg, k_pad, v_pad, *padded)
-        D = cfg.head_dim
-        dq = ops.init((G, cfg.padded_q_len, D), f32, init_type="zero")
-        dk = ops.init((G, cfg.padded_kv_len, D), f32, init_type="zero")
-        dv = ops.init((G, cfg.padded_kv_len, D), f32, init_type="zero")
-        _, dq, dk, dv = ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), dq, dk, dv,
-                                   k_pad, v_pad, *padded)
-        return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
-                     for t, n in ((dq, Lq), (dk, cfg.kv_len), (dv, cfg.kv_len)))
+        G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
+        with popxl.in_sequence():  # the loops write dq/dk/dv in place: read them after
+            # Dvec = rowsum(dO * O)  [G, Lq, 1] float32, computed once
+            dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
+                           keepdims=True)
+            padded = [blocks.pad_rows(t, cfg.padded_q_len)
+                      for t in (q, dout, lse.reshape((G, Lq, 1)), dvec)]
+            k_pad, v_pad = (blocks.pad_rows(t, cfg.padded_kv_len) for t in (k, v))
+            grads = [ops.init((G, n, D), f32, init_type="zero")
+                     for n in (cfg.padded_q_len, cfg.padded_kv_len, cfg.padded_kv_len)]
+            kv_graph = _build_loop_graphs(cfg, k_pad, v_pad, *padded)
+            ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), k_pad, v_pad, *padded,
+                       *grads)
+            return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
+                         for t, n in zip(grads, (Lq, cfg.kv_len, cfg.kv_len)))

@@ -7,7 +7,7 @@ graph context of the module being built and uses only the documented PopXL API.
 import numpy as np
 
 from popxl_flash.backend import popxl
-from popxl_flash.schedule import PARTIAL
+from popxl_flash.schedule import FULL, PARTIAL
 
 ops = popxl.ops
 
@@ -60,26 +60,23 @@ def chunk(t, index, chunk_len):
     return ops.dynamic_slice(t, index * chunk_len, axes=[1], sizes=[chunk_len], no_overlap=True)
 
 
-def update_chunk(t, index, value, chunk_len):
-    """Copy of ``t`` with chunk ``index`` of axis 1 replaced by ``value``."""
-    return ops.dynamic_update(t, index * chunk_len, value, axes=[1], sizes=[chunk_len],
-                              no_overlap=True)
+def update_chunk_(t, index, value, chunk_len):
+    """Write ``value`` into chunk ``index`` of axis 1 of ``t`` in place; returns the alias.
 
-
-def add_to_chunk(t, index, value, chunk_len):
-    """Copy of ``t`` with ``value`` added to chunk ``index`` of axis 1."""
-    return update_chunk(t, index, chunk(t, index, chunk_len) + value, chunk_len)
+    Only for tensors the calling graph owns (a loop body's by-value carried input).
+    """
+    return ops.dynamic_update_(t, index * chunk_len, value, axes=[1], sizes=[chunk_len],
+                               no_overlap=True)
 
 
 class BlockTables:
-    """The schedule's ``kind``/``pattern_id``/``patterns`` tables as constants of one graph.
+    """The schedule's ``kind``/``pattern_id`` tables as constants of one graph.
 
     Create inside the graph that looks blocks up (the constants belong to that graph, so they
     are not copied through loop boundaries).
     """
 
     def __init__(self, schedule):
-        self.schedule = schedule
         self.kind = popxl.constant(schedule.kind.astype(INDEX_DTYPE))  # [nq, nkv]
         self.pattern_id = popxl.constant(schedule.pattern_id.astype(INDEX_DTYPE))  # [nq, nkv]
 
@@ -87,22 +84,16 @@ class BlockTables:
         """Block ``(i, j)`` entries for counters ``i, j [1]``.
 
         Returns:
-            ``(visit, partial, pattern_id)``: bool ``()`` visit (not skip), bool ``()``
-            partial, int32 ``[1]`` pattern id (-1 unless partial).
+            ``(full, partial, pattern_id)``: bool ``()`` flags and the int32 ``[1]`` pattern id
+            (-1 unless partial). A skip block has both flags False.
         """
         idx = ops.concat([i, j], axis=0)  # [2]
         kind = ops.dynamic_slice(self.kind, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
         pid = ops.dynamic_slice(self.pattern_id, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
         kind = kind.reshape(())
-        zero = popxl.constant(np.array(0, dtype=INDEX_DTYPE))
-        visit = ops.greater(kind, zero)
+        full = ops.equal(kind, popxl.constant(np.array(FULL, dtype=INDEX_DTYPE)))
         partial = ops.equal(kind, popxl.constant(np.array(PARTIAL, dtype=INDEX_DTYPE)))
-        return visit, partial, pid.reshape((1,))
-
-    @property
-    def has_partial(self):
-        """Whether any block needs a mask."""
-        return self.schedule.partial_blocks > 0
+        return full, partial, pid.reshape((1,))
 
 
 def block_mask(schedule, pattern_id):
@@ -117,6 +108,60 @@ def block_mask(schedule, pattern_id):
     """
     patterns = popxl.constant(np.ascontiguousarray(schedule.patterns))  # [P, cq, ckv]
     return ops.dynamic_slice(patterns, pattern_id, axes=[0], sizes=[1], no_overlap=True)
+
+
+def _full_block(update, cfg, *tensors):
+    """Branch body: ``update`` on a fully visible block."""
+    return update(cfg, *tensors)
+
+
+def _partial_block(update, cfg, *tensors):
+    """Branch body: ``update`` masked by the block's pattern (the last input is its id)."""
+    *tensors, pattern_id = tensors
+    return update(cfg, *tensors, visible=block_mask(cfg.schedule, pattern_id))
+
+
+def _pass_block(*state):
+    """Branch body: the block is not of this kind; the state passes through untouched."""
+    return state
+
+
+class BlockGraphs:
+    """The branch graphs of one block step: ``full``, ``partial`` (None if the schedule has no
+    partial block) and ``passthrough``.
+
+    ``update(cfg, *state, *operands, visible=None) -> new state`` is the block's work; it is
+    traced once unmasked and once masked.
+    """
+
+    def __init__(self, cfg, update, state_specs, operand_specs):
+        ir = popxl.gcg().ir
+        self.passthrough = ir.create_graph(_pass_block, *state_specs)
+        self.full = ir.create_graph(_full_block, update, cfg, *state_specs, *operand_specs)
+        self.partial = None
+        if cfg.schedule.partial_blocks:
+            pid_spec = popxl.TensorSpec((1,), popxl.int32)
+            self.partial = ir.create_graph(_partial_block, update, cfg, *state_specs,
+                                           *operand_specs, pid_spec)
+
+    def step(self, tables, i, j, state, operands):
+        """Apply block ``(i, j)`` to ``state``: full, masked, or not at all (skip).
+
+        Two one-level conditionals (rather than nested ones) keep one graph frame, and so one
+        copy of the operands, between the loop body and the block's work. A skip block takes
+        the passthrough branch of both: no matmul runs.
+
+        Returns:
+            The new state tensors (a tuple).
+        """
+        full, partial, pattern_id = tables.lookup(i, j)
+        state = ops.conditional(full, self.full, self.passthrough,
+                                then_inputs=[*state, *operands], else_inputs=list(state))
+        if self.partial is not None:
+            state = ops.conditional(partial, self.partial, self.passthrough,
+                                    then_inputs=[*state, *operands, pattern_id],
+                                    else_inputs=list(state))
+        return state
 
 
 def scores(cfg, q_i, k_j):

@@ -9,13 +9,11 @@ Graph structure (all static; the op count does not depend on L or the chunk coun
         repeat nkv x kv_body            # inner loop: key/value chunks j
           k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
           kind, pattern_id = tables[i, j]          # planner constants
-          conditional(kind != SKIP,
-            conditional(kind == PARTIAL,
-              partial_block  (online-softmax update with the block's mask pattern),
-              full_block     (online-softmax update, no mask)),
-            skip_block       (carries pass through: no matmul))
+          conditional(kind == FULL, full_block, passthrough)      # online-softmax update
+          conditional(kind == PARTIAL, partial_block, passthrough) # same, with the mask pattern
+                                                # a SKIP block takes both passthroughs: no work
         out_i = acc / l_i ; lse_i = m_i + log(l_i)
-        out, lse = dynamic_update(out, i, out_i), dynamic_update(lse, i, lse_i)
+        dynamic_update_(out, i, out_i), dynamic_update_(lse, i, lse_i)  # by-ref, in place
       drop padding rows
 
 Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
@@ -34,6 +32,7 @@ from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
 ops = popxl.ops
+ByRef = popxl.TensorByRef
 
 
 def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
@@ -65,44 +64,16 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     return m_new, l_new, alpha * acc + pv
 
 
-def _full_block(cfg, m_i, l_i, acc, q_i, k_j, v_j):
-    """Branch graph body: a fully visible block."""
-    return online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j)
-
-
-def _partial_block(cfg, m_i, l_i, acc, q_i, k_j, v_j, pattern_id):
-    """Branch graph body: a block masked by its deduplicated pattern."""
-    visible = blocks.block_mask(cfg.schedule, pattern_id)  # [1, cq, ckv]
-    return online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible)
-
-
-def _skip_block(m_i, l_i, acc):
-    """Branch graph body: a block with nothing visible; no work."""
-    return m_i, l_i, acc
-
-
-def _visit_block(cfg, graphs, m_i, l_i, acc, q_i, k_j, v_j, partial, pattern_id):
-    """Branch graph body: a visited block, full or partial (chosen by ``partial``)."""
-    if graphs["partial"] is None:
-        return ops.call(graphs["full"], m_i, l_i, acc, q_i, k_j, v_j)
-    return ops.conditional(partial, graphs["partial"], graphs["full"],
-                           then_inputs=[m_i, l_i, acc, q_i, k_j, v_j, pattern_id],
-                           else_inputs=[m_i, l_i, acc, q_i, k_j, v_j])
-
-
-def _kv_body(cfg, graphs, j, m_i, l_i, acc, i, q_i, k, v):
+def _kv_body(cfg, block_graphs, j, m_i, l_i, acc, i, q_i, k: ByRef, v: ByRef):
     """Inner repeat body over key/value chunks.
 
-    Carried: ``j [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``, padded k, v.
+    Carried: ``j [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``, padded k, v
+    (by reference: read-only, so the loop does not copy them).
     """
-    tables = blocks.BlockTables(cfg.schedule)
-    visit, partial, pattern_id = tables.lookup(i, j)
     k_j = blocks.chunk(k, j, cfg.chunk_kv)  # [G, ckv, D]
     v_j = blocks.chunk(v, j, cfg.chunk_kv)
-    m_i, l_i, acc = ops.conditional(
-        visit, graphs["visit"], graphs["skip"],
-        then_inputs=[m_i, l_i, acc, q_i, k_j, v_j, partial, pattern_id],
-        else_inputs=[m_i, l_i, acc])
+    m_i, l_i, acc = block_graphs.step(blocks.BlockTables(cfg.schedule), i, j,
+                                      state=(m_i, l_i, acc), operands=(q_i, k_j, v_j))
     return j + 1, m_i, l_i, acc
 
 
@@ -120,10 +91,11 @@ def _finalise(cfg, m_i, l_i, acc):
     return out_i, lse_i.reshape((G, cq))
 
 
-def _q_body(cfg, kv_graph, i, out, lse, q, k, v):
+def _q_body(cfg, kv_graph, i, q: ByRef, k: ByRef, v: ByRef, out: ByRef, lse: ByRef):
     """Outer repeat body over query chunks.
 
-    Carried: ``i [1]``, ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Invariant: padded q, k, v.
+    Carried: ``i [1]``. Invariant, by reference: padded q, k, v (read-only) and the results
+    ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``, whose chunk ``i`` is written in place.
     """
     G, D, cq = cfg.groups, cfg.head_dim, cfg.chunk_q
     f32 = blocks.float32()
@@ -134,13 +106,9 @@ def _q_body(cfg, kv_graph, i, out, lse, q, k, v):
     _, m_i, l_i, acc = ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), m_i, l_i, acc,
                                   i, q_i, k, v)
     out_i, lse_i = _finalise(cfg, m_i, l_i, acc)
-    out = blocks.update_chunk(out, i, out_i, cq)
-    lse = blocks.update_chunk(lse, i, lse_i, cq)
-    return i + 1, out, lse
-
-
-def _specs(*shapes_dtypes):
-    return [popxl.TensorSpec(shape, dtype) for shape, dtype in shapes_dtypes]
+    blocks.update_chunk_(out, i, out_i, cq)
+    blocks.update_chunk_(lse, i, lse_i, cq)
+    return i + 1
 
 
 class FlashAttention(popxl.Module):
@@ -169,16 +137,17 @@ class FlashAttention(popxl.Module):
 
     def build(self, q, k, v):
         cfg = self.config(q, k, v)
-        q_pad = blocks.pad_rows(q, cfg.padded_q_len)
-        k_pad = blocks.pad_rows(k, cfg.padded_kv_len)
-        v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
-        q_graph = build_q_loop_graph(cfg, q_pad, k_pad, v_pad)
         G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
-        out = ops.init((G, cfg.padded_q_len, D), q.dtype, init_type="zero")
-        lse = ops.init((G, cfg.padded_q_len), f32, init_type="zero")
-        _, out, lse = ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), out, lse,
-                                 q_pad, k_pad, v_pad)
-        return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
+        with popxl.in_sequence():  # the q loop writes out/lse in place: read them after it
+            q_pad = blocks.pad_rows(q, cfg.padded_q_len)
+            k_pad = blocks.pad_rows(k, cfg.padded_kv_len)
+            v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
+            out = ops.init((G, cfg.padded_q_len, D), q.dtype, init_type="zero")
+            lse = ops.init((G, cfg.padded_q_len), f32, init_type="zero")
+            q_graph = build_q_loop_graph(cfg, q_pad, k_pad, v_pad)
+            ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), q_pad, k_pad, v_pad, out,
+                       lse)
+            return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
 
 
 def build_q_loop_graph(cfg, q_pad, k_pad, v_pad):
@@ -189,26 +158,16 @@ def build_q_loop_graph(cfg, q_pad, k_pad, v_pad):
         q_pad, k_pad, v_pad: padded inputs (only their specs are used).
 
     Returns:
-        The q-loop body graph (inputs ``i, out, lse, q, k, v``).
+        The q-loop body graph (inputs ``i, q, k, v, out, lse``).
     """
     ir = popxl.gcg().ir
     G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
-    f32, dt, idx = blocks.float32(), q_pad.dtype, popxl.int32
-    stats = _specs(((G, cq, 1), f32), ((G, cq, 1), f32), ((G, cq, D), f32))
-    block_in = stats + _specs(((G, cq, D), dt), ((G, ckv, D), dt), ((G, ckv, D), dt))
-    graphs = {"skip": ir.create_graph(_skip_block, *stats),
-              "full": ir.create_graph(_full_block, cfg, *block_in),
-              "partial": None}
-    if cfg.schedule.partial_blocks:
-        graphs["partial"] = ir.create_graph(_partial_block, cfg, *block_in,
-                                            popxl.TensorSpec((1,), idx))
-    graphs["visit"] = ir.create_graph(_visit_block, cfg, graphs, *block_in,
-                                      popxl.TensorSpec((), popxl.bool),
-                                      popxl.TensorSpec((1,), idx))
-    counter = popxl.TensorSpec((1,), idx)
-    kv_graph = ir.create_graph(_kv_body, cfg, graphs, counter, *stats, counter,
-                               popxl.TensorSpec((G, cq, D), dt), k_pad.spec, v_pad.spec)
-    out_spec = popxl.TensorSpec((G, cfg.padded_q_len, D), dt)
-    lse_spec = popxl.TensorSpec((G, cfg.padded_q_len), f32)
-    return ir.create_graph(_q_body, cfg, kv_graph, counter, out_spec, lse_spec,
-                           q_pad.spec, k_pad.spec, v_pad.spec)
+    f32, dt, spec = blocks.float32(), q_pad.dtype, popxl.TensorSpec
+    state = [spec((G, cq, 1), f32), spec((G, cq, 1), f32), spec((G, cq, D), f32)]
+    operands = [spec((G, cq, D), dt), spec((G, ckv, D), dt), spec((G, ckv, D), dt)]
+    block_graphs = blocks.BlockGraphs(cfg, online_softmax_update, state, operands)
+    counter = spec((1,), popxl.int32)
+    kv_graph = ir.create_graph(_kv_body, cfg, block_graphs, counter, *state, counter,
+                               operands[0], k_pad.spec, v_pad.spec)
+    return ir.create_graph(_q_body, cfg, kv_graph, counter, q_pad.spec, k_pad.spec, v_pad.spec,
+                           spec((G, cfg.padded_q_len, D), dt), spec((G, cfg.padded_q_len), f32))
