@@ -28,8 +28,8 @@ def _select(choice):
             if choice == "popxl":
                 raise ImportError(
                     f"{ENV_VAR}=popxl asks for the Poplar SDK's popxl module, which cannot be "
-                    "imported here. Enable the Poplar SDK (source its enable script and install its "
-                    f"popxl wheel), or set {ENV_VAR}=emulator to use the bundled CPU emulator."
+                    "imported here. Enable the Poplar SDK (source its enable script and install "
+                    f"its popxl wheel), or set {ENV_VAR}=emulator to use the bundled CPU emulator."
                 ) from err
     return importlib.import_module("popxl_flash.emulator"), "emulator"
 

@@ -81,7 +81,8 @@ def _finalise(cfg, m_i, l_i, acc):
     """``out_i = acc / l_i`` (0 where the row saw nothing) and ``lse_i = m_i + log(l_i)``.
 
     Returns:
-        out_i ``[G, cq, D]`` in the input dtype and lse_i float32 ``[G, cq]`` (-inf where nothing seen).
+        out_i ``[G, cq, D]`` in the input dtype and lse_i float32 ``[G, cq]`` (-inf where
+        nothing was seen).
     """
     f32 = blocks.float32()
     seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]

@@ -157,4 +157,5 @@ def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magni
     err = max_err(x, ref)
     floor = rounding_floor(ref, dtype) + 4 * accum_steps * EPS32 * magnitude
     bound = factor * max_err(naive, ref) + floor
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} ({factor}x naive + floor)"
+    assert err <= bound, (f"{name}: max error {err:.3e} > bound {bound:.3e} "
+                          f"({factor}x naive + floor)")

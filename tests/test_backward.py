@@ -2,7 +2,6 @@
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 import popxl_flash as pf
 from popxl_flash.config import AttentionConfig

@@ -99,8 +99,9 @@ def test_seed_cases_packed(L):
     qkv = (rng.standard_normal((3, 4, L, 128)) / 128 ** 0.25).astype(np.float32)
     results = {}
     for chunks in [(16, 16), (1, 1)]:
-        (out,), _ = run_graph(lambda t: (pf.flash_attention_qkv_packed(
-            t, num_chunks_q=chunks[0], num_chunks_kv=chunks[1], scale=1.0),), [qkv])
+        nq, nkv = chunks
+        (out,), _ = run_graph(lambda t, nq=nq, nkv=nkv: (pf.flash_attention_qkv_packed(
+            t, num_chunks_q=nq, num_chunks_kv=nkv, scale=1.0),), [qkv])
         results[chunks] = out
     ref, _ = pf.reference.attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0)
     naive, _ = naive_attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0, window=None)
