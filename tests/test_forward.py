@@ -177,3 +177,17 @@ def test_graph_size_independent_of_length_and_chunks():
 
     counts = {op_count(L, nq, nkv) for L, nq, nkv in [(40, 3, 3), (300, 7, 11), (999, 20, 17)]}
     assert len(counts) == 1, counts
+
+
+@emulator_only
+def test_auto_chunking_flop_ratio_at_2048():
+    """Causal L = 2048 with automatic chunks: executed / useful FLOPs <= 1.15, and the profile
+    counts exactly the planner's executed FLOPs (16 x 16 chunks of 128: ratio 2176/2049)."""
+    q, k, v = random_qkv(np.random.default_rng(3), 1, 2048, 2048, 16, "float16")
+    _, _, session = run_flash(q, k, v)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3)
+    flops = cfg.schedule.forward_flops(16, 1)
+    assert (cfg.num_chunks_q, cfg.num_chunks_kv) == (16, 16)
+    assert flops.ratio <= 1.15
+    assert flops.executed * 2049 == flops.useful * 2176
+    assert session.profile.matmul_flops == flops.executed
