@@ -6,32 +6,14 @@ and prints the max error against the float64 reference and the activation memory
 naive PopXL attention (measured peak on the emulator; the planner's estimate on an IPU).
 """
 import argparse
-import time
-
 import numpy as np
 
 import popxl_flash as pf
 from popxl_flash import popxl
+from popxl_flash.harness import run_graph
 from popxl_flash.naive import naive_attention
 
 ops = popxl.ops
-
-
-def _run(build, arrays, device):
-    """Build a graph around ``build(*loaded)`` and run it once; return outputs, session, secs."""
-    ir = popxl.Ir()
-    with ir.main_graph:
-        streams = [popxl.h2d_stream(a.shape, getattr(popxl, a.dtype.name)) for a in arrays]
-        outs = build(*[ops.host_load(s) for s in streams])
-        d2h = [popxl.d2h_stream(t.shape, t.dtype) for t in outs]
-        for s, t in zip(d2h, outs):
-            ops.host_store(s, t)
-    session = popxl.Session(ir, device)
-    with session:
-        start = time.perf_counter()
-        result = session.run(dict(zip(streams, arrays)))
-        seconds = time.perf_counter() - start
-    return [result[s] for s in d2h], session, seconds
 
 
 def main(argv=None):
@@ -47,15 +29,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((G, L, D)).astype(args.dtype) for _ in range(3))
 
-    (out,), flash, t_flash = _run(lambda q, k, v: (pf.flash_attention(q, k, v),), [q, k, v],
-                                  args.device)
+    flash = run_graph(lambda q, k, v: [pf.flash_attention(q, k, v)], [q, k, v],
+                      device=args.device)
+    (out,) = flash.outputs
     ref, _ = pf.reference.attention(q, k, v)
     err = float(np.abs(out.astype(np.float64) - ref).max())
     print(f"backend: {pf.BACKEND}; q, k, v: [{G}, {L}, {D}] {args.dtype}, causal")
     print(f"max |flash - float64 reference| = {err:.3e}")
 
-    _, naive, t_naive = _run(lambda q, k, v: (naive_attention(q, k, v),), [q, k, v],
-                             args.device)
+    naive = run_graph(lambda q, k, v: [naive_attention(q, k, v)], [q, k, v], device=args.device)
     if pf.BACKEND == "emulator":
         f_bytes = flash.profile.peak_live_bytes
         n_bytes = naive.profile.peak_live_bytes
@@ -66,7 +48,7 @@ def main(argv=None):
         f_bytes, n_bytes, how = est.flash, est.naive, "planner estimate of activation bytes"
     print(f"memory: flash {f_bytes / 2**20:.2f} MiB vs naive {n_bytes / 2**20:.2f} MiB "
           f"-> {n_bytes / f_bytes:.1f}x less ({how})")
-    print(f"run time on this backend: flash {t_flash:.3f} s, naive {t_naive:.3f} s")
+    print(f"run time on this backend: flash {flash.seconds:.3f} s, naive {naive.seconds:.3f} s")
     return 0
 
 

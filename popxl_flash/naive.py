@@ -53,11 +53,16 @@ def naive_attention(q, k, v, *, causal=True, scale=None, window=None):
     return ops.matmul(_like(p, v), v)
 
 
-def naive_attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
+def naive_attention_grad(dout, q, k, v, out=None, *, causal=True, scale=None, window=None):
     """Naive attention backward, written by hand (PopART cannot differentiate for us here).
 
     ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = scale dS K``,
-    ``dK = scale dS^T Q``.
+    ``dK = scale dS^T Q``, with ``P`` recomputed from q and k.
+
+    Args:
+        dout, q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``.
+        out: the forward's output (5 matmuls, like flash's stash mode), or ``None`` to
+            recompute it (a sixth matmul).
 
     Returns:
         ``(dq, dk, dv)`` in the inputs' dtype.
@@ -65,7 +70,7 @@ def naive_attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None)
     f32 = popxl.float32
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     p = naive_probabilities(q, k, causal=causal, scale=scale, window=window)  # [G, Lq, Lkv]
-    out = ops.matmul(_like(p, v), v, output_type=f32)
+    out = ops.matmul(_like(p, v), v, output_type=f32) if out is None else _f32(out)
     dv = ops.matmul(_like(p, v).transpose((0, 2, 1)), dout, output_type=f32)
     dp = ops.matmul(dout, v.transpose((0, 2, 1)), output_type=f32)
     dvec = ops.sum(_f32(dout) * out, axis=-1, keepdims=True)

@@ -25,7 +25,7 @@ usually far inside the bound.
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import harness, popxl
 
 ops = popxl.ops
 
@@ -33,34 +33,18 @@ DEVICE = "ipu_model"
 
 
 def run_graph(build, inputs):
-    """Build a main graph from host arrays and run it once.
-
-    Args:
-        build: ``f(*tensors) -> tuple of tensors``, called inside the main graph with one
-            host-loaded tensor per input array.
-        inputs: numpy arrays (float16/float32/int32).
+    """Build a main graph from host arrays and run it once on :data:`DEVICE`.
 
     Returns:
-        ``(outputs, session)``: list of numpy arrays (one per built output) and the session (for
-        its profile on the emulator).
+        ``(outputs, run)``: the output arrays and the :class:`popxl_flash.harness.RunResult`, whose
+        ``profile`` is the emulator's run profile.
     """
-    ir = popxl.Ir()
-    with ir.main_graph:
-        streams = [popxl.h2d_stream(a.shape, getattr(popxl, a.dtype.name)) for a in inputs]
-        tensors = [ops.host_load(s) for s in streams]
-        outs = build(*tensors)
-        d2h = []
-        for t in outs:
-            d2h.append(popxl.d2h_stream(t.shape, t.dtype))
-            ops.host_store(d2h[-1], t)
-    session = popxl.Session(ir, DEVICE)
-    with session:
-        result = session.run(dict(zip(streams, inputs)))
-    return [result[s] for s in d2h], session
+    result = harness.run_graph(lambda *ts: list(build(*ts)), list(inputs), device=DEVICE)
+    return result.outputs, result
 
 
 def run_flash(q, k, v, **options):
-    """``pf.flash_attention(..., return_lse=True)`` on host arrays -> ``(out, lse), session``."""
+    """``pf.flash_attention(..., return_lse=True)`` on host arrays -> ``out, lse, run``."""
     (out, lse), session = run_graph(
         lambda q, k, v: pf.flash_attention(q, k, v, return_lse=True, **options), [q, k, v])
     return out, lse, session

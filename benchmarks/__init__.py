@@ -1,0 +1,1 @@
+"""Micro-benchmarks of popxl_flash: ``python -m benchmarks.attention --help``."""
