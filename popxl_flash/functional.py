@@ -80,6 +80,11 @@ def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, ca
                                scale=None, window=None, return_lse=False):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
 
+    Args:
+        qkv: ``[3, G, L, D]`` float16 or float32; ``qkv[0]``, ``qkv[1]``, ``qkv[2]`` are q, k, v.
+        num_chunks_q, num_chunks_kv, causal, scale, window, return_lse: as
+            :func:`flash_attention`.
+
     Returns:
         out ``[G, L, D]`` (and lse float32 ``[G, L]`` with ``return_lse``).
     """
@@ -128,6 +133,7 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
     Args:
         dout: ``[G, L, D]``; qkv: ``[3, G, L, D]``; out, lse: stash (see
             :func:`flash_attention_grad`) or both ``None``.
+        num_chunks_q, num_chunks_kv, causal, scale, window: the forward's options.
 
     Returns:
         dqkv ``[3, G, L, D]`` in qkv's dtype.

@@ -82,6 +82,7 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
 
     Args:
         dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``.
+        causal, scale, window: as :func:`attention`.
 
     Returns:
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
