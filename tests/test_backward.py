@@ -132,3 +132,14 @@ def test_packed_grad_matches_unpacked():
     refs = pf.reference.attention_grad(dout, qkv[0], qkv[1], qkv[2])
     for g, ref in zip(dqkv, refs):
         np.testing.assert_allclose(g, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("Lq,Lkv", [(113, 203), (108, 256), (512, 256), (1023, 1024)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False),
+                                  dict(causal=False, window=(48, 16))],
+                         ids=["causal", "full", "window"])
+def test_flash_attn_suite_seqlens(Lq, Lkv, dtype, mask):
+    """FlashAttention's sequence-length pairs, automatic chunking, under the 3x rule."""
+    opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
+    check_backward(dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=Lq + Lkv))

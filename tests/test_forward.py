@@ -191,3 +191,19 @@ def test_auto_chunking_flop_ratio_at_2048():
     assert flops.ratio <= 1.15
     assert flops.executed * 2049 == flops.useful * 2176
     assert session.profile.matmul_flops == flops.executed
+
+
+#: (Lq, Lkv) pairs of FlashAttention's own test suite (tests/test_flash_attn.py).
+FLASH_ATTN_SEQLENS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
+                      (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
+
+
+@pytest.mark.parametrize("Lq,Lkv", FLASH_ATTN_SEQLENS)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False),
+                                  dict(causal=False, window=(48, 16))],
+                         ids=["causal", "full", "window"])
+def test_flash_attn_suite_seqlens(Lq, Lkv, dtype, mask):
+    """FlashAttention's sequence-length pairs with automatic chunking, under the 2x rule."""
+    opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
+    check_forward(dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=Lq * Lkv))
