@@ -1,6 +1,6 @@
 """Shared test set-up: hypothesis profiles.
 
-* ``ci`` (default, and always under ``CI=true``): fixed seed (derandomized), bounded examples,
+* ``ci`` (default, and always under ``CI=true``/``1``/``yes``): fixed seed (derandomized), bounded examples,
   no deadline -- minutes, not hours.
 * ``dev``: many more examples with random seeds, for local runs:
   ``HYPOTHESIS_PROFILE=dev python -m pytest``.
@@ -24,5 +24,6 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-_profile = "ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "ci")
+_in_ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+_profile = "ci" if _in_ci else os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(_profile)
