@@ -1,7 +1,7 @@
 """Shared test set-up: hypothesis profiles.
 
-* ``ci`` (default, and always under ``CI=true``/``1``/``yes``): fixed seed (derandomized), bounded examples,
-  no deadline -- minutes, not hours.
+* ``ci`` (default; forced by ``CI=true``, ``1`` or ``yes``): fixed seed (derandomized), bounded
+  examples, no deadline -- minutes, not hours.
 * ``dev``: many more examples with random seeds, for local runs:
   ``HYPOTHESIS_PROFILE=dev python -m pytest``.
 """
