@@ -98,6 +98,26 @@ def check_device(dt, what):
             "(only bool, int32, uint32, float16, float32)")
 
 
+def check_shape(shape, what):
+    """Validate a user-given tensor shape (PopXL builds a C++ ``TensorInfo`` from it through
+    pybind11: a sequence of ints, floats rejected -> TypeError). Negative sizes are not rejected
+    by PopART but give no meaningful tensor; the emulator raises ValueError.
+
+    Args:
+        shape: iterable of ints. what: text naming the tensor/op for the message.
+    Returns:
+        tuple of Python ints.
+    """
+    import operator
+    try:
+        out = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"{what}: shape must be an iterable of ints, got {shape!r}") from None
+    if any(s < 0 for s in out):
+        raise ValueError(f"{what}: negative dimension in shape {out} (unspecified in PopART)")
+    return out
+
+
 def to_numpy(data, dt=None, downcast=True):
     """Convert host data like ``popxl.utils.to_numpy``.
 

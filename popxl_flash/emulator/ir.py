@@ -234,7 +234,7 @@ def graph_input(shape, dtype, name=None, by_ref=False, meta_shape=None):
     if g is g.ir.main_graph:
         raise NotImplementedError("graph_input in the main graph is not supported by the emulator")
     dtypes.check_device(dtype, f"graph_input {name}")
-    shape = tuple(int(s) for s in shape)
+    shape = dtypes.check_shape(shape, f"graph_input {name}")
     t = g._new_tensor(Tensor, name or "t", dtype, shape, tuple(meta_shape or ()))
     g._inputs.append(t)
     if by_ref:
@@ -349,7 +349,7 @@ class _Stream:
     @classmethod
     def _make(cls, ir, shape, dtype, name):
         self = object.__new__(cls)
-        self._ir, self._shape, self._dtype = ir, tuple(int(s) for s in shape), dtype
+        self._ir, self._shape, self._dtype = ir, dtypes.check_shape(shape, name), dtype
         self._used = False
         ir._uid += 1
         self._id = f"{name}__s{ir._uid}"

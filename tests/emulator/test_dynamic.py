@@ -159,3 +159,24 @@ def test_dynamic_update_shape_mismatch_is_error(upd_shape):
         idx = popxl.constant(np.array([1, 2], np.uint32))
         with pytest.raises(Exception):
             ops.dynamic_update(t, idx, popxl.constant(np.zeros(upd_shape, np.float32)), [0, 2], [2, 3], False)
+
+
+# popart willow/src/op/dynamic/dynamicbase.cpp + python/popxl/python_files/ops/dynamic_slice.py:
+# `axes`/`sizes` go to the pybind11-bound C++ constructor as std::vector<int64_t> (a float is
+# rejected with TypeError) and `no_overlap` as a C++ bool (a str/list is rejected).
+@pytest.mark.parametrize("kwargs", [dict(sizes=[1.5]), dict(axes=[0.0]),
+                                    dict(no_overlap="yes"), dict(no_overlap=[True])])
+def test_dynamic_slice_attribute_types_like_pybind(kwargs):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(np.ones((4, 3), np.float32))
+        idx = popxl.constant([1])
+        args = dict(axes=[0], sizes=[1], no_overlap=True)
+        args.update(kwargs)
+        with pytest.raises(TypeError):
+            ops.dynamic_slice(t, idx, **args)
+        with pytest.raises(TypeError):
+            ops.dynamic_update(t, idx, popxl.constant(np.ones((1, 3), np.float32)), **args)
+        # numpy ints and a numpy bool are accepted, like pybind11 does
+        out = ops.dynamic_slice(t, idx, np.array([0]), [np.int64(2)], np.bool_(False))
+        assert out.shape == (2, 3)

@@ -301,3 +301,25 @@ def test_unimplemented_features_raise_not_implemented():
         if transforms is not None and hasattr(transforms, "autodiff"):
             with pytest.raises(NotImplementedError):
                 transforms.autodiff(g)
+
+
+# python/popxl/python_files/ops/init.py, tensor.py graph_input, streams.py: the shape becomes a
+# C++ TensorInfo via pybind11 (std::vector<int64_t>: floats -> TypeError). Negative sizes are not
+# checked by PopART (willow/src/tensorinfo.cpp) and give no meaningful tensor: the emulator raises.
+@emulator_only
+def test_user_shapes_validated():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with pytest.raises(TypeError):
+            ops.init((2.0,), f32)
+        with pytest.raises(ValueError):
+            ops.init((-2,), f32)
+        with pytest.raises(ValueError):
+            popxl.h2d_stream((-1,), f32)
+        with pytest.raises(ValueError):
+            popxl.d2h_stream((3, -1), f32)
+        g = ir.create_empty_graph("g")
+        with g:
+            with pytest.raises(TypeError):
+                popxl.graph_input((2.5,), f32)
+        assert ops.init((np.int64(2),), f32).shape == (2,)

@@ -181,3 +181,24 @@ def test_cast_parameter_is_data_type():
         t = popxl.constant(A)
         y = ops.cast(t, data_type=popxl.float16)
     np.testing.assert_array_equal(run(ir, None, y), A.astype(np.float16))
+
+
+# python/popxl/python_files/ops/{slice,split,subsample,transpose,reshape}.py pass these
+# attributes to pybind11-bound C++ op constructors as std::vector<int64_t>: floats -> TypeError
+# (the emulator used to accept them and produce float shapes such as (2.0, 6)).
+@pytest.mark.parametrize("make", [
+    lambda x: ops.slice(x, [1.0], [3]),
+    lambda x: ops.slice(x, [1], [3], axis=[0.0]),
+    lambda x: ops.split(x, [2.0, 2.0]),
+    lambda x: ops.subsample(x, [2.0, 1]),
+    lambda x: x.transpose((1.0, 0)),
+    lambda x: x.reshape((12.0, 2)),
+])
+def test_shape_attributes_reject_floats(make):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.ones((4, 6), np.float32))
+        with pytest.raises(TypeError):
+            make(x)
+        assert ops.slice(x, [np.int64(1)], [3]).shape == (2, 6)  # numpy ints are fine
+        assert all(type(d) is int for d in ops.slice(x, [np.int64(1)], [3]).shape)

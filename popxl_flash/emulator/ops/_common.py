@@ -1,4 +1,7 @@
 """Helpers shared by the op families: dtype classes, broadcasting, axis handling."""
+import operator
+from collections.abc import Sequence
+
 import numpy as np
 
 from .. import dtypes
@@ -46,15 +49,17 @@ def norm_axis(kind, axis, rank):
     return a
 
 
-def as_int_list(kind, name, value):
-    """Args: value: int or iterable of ints. Returns: list of Python ints."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return [int(value)]
+def int_vector(kind, name, value):
+    """Convert like pybind11's ``std::vector<int64_t>`` caster (PopXL passes op attributes to
+    C++ that way): a non-string sequence of ints (numpy ints and bools ok, floats not).
+
+    Returns: tuple of Python ints. Raises TypeError otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"{kind}: `{name}` must be a list of ints, got {value!r}")
     try:
-        out = [int(v) for v in value]
+        return tuple(operator.index(v) for v in value)
     except TypeError:
-        raise TypeError(f"{kind}: `{name}` must be an int or a list of ints, got {value!r}") from None
-    return out
+        raise TypeError(f"{kind}: `{name}` must be a list of ints, got {value!r}") from None
 
 
 def scalar_value(kind, name, value):

@@ -3,11 +3,13 @@
 Out-of-range starts (start < 0 or start + size > dim) are unspecified on the device; the
 emulator raises ``IndexError`` when the op executes.
 """
+import numbers
+
 import numpy as np
 
 from ..errors import PopartError
 from ..registry import emit, register
-from ._common import INTS
+from ._common import INTS, int_vector
 
 
 def _check(t, index, axes, sizes):
@@ -73,7 +75,13 @@ register("dynamic_update_", _du_rule, _du_, alias="modify")
 
 
 def _attrs(axes, sizes, no_overlap):
-    return {"axes": tuple(int(a) for a in axes), "sizes": tuple(int(s) for s in sizes)}
+    # PopXL passes these to the pybind11-bound C++ constructor: ``axes``/``sizes`` are
+    # ``std::vector<int64_t>`` (floats rejected, numpy ints accepted) and ``no_overlap`` is a
+    # ``bool`` (True/False/None or a number; str, list, Tensor ... rejected) -> TypeError.
+    if not (no_overlap is None or isinstance(no_overlap, (numbers.Number, np.bool_))):
+        raise TypeError(f"dynamic slice: `no_overlap` must be a bool, got {no_overlap!r}")
+    return {"axes": int_vector("dynamic slice", "axes", axes),
+            "sizes": int_vector("dynamic slice", "sizes", sizes)}
 
 
 def dynamic_slice(t, index, axes, sizes, no_overlap):
@@ -93,5 +101,3 @@ def dynamic_update_(t, index, t_update, axes, sizes, no_overlap):
     return emit("dynamic_update_", {"t": t, "index": index, "t_update": t_update},
                 _attrs(axes, sizes, no_overlap))[0]
 
-
-_ = np

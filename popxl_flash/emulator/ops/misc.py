@@ -35,6 +35,6 @@ def init(shape, dtype, name=None, init_type="zero", meta_shape=None):
     dtypes.check_device(dtype, "init")
     if meta_shape:
         raise NotImplementedError("init(meta_shape=...) is not supported by the emulator")
-    shape = tuple(int(s) for s in shape)
+    shape = dtypes.check_shape(shape, "init")
     return emit("init", {}, {"shape": shape, "dtype": dtype, "init_type": init_type},
                 names=[name or "init"])[0]

@@ -10,7 +10,7 @@ from .. import dtypes
 from ..errors import PopartError
 from ..registry import emit, register
 from ..tensor import Tensor
-from ._common import INTS, as_int_list, norm_axis
+from ._common import INTS, int_vector, norm_axis
 
 INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
 _pyslice = builtins.slice
@@ -56,7 +56,7 @@ _register_pair("reshape", _reshape_rule, lambda a, shape: a.reshape(shape))
 def _reshape_shape(t, shape):
     if not isinstance(shape, (tuple, list)):
         raise TypeError(f"reshape: shape must be a tuple or list of ints, got {shape!r}")
-    shape = [int(s) for s in shape]
+    shape = list(int_vector("reshape", "shape", shape))
     if any(s < -1 for s in shape) or shape.count(0) > 0:
         raise ValueError(f"Invalid shape value in reshape. Must be '>0' or '-1'. Provided {shape}.")
     if shape.count(-1) > 1:
@@ -122,7 +122,7 @@ def _perm(t, permutation):
     _tensor_arg("t", t)
     if permutation is None:
         permutation = tuple(reversed(range(t.rank)))
-    permutation = tuple(int(p) for p in permutation)
+    permutation = int_vector("transpose", "permutation", permutation)
     if any(p >= t.rank for p in permutation):
         raise ValueError(f"Values in permutation must be less than the tensor's rank {t.rank}. "
                          f"Found {tuple(p for p in permutation if p >= t.rank)}")
@@ -213,7 +213,8 @@ def split(t, splits, axis=0):
             raise ValueError(f"Split {splits} does not equally divide tensor axis {axis} of "
                              f"length {t.shape[axis]}.")
         splits = [t.shape[axis] // splits] * splits
-    return list(emit("split", {"t": t}, {"axis": axis, "splits": tuple(splits)}))
+    splits = int_vector("split", "splits", splits)
+    return list(emit("split", {"t": t}, {"axis": axis, "splits": splits}))
 
 
 # -- slice / subsample -------------------------------------------------------------------------
@@ -286,7 +287,8 @@ def _slice_op(kind, t, start, stop, step, axis):
     _tensor_arg("t", t)
     if start is None and stop is None and step is None:
         return t
-    args = _process_slice_args(start, stop, step, axis)
+    args = [int_vector(kind, name, v) for name, v in
+            zip(("start", "stop", "step", "axis"), _process_slice_args(start, stop, step, axis))]
     return emit(kind, {"t": t}, {"slices": _slices(t, *args)})[0]
 
 
@@ -314,7 +316,8 @@ register("subsample", _subsample_rule,
 def subsample(t, strides):
     """Args: t: Tensor. strides: int or list (padded with 1s). Returns: every k-th element."""
     _tensor_arg("t", t)
-    strides = as_int_list("subsample", "strides", strides)
+    strides = list(int_vector("subsample", "strides",
+                              [strides] if isinstance(strides, int) else strides))
     if len(strides) < t.rank:
         strides += [1] * (t.rank - len(strides))
     elif len(strides) > t.rank:
