@@ -63,22 +63,24 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
     return dq_i, dk_j, dv_j
 
 
-def _q_body(cfg, block_graphs, i, dk_j, dv_j, j, k_j, v_j, q: ByRef, do: ByRef, lse: ByRef,
+def _q_body(cfg, block_graphs, t, dk_j, dv_j, j, k_j, v_j, q: ByRef, do: ByRef, lse: ByRef,
             dvec: ByRef, dq: ByRef):
-    """Inner repeat body over query chunks.
+    """Inner repeat body over the query chunks kv chunk ``j`` is visited by.
 
-    Carried: ``i [1]``, ``dk_j, dv_j [G, ckv, D]`` (float32). Invariant: ``j [1]``, ``k_j, v_j``
-    and, by reference, padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]`` (read-only) and the
-    float32 accumulator ``dq [G, Lq_pad, D]`` whose chunk ``i`` is updated in place.
+    Carried: iteration ``t [1]``, ``dk_j, dv_j [G, ckv, D]`` (float32). Invariant: ``j [1]``,
+    ``k_j, v_j`` and, by reference, padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]`` (read-only)
+    and the float32 accumulator ``dq [G, Lq_pad, D]`` whose chunk ``i`` is updated in place.
     """
     cq = cfg.chunk_q
+    tables = blocks.BlockTables(cfg.schedule.inner_loop("q"))
+    full, partial, pattern_id, i = tables.lookup(j, t)  # i: the q chunk of iteration t
     q_i, do_i = blocks.chunk(q, i, cq), blocks.chunk(do, i, cq)  # [G, cq, D]
     lse_i, dvec_i = blocks.chunk(lse, i, cq), blocks.chunk(dvec, i, cq)  # [G, cq, 1]
-    dq_i, dk_j, dv_j = block_graphs.step(
-        blocks.BlockTables(cfg.schedule), i, j, state=(blocks.chunk(dq, i, cq), dk_j, dv_j),
-        operands=(q_i, do_i, lse_i, dvec_i, k_j, v_j))
+    dq_i, dk_j, dv_j = block_graphs.step(full, partial, pattern_id,
+                                         state=(blocks.chunk(dq, i, cq), dk_j, dv_j),
+                                         operands=(q_i, do_i, lse_i, dvec_i, k_j, v_j))
     blocks.update_chunk_(dq, i, dq_i, cq)
-    return i + 1, dk_j, dv_j
+    return t + 1, dk_j, dv_j
 
 
 def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
@@ -92,8 +94,9 @@ def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRe
     ckv, f32 = cfg.chunk_kv, blocks.float32()
     k_j, v_j = blocks.chunk(k, j, ckv), blocks.chunk(v, j, ckv)  # [G, ckv, D]
     zeros = ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
-    _, dk_j, dv_j = ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), zeros, zeros, j,
-                               k_j, v_j, q, do, lse, dvec, dq)
+    trips = cfg.schedule.inner_loop("q").trip_count
+    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), zeros, zeros, j, k_j, v_j, q,
+                               do, lse, dvec, dq)
     blocks.update_chunk_(dk, j, dk_j, ckv)
     blocks.update_chunk_(dv, j, dv_j, ckv)
     return j + 1

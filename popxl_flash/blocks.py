@@ -70,30 +70,37 @@ def update_chunk_(t, index, value, chunk_len):
 
 
 class BlockTables:
-    """The schedule's ``kind``/``pattern_id`` tables as constants of one graph.
+    """An inner loop's ``kind``/``pattern_id``/``index`` tables as constants of one graph.
 
     Create inside the graph that looks blocks up (the constants belong to that graph, so they
     are not copied through loop boundaries).
+
+    Args:
+        loop: the schedule's :class:`popxl_flash.schedule.InnerLoop` for this loop nest.
     """
 
-    def __init__(self, schedule):
-        self.kind = popxl.constant(schedule.kind.astype(INDEX_DTYPE))  # [nq, nkv]
-        self.pattern_id = popxl.constant(schedule.pattern_id.astype(INDEX_DTYPE))  # [nq, nkv]
+    def __init__(self, loop):
+        self.kind = popxl.constant(loop.kind.astype(INDEX_DTYPE))  # [n_outer, T]
+        self.pattern_id = popxl.constant(loop.pattern_id)  # [n_outer, T]
+        self.index = popxl.constant(loop.index)  # [n_outer, T]
 
-    def lookup(self, i, j):
-        """Block ``(i, j)`` entries for counters ``i, j [1]``.
+    def lookup(self, outer, t):
+        """Entries of iteration ``t`` of outer chunk ``outer`` (counters ``[1]``).
 
         Returns:
-            ``(full, partial, pattern_id)``: bool ``()`` flags and the int32 ``[1]`` pattern id
-            (-1 unless partial). A skip block has both flags False.
+            ``(full, partial, pattern_id, inner)``: bool ``()`` flags (a skip block has both
+            False), the int32 ``[1]`` pattern id (-1 unless partial) and the int32 ``[1]`` inner
+            chunk index.
         """
-        idx = ops.concat([i, j], axis=0)  # [2]
-        kind = ops.dynamic_slice(self.kind, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
-        pid = ops.dynamic_slice(self.pattern_id, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
-        kind = kind.reshape(())
+        idx = ops.concat([outer, t], axis=0)  # [2]
+
+        def entry(table):
+            return ops.dynamic_slice(table, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
+
+        kind = entry(self.kind).reshape(())
         full = ops.equal(kind, popxl.constant(np.array(FULL, dtype=INDEX_DTYPE)))
         partial = ops.equal(kind, popxl.constant(np.array(PARTIAL, dtype=INDEX_DTYPE)))
-        return full, partial, pid.reshape((1,))
+        return full, partial, entry(self.pattern_id).reshape((1,)), entry(self.index).reshape((1,))
 
 
 def block_mask(schedule, pattern_id):
@@ -144,17 +151,20 @@ class BlockGraphs:
             self.partial = ir.create_graph(_partial_block, update, cfg, *state_specs,
                                            *operand_specs, pid_spec)
 
-    def step(self, tables, i, j, state, operands):
-        """Apply block ``(i, j)`` to ``state``: full, masked, or not at all (skip).
+    def step(self, full, partial, pattern_id, state, operands):
+        """Apply one block to ``state``: full, masked, or not at all (skip).
 
         Two one-level conditionals (rather than nested ones) keep one graph frame, and so one
         copy of the operands, between the loop body and the block's work. A skip block takes
         the passthrough branch of both: no matmul runs.
 
+        Args:
+            full, partial, pattern_id: from :meth:`BlockTables.lookup`.
+            state, operands: tensors passed to the block update (state is also the result).
+
         Returns:
             The new state tensors (a tuple).
         """
-        full, partial, pattern_id = tables.lookup(i, j)
         state = ops.conditional(full, self.full, self.passthrough,
                                 then_inputs=[*state, *operands], else_inputs=list(state))
         if self.partial is not None:

@@ -64,17 +64,19 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     return m_new, l_new, alpha * acc + pv
 
 
-def _kv_body(cfg, block_graphs, j, m_i, l_i, acc, i, q_i, k: ByRef, v: ByRef):
-    """Inner repeat body over key/value chunks.
+def _kv_body(cfg, block_graphs, t, m_i, l_i, acc, i, q_i, k: ByRef, v: ByRef):
+    """Inner repeat body over the key/value chunks q chunk ``i`` visits.
 
-    Carried: ``j [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``, padded k, v
-    (by reference: read-only, so the loop does not copy them).
+    Carried: iteration ``t [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``,
+    padded k, v (by reference: read-only, so the loop does not copy them).
     """
+    tables = blocks.BlockTables(cfg.schedule.inner_loop("kv"))
+    full, partial, pattern_id, j = tables.lookup(i, t)  # j: the kv chunk of iteration t
     k_j = blocks.chunk(k, j, cfg.chunk_kv)  # [G, ckv, D]
     v_j = blocks.chunk(v, j, cfg.chunk_kv)
-    m_i, l_i, acc = block_graphs.step(blocks.BlockTables(cfg.schedule), i, j,
-                                      state=(m_i, l_i, acc), operands=(q_i, k_j, v_j))
-    return j + 1, m_i, l_i, acc
+    m_i, l_i, acc = block_graphs.step(full, partial, pattern_id, state=(m_i, l_i, acc),
+                                      operands=(q_i, k_j, v_j))
+    return t + 1, m_i, l_i, acc
 
 
 def _finalise(cfg, m_i, l_i, acc):
@@ -104,8 +106,8 @@ def _q_body(cfg, kv_graph, i, q: ByRef, k: ByRef, v: ByRef, out: ByRef, lse: ByR
     m_i = popxl.constant(np.full((G, cq, 1), blocks.MASKED_SCORE, np.float32))
     l_i = ops.init((G, cq, 1), f32, init_type="zero")
     acc = ops.init((G, cq, D), f32, init_type="zero")
-    _, m_i, l_i, acc = ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), m_i, l_i, acc,
-                                  i, q_i, k, v)
+    trips = cfg.schedule.inner_loop("kv").trip_count
+    _, m_i, l_i, acc = ops.repeat(kv_graph, trips, blocks.counter(0), m_i, l_i, acc, i, q_i, k, v)
     out_i, lse_i = _finalise(cfg, m_i, l_i, acc)
     blocks.update_chunk_(out, i, out_i, cq)
     blocks.update_chunk_(lse, i, lse_i, cq)

@@ -53,6 +53,7 @@ __all__ = [
     "PARTIAL",
     "UNBOUNDED",
     "BlockSchedule",
+    "InnerLoop",
     "FlopCount",
     "MemoryEstimate",
     "chunk_length",
@@ -233,6 +234,68 @@ class BlockSchedule:
 
     def _visited_elements(self) -> int:
         return self.chunk_q * self.chunk_kv * self.visited_blocks
+
+    def inner_loop(self, inner: str) -> "InnerLoop":
+        """Tables of the inner loop, trimmed to the blocks each outer chunk visits.
+
+        For causal and window masks the blocks an outer chunk visits are contiguous along the
+        inner axis (the visible band is a diagonal strip), so the inner loop need only run
+        ``trip_count = max visited per outer chunk`` times, starting at the first visited block:
+        a window over long sequences runs a few iterations instead of ``nkv``.
+
+        Args:
+            inner: ``"kv"`` (forward: q chunks outer, kv chunks inner) or ``"q"`` (backward:
+                kv chunks outer, q chunks inner).
+
+        Returns:
+            The cached :class:`InnerLoop`.
+        """
+        if inner not in ("kv", "q"):
+            raise ValueError(f"inner={inner!r} is not supported; expected 'kv' or 'q'")
+        return _inner_loop_cached(self, inner)
+
+
+@dataclass(frozen=True, eq=False)
+class InnerLoop:
+    """The block tables re-indexed by (outer chunk, inner iteration ``t``).
+
+    Iteration ``t`` of outer chunk ``o`` works on inner chunk ``index[o, t]``. Iterations past
+    the chunk's last visited block are ``SKIP`` (their index is clamped into range, so slicing
+    it stays in bounds; nothing is computed).
+
+    Attributes:
+        trip_count: T, iterations of the inner loop (int >= 1).
+        kind: ``int8[n_outer, T]``, as :attr:`BlockSchedule.kind`.
+        pattern_id: ``int32[n_outer, T]``, as :attr:`BlockSchedule.pattern_id`.
+        index: ``int32[n_outer, T]``, the inner chunk of each iteration.
+    """
+
+    trip_count: int
+    kind: np.ndarray = field(repr=False)
+    pattern_id: np.ndarray = field(repr=False)
+    index: np.ndarray = field(repr=False)
+
+
+@functools.lru_cache(maxsize=128)
+def _inner_loop_cached(schedule: BlockSchedule, inner: str) -> InnerLoop:
+    kind, pid = schedule.kind, schedule.pattern_id  # [nq, nkv]: kv inner
+    if inner == "q":
+        kind, pid = kind.T, pid.T
+    visited = kind != SKIP  # [n_outer, n_inner]
+    count = visited.sum(axis=1)
+    first = np.where(count > 0, visited.argmax(axis=1), 0)
+    last = np.where(count > 0, visited.shape[1] - 1 - visited[:, ::-1].argmax(axis=1), -1)
+    if np.any(last - first + 1 != count):
+        raise RuntimeError("internal error: visited blocks of a chunk are not contiguous")
+    steps = np.arange(max(int(count.max(initial=0)), 1))
+    index = np.minimum(first[:, None] + steps, visited.shape[1] - 1)  # [n_outer, T]
+    in_range = steps[None, :] < count[:, None]
+    tables = [np.where(in_range, np.take_along_axis(t, index, axis=1), fill)
+              for t, fill in ((kind, SKIP), (pid, -1))]
+    arrays = [tables[0].astype(np.int8), tables[1].astype(np.int32), index.astype(np.int32)]
+    for a in arrays:
+        a.flags.writeable = False
+    return InnerLoop(len(steps), *arrays)
 
 
 def plan(

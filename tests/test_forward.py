@@ -207,3 +207,20 @@ def test_flash_attn_suite_seqlens(Lq, Lkv, dtype, mask):
     """FlashAttention's sequence-length pairs with automatic chunking, under the 2x rule."""
     opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
     check_forward(dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=Lq * Lkv))
+
+
+@emulator_only
+def test_window_work_grows_linearly_with_length():
+    """The inner loop runs only over the kv chunks a q chunk visits: with a fixed window,
+    doubling L doubles the executed ops (the causal loop nest would quadruple them)."""
+    def ops_executed(L, **mask):
+        q, k, v = random_qkv(np.random.default_rng(4), 1, L, L, 8, "float32")
+        _, _, run = run_flash(q, k, v, num_chunks_q=L // 32, num_chunks_kv=L // 32, **mask)
+        return run.profile.ops_executed
+
+    window = dict(causal=True, window=(64, None))
+    # T = 3 iterations per q chunk at every L: ops = a + nq * b + (work of the visited blocks),
+    # and the visited blocks per q chunk are 3 except the first two chunks: the doubling ratio
+    # is 2 + O(1/nq) (measured 2.02). The full causal nest runs nq^2 / 2 iterations: ~4x.
+    assert ops_executed(1024, **window) < 2.1 * ops_executed(512, **window)
+    assert ops_executed(1024) > 3.5 * ops_executed(512)

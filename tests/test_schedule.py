@@ -393,3 +393,33 @@ def test_chunk_length(length, num_chunks, expected):
 def test_chunk_length_validation(length, num_chunks, error, word):
     with pytest.raises(error, match=word):
         schedule.chunk_length(length, num_chunks)
+
+
+@given(plan_args(), st.sampled_from(["kv", "q"]))
+def test_inner_loop_tables_visit_each_block_once(args, inner):
+    """The trimmed inner loop visits exactly the non-skip blocks, each once, in order, and runs
+    max(visited per outer chunk) iterations."""
+    s = _plan(args)
+    loop = s.inner_loop(inner)
+    kind, pid = (s.kind, s.pattern_id) if inner == "kv" else (s.kind.T, s.pattern_id.T)
+    visits = (kind != SKIP).sum(axis=1)
+    assert loop.trip_count == max(int(visits.max()), 1)
+    assert loop.kind.shape == loop.index.shape == (kind.shape[0], loop.trip_count)
+    for o in range(kind.shape[0]):
+        n = visits[o]
+        idx = loop.index[o]
+        assert ((idx >= 0) & (idx < kind.shape[1])).all()  # always a safe slice
+        np.testing.assert_array_equal(np.diff(idx[:n]), 1)  # consecutive inner chunks
+        np.testing.assert_array_equal(loop.kind[o, :n], kind[o, idx[:n]])
+        np.testing.assert_array_equal(loop.pattern_id[o, :n], pid[o, idx[:n]])
+        assert (loop.kind[o, n:] == SKIP).all() and (loop.pattern_id[o, n:] == -1).all()
+        assert (kind[o, idx[:n]] != SKIP).all() and visits[o] == (kind[o] != SKIP).sum()
+
+
+def test_inner_loop_is_short_for_a_window():
+    """A 256-wide window over 131072 tokens: 3 kv iterations per q chunk, not 1024."""
+    s = plan(131072, 131072, 128, 128, causal=True, window=(256, None))
+    assert s.inner_loop("kv").trip_count == 3 and s.inner_loop("q").trip_count == 3
+    assert plan(512, 512, 128, 128).inner_loop("kv").trip_count == 4
+    with pytest.raises(ValueError, match="inner='x'"):
+        s.inner_loop("x")
