@@ -1,7 +1,7 @@
 """PopXL graph helpers shared by the forward and backward modules.
 
 They slice chunks by loop counters, look a block up in the planner's tables, fetch its mask
-pattern and build the counter-driven loops. Everything here is graph code: it runs inside the
+pattern and dispatch the block to its full or partial branch graph. Everything here is graph code: it runs inside the
 graph context of the module being built and uses only the documented PopXL API.
 """
 import numpy as np
@@ -63,7 +63,8 @@ def chunk(t, index, chunk_len):
 def update_chunk_(t, index, value, chunk_len):
     """Write ``value`` into chunk ``index`` of axis 1 of ``t`` in place; returns the alias.
 
-    Only for tensors the calling graph owns (a loop body's by-value carried input).
+    Only for the library's own accumulators (``out``, ``lse``, ``dq``, ``dk``, ``dv``), which
+    enter the loops by reference and are read after them under ``in_sequence``.
     """
     return ops.dynamic_update_(t, index * chunk_len, value, axes=[1], sizes=[chunk_len],
                                no_overlap=True)
