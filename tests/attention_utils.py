@@ -23,6 +23,7 @@ Flash keeps scores, statistics and accumulators in float32 even for float16 inpu
 usually far inside the bound.
 """
 import numpy as np
+import pytest
 
 import popxl_flash as pf
 from popxl_flash import harness, popxl
@@ -143,3 +144,26 @@ def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magni
     bound = factor * max_err(naive, ref) + floor
     assert err <= bound, (f"{name}: max error {err:.3e} > bound {bound:.3e} "
                           f"({factor}x naive + floor)")
+
+
+#: (Lq, Lkv) pairs of FlashAttention's own test suite (tests/test_flash_attn.py).
+FLASH_ATTN_SEQLENS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
+                      (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
+
+
+def suite_case(Lq, Lkv, dtype, mask, seed):
+    """A FlashAttention-suite case for ``check_forward``/``check_backward``: G = 2, D = 32,
+    automatic chunking, default scale, the given mask options."""
+    opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
+    return dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=seed)
+
+
+def suite_parametrize(seqlens):
+    """Parametrize a test over ``(Lq, Lkv)`` pairs x dtypes x (causal, full, window) masks."""
+    def decorate(test):
+        masks = pytest.mark.parametrize(
+            "mask", [dict(causal=True), dict(causal=False), dict(causal=False, window=(48, 16))],
+            ids=["causal", "full", "window"])
+        dtypes = pytest.mark.parametrize("dtype", ["float16", "float32"])
+        return pytest.mark.parametrize("Lq,Lkv", seqlens)(dtypes(masks(test)))
+    return decorate

@@ -7,7 +7,7 @@ import popxl_flash as pf
 from popxl_flash.config import AttentionConfig
 
 from attention_utils import (assert_within_rule, naive_attention_grad, random_qkv,
-                             run_flash_grad, run_graph)
+                             run_flash_grad, run_graph, suite_case, suite_parametrize)
 from test_forward import attention_cases, emulator_only
 
 
@@ -134,12 +134,7 @@ def test_packed_grad_matches_unpacked():
         np.testing.assert_allclose(g, ref, atol=2e-5)
 
 
-@pytest.mark.parametrize("Lq,Lkv", [(113, 203), (108, 256), (512, 256), (1023, 1024)])
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False),
-                                  dict(causal=False, window=(48, 16))],
-                         ids=["causal", "full", "window"])
+@suite_parametrize([(113, 203), (108, 256), (512, 256), (1023, 1024)])
 def test_flash_attn_suite_seqlens(Lq, Lkv, dtype, mask):
     """FlashAttention's sequence-length pairs, automatic chunking, under the 3x rule."""
-    opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
-    check_backward(dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=Lq + Lkv))
+    check_backward(suite_case(Lq, Lkv, dtype, mask, seed=Lq + Lkv))

@@ -9,8 +9,8 @@ from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
 from popxl_flash.naive import naive_attention as naive_attention_graph
 
-from attention_utils import (assert_within_rule, naive_attention, random_qkv, run_flash,
-                             run_graph)
+from attention_utils import (FLASH_ATTN_SEQLENS, assert_within_rule, naive_attention,
+                             random_qkv, run_flash, run_graph, suite_case, suite_parametrize)
 
 ops = popxl.ops
 emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator",
@@ -193,20 +193,10 @@ def test_auto_chunking_flop_ratio_at_2048():
     assert session.profile.matmul_flops == flops.executed
 
 
-#: (Lq, Lkv) pairs of FlashAttention's own test suite (tests/test_flash_attn.py).
-FLASH_ATTN_SEQLENS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
-                      (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
-
-
-@pytest.mark.parametrize("Lq,Lkv", FLASH_ATTN_SEQLENS)
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False),
-                                  dict(causal=False, window=(48, 16))],
-                         ids=["causal", "full", "window"])
+@suite_parametrize(FLASH_ATTN_SEQLENS)
 def test_flash_attn_suite_seqlens(Lq, Lkv, dtype, mask):
     """FlashAttention's sequence-length pairs with automatic chunking, under the 2x rule."""
-    opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
-    check_forward(dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=Lq * Lkv))
+    check_forward(suite_case(Lq, Lkv, dtype, mask, seed=Lq * Lkv))
 
 
 @emulator_only
