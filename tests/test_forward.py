@@ -145,14 +145,14 @@ def test_executed_flops_equal_planner_count(case):
 
 
 @emulator_only
-@pytest.mark.parametrize("dtype,min_ratio", [("float16", 10), ("float32", 8)])
-def test_peak_memory_far_below_naive(dtype, min_ratio):
-    """L = 2048, D = 64, auto chunking: peak live bytes far below a naive PopXL attention.
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_peak_memory_far_below_naive(dtype):
+    """L = 2048, D = 64, auto chunking: peak live bytes at least 10x below a naive PopXL attention.
 
-    Naive holds two float32 [L, L] score/probability matrices (32 MiB) plus the [L, L] mask.
-    Flash holds the caller's q, k, v, one by-value copy of them at the module's call boundary,
-    out, and O(chunk^2) block temporaries: 7 * L * D * itemsize + ~0.3 MiB, i.e. ~3.8 MiB in
-    float32 (a ~10x bound the boundary copy makes unreachable in float32) and ~2 MiB in float16.
+    Naive holds two float32 [L, L] score/probability matrices (32 MiB) plus the [L, L] mask and
+    q, k, v. Flash's peak is the moment its module call copies q, k, v in (caller's and callee's
+    copies both live: 6 * L * D * itemsize = 3 MiB in float32) or the loop phase (q, k, v, out and
+    O(chunk^2) blocks): naive / flash is about 12 in float32 and 24 in float16.
     """
     q, k, v = random_qkv(np.random.default_rng(2), 1, 2048, 2048, 64, dtype)
     _, _, flash_session = run_flash(q, k, v)
@@ -160,7 +160,7 @@ def test_peak_memory_far_below_naive(dtype, min_ratio):
         lambda q, k, v: (naive_attention_graph(q, k, v),), [q, k, v])
     flash_peak = flash_session.profile.peak_live_bytes
     naive_peak = naive_session.profile.peak_live_bytes
-    assert naive_peak >= min_ratio * flash_peak, (flash_peak, naive_peak)
+    assert naive_peak >= 10 * flash_peak, (flash_peak, naive_peak)
 
 
 @emulator_only

@@ -62,7 +62,10 @@ class Runtime:
                 for s, r in zip(outs, fn(*[env[i] for i in ins], **attrs)):
                     env[s] = r
             else:
-                self.live = live
+                release, entry = attrs  # see plan._entry_accounting
+                if live + entry > self.peak:
+                    self.peak = live + entry
+                self.live = live - release
                 for s, r in zip(outs, fn(self, data, [env[i] for i in ins])):
                     env[s] = r
             live += alloc

@@ -179,10 +179,34 @@ def _step(op, k, slot, al, pinned, last, members, out_roots, plan_of):
     ins = tuple(slot[id(t)] for t in op.inputs)
     outs = tuple(slot[id(t)] for t in op.outputs)
     if op.kind in RUNTIME:
-        code, data, attrs = CONTROL, PREPARE[op.kind](op, plan_of), None
+        data = PREPARE[op.kind](op, plan_of)
+        code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, pinned, out_roots)
     else:
         code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
     return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)
+
+
+def _entry_accounting(op, data, al, last, k, pinned, out_roots):
+    """``(release, entry)`` bytes of a call/repeat/conditional step, for the run profile.
+
+    ``entry``: the callee frame's by-value input copies (the larger branch of a conditional),
+    counted on top of everything the caller holds at the moment of the copy. ``release``: the
+    caller's values that are passed by value and read for the last time by this op. They are
+    dead once copied in, so they do not count while the callee runs (liveness as on the IPU:
+    a tensor's memory is free after its last read, and a call reads its inputs when it copies
+    them). Values passed by reference stay: they are the callee's storage.
+    """
+    if op.kind not in ("call", "repeat", "conditional"):
+        return 0, 0  # host IO and other runtime ops run no callee frame
+    plans = data[:2] if op.kind == "conditional" else (data,)
+    entry = max(p.in_bytes for p in plans)
+    by_ref = {id(al.find(op.inputs[pos])) for pos in op.modifies}
+    release = {}
+    for t in op.inputs:
+        rid = id(al.find(t))
+        if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref:
+            release[rid] = al.find(t).nbytes
+    return sum(release.values()), entry
 
 
 def check_ambiguity(g, al):

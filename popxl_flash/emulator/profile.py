@@ -13,7 +13,8 @@ class RunProfile:
             conditional ops count once per execution themselves).
         matmul_flops: sum over executed matmuls of 2*M*N*K*batch.
         peak_live_bytes: largest total bytes of live tensor values (frame liveness; variables
-            and constants live for the whole run; by-value subgraph inputs count as copies).
+            and constants live for the whole run; by-value subgraph inputs count as copies,
+            and a caller value last read by the call is dead once copied in).
         const_bytes: bytes of variables and constants (included in peak_live_bytes).
         wall_seconds: wall-clock time of the run.
     """
