@@ -72,6 +72,8 @@ def _q_body(cfg, block_graphs, t, dk_j, dv_j, j, k_j, v_j, q: ByRef, do: ByRef, 
     and the float32 accumulator ``dq [G, Lq_pad, D]`` whose chunk ``i`` is updated in place.
     """
     cq = cfg.chunk_q
+    # The chunk slices and the dq write-back run every iteration, skip blocks included: branch
+    # graphs cannot take the full tensors by reference, and copying them in would cost more.
     tables = blocks.BlockTables(cfg.schedule.inner_loop("q"))
     full, partial, pattern_id, i = tables.lookup(j, t)  # i: the q chunk of iteration t
     q_i, do_i = blocks.chunk(q, i, cq), blocks.chunk(do, i, cq)  # [G, cq, D]

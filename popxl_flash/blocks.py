@@ -12,9 +12,11 @@ from popxl_flash.schedule import FULL, PARTIAL
 ops = popxl.ops
 
 #: Score given to masked elements when taking the running max, and the initial running max
-#: ``m_i``. Finite on purpose: ``exp(m_old - m_new)`` stays 0 (never NaN) while a row has seen
-#: nothing, and masked probabilities are then zeroed with ``where`` rather than relying on it.
-MASKED_SCORE = -1.0e30
+#: ``m_i``: the lowest float32, so every finite score of a visible element ranks above it.
+#: Finite on purpose: ``exp(m_old - m_new)`` is 1 or 0, never ``exp(-inf + inf) = NaN``, while a
+#: row has seen nothing, and masked probabilities are then zeroed with ``where`` rather than
+#: relying on it.
+MASKED_SCORE = float(np.finfo(np.float32).min)
 
 #: dtype of the loop counters and table entries.
 INDEX_DTYPE = np.int32

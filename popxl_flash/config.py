@@ -15,7 +15,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Tuple
 
+import numpy as np
+
 from popxl_flash import schedule as _schedule
+from popxl_flash.schedule import normalise_window
 
 #: Target chunk length of the automatic rule: 128 rows keep one float32 score block at
 #: 64 KiB per group and the executed/useful FLOP ratio of causal attention near 1 + 128/L.
@@ -24,8 +27,8 @@ DEFAULT_CHUNK_LEN = 128
 #: dtypes the kernels support (the IPU has no bfloat16).
 SUPPORTED_DTYPES = ("float16", "float32")
 
-#: Marker of an unbounded window side, FlashAttention's spelling.
-UNBOUNDED = -1
+#: Largest |scale|: the scale is a float32 constant of the graph.
+MAX_SCALE = float(np.finfo(np.float32).max)
 
 
 def _check_int(name, value, *, low=1, high=None):
@@ -47,36 +50,6 @@ def _check_shape(name, shape, rank, meaning):
     if any(d < 1 for d in shape):
         raise ValueError(f"{name} must have non-empty dims ({meaning}), got shape {shape}")
     return shape
-
-
-def normalise_window(window) -> Tuple[int, int]:
-    """Return ``(left, right)`` with ``-1`` for unbounded sides.
-
-    Args:
-        window: ``None`` or a pair of ``int``/``None``; ``None`` and ``-1`` mean unbounded.
-
-    Returns:
-        ``(left, right)`` ints, each ``>= -1``.
-    """
-    if window is None:
-        return (UNBOUNDED, UNBOUNDED)
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__"):
-        raise TypeError(f"window must be None or a pair (left, right), got window={window!r}")
-    if len(window) != 2:
-        raise ValueError(f"window must be a pair (left, right), got window={window!r}")
-    sides = []
-    for side_name, side in zip(("left", "right"), window):
-        if side is None:
-            sides.append(UNBOUNDED)
-            continue
-        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
-            raise TypeError(
-                f"window {side_name} must be an int >= -1 or None, got window={window!r}")
-        if side < UNBOUNDED:
-            raise ValueError(f"window {side_name} must be >= -1 (-1 or None = unbounded), "
-                             f"got window={window!r}")
-        sides.append(int(side))
-    return tuple(sides)
 
 
 def resolve_num_chunks(name, length, num_chunks):
@@ -187,8 +160,9 @@ class AttentionConfig:
             return 1.0 / math.sqrt(head_dim)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number or None, got scale={scale!r}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got scale={scale!r}")
+        if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+            raise ValueError(f"scale must be finite in float32 (|scale| <= {MAX_SCALE:.4g}), "
+                             f"got scale={scale!r}")
         return float(scale)
 
     def check_like(self, name, shape, dtype, expected_shape, expected_dtype):

@@ -1,6 +1,6 @@
 """FlashAttention forward as a ``popxl.Module``: the seed's algorithm as PopXL graph code.
 
-Graph structure (all static; the op count does not depend on L or the chunk counts)::
+Graph structure (all static; the op count does not grow with L or the chunk counts)::
 
     build(q, k, v)                      # module graph
       pad q, k, v to whole chunks

@@ -27,7 +27,9 @@ ops = popxl.ops
 def _check_tensors(**tensors):
     for name, t in tensors.items():
         if not isinstance(t, popxl.Tensor):
-            raise TypeError(f"{name} must be a popxl.Tensor, got {type(t).__name__}: {t!r}")
+            shape = getattr(t, "shape", None)
+            raise TypeError(f"{name} must be a popxl.Tensor, got {type(t).__name__}"
+                            + (f" of shape {tuple(shape)}" if shape is not None else ""))
 
 
 def _check_bool(name, value):

@@ -9,17 +9,10 @@ the tests; not part of the supported API.
 import numpy as np
 
 from popxl_flash.backend import popxl
+from popxl_flash.blocks import MASKED_SCORE, to_float32
 from popxl_flash.reference import visibility
 
 ops = popxl.ops
-
-#: Score of masked elements before the softmax (finite so that the softmax stays NaN-free).
-MASKED_SCORE = -1.0e30
-
-
-def _f32(t):
-    return t if t.dtype == popxl.float32 else ops.cast(t, popxl.float32)
-
 
 def _like(t, ref):
     return t if t.dtype == ref.dtype else ops.cast(t, ref.dtype)
@@ -70,10 +63,10 @@ def naive_attention_grad(dout, q, k, v, out=None, *, causal=True, scale=None, wi
     f32 = popxl.float32
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     p = naive_probabilities(q, k, causal=causal, scale=scale, window=window)  # [G, Lq, Lkv]
-    out = ops.matmul(_like(p, v), v, output_type=f32) if out is None else _f32(out)
+    out = ops.matmul(_like(p, v), v, output_type=f32) if out is None else to_float32(out)
     dv = ops.matmul(_like(p, v).transpose((0, 2, 1)), dout, output_type=f32)
     dp = ops.matmul(dout, v.transpose((0, 2, 1)), output_type=f32)
-    dvec = ops.sum(_f32(dout) * out, axis=-1, keepdims=True)
+    dvec = ops.sum(to_float32(dout) * out, axis=-1, keepdims=True)
     ds = _like(p * (dp - dvec), q)
     dq = ops.matmul(ds, k, output_type=f32) * scale
     dk = ops.matmul(ds.transpose((0, 2, 1)), q, output_type=f32) * scale

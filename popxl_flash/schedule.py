@@ -56,7 +56,7 @@ __all__ = [
     "InnerLoop",
     "FlopCount",
     "MemoryEstimate",
-    "chunk_length",
+    "normalise_window",
     "plan",
 ]
 
@@ -339,31 +339,7 @@ def plan(
         )
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal={causal!r} must be a bool")
-    return _plan_cached(Lq, Lkv, chunk_q, chunk_kv, bool(causal), _window(window))
-
-
-def chunk_length(length: int, num_chunks: int) -> int:
-    """Chunk length that cuts ``length`` into at most ``num_chunks`` chunks: ceil(length / n).
-
-    When ``num_chunks`` does not divide ``length`` the last chunk is a padded tail, and the
-    number of chunks actually produced, ``ceil(length / chunk)``, can be smaller than
-    ``num_chunks`` (``length=10, num_chunks=6`` gives chunks of 2, i.e. 5 chunks).
-
-    Args:
-        length: sequence length, int >= 1.
-        num_chunks: requested number of chunks, int in 1..length.
-
-    Returns:
-        The chunk length, an int in 1..length.
-
-    Raises:
-        TypeError: a non-int argument. ValueError: out of range.
-    """
-    length = _length("length", length)
-    num_chunks = _int("num_chunks", num_chunks)
-    if not 1 <= num_chunks <= length:
-        raise ValueError(f"num_chunks={num_chunks} must be in 1..length={length}")
-    return -(-length // num_chunks)
+    return _plan_cached(Lq, Lkv, chunk_q, chunk_kv, bool(causal), normalise_window(window))
 
 
 # ---- internals -----------------------------------------------------------------------------
@@ -429,8 +405,19 @@ def _chunk(name, value, length_name, length):
     return value
 
 
-def _window(window):
-    """Normalise ``window`` to ``(left, right)`` ints, ``UNBOUNDED`` for None/-1."""
+def normalise_window(window):
+    """Normalise ``window`` to ``(left, right)`` ints, ``UNBOUNDED`` (-1) for None/-1.
+
+    Args:
+        window: ``None`` or a sequence ``(left, right)`` of ints >= -1 or ``None``.
+
+    Returns:
+        ``(left, right)``.
+
+    Raises:
+        TypeError: not a sequence, or a side that is not an int/None.
+        ValueError: not two entries, or a side < -1.
+    """
     expected = "None or a (left, right) pair of ints >= -1 or None"
     if window is None:
         return (UNBOUNDED, UNBOUNDED)

@@ -321,6 +321,8 @@ def test_plan_is_cached_and_read_only():
         (dict(window="ab"), TypeError, ["window='ab'"]),
         (dict(window=(1.5, 2)), TypeError, ["window=(1.5, 2)", "1.5"]),
         (dict(window=(True, 2)), TypeError, ["window=(True, 2)"]),
+        (dict(window={0: 1, 1: 2}), TypeError, ["window={0: 1, 1: 2}"]),
+        (dict(window={1, 2}), TypeError, ["window={1, 2}"]),
     ],
 )
 def test_plan_validation(kwargs, error, words):
@@ -375,24 +377,6 @@ def test_memory_estimate_is_linear_for_flash():
     assert big.naive > 12 * small.naive  # O(L^2) scores dominate (16x at 4x L)
     assert big.flash < 8 * small.flash  # O(L) (tables are small at this chunking)
     assert big.ratio > small.ratio > 1
-
-
-@pytest.mark.parametrize(
-    "length, num_chunks, expected", [(8, 1, 8), (8, 8, 1), (10, 4, 3), (10, 6, 2), (1, 1, 1)]
-)
-def test_chunk_length(length, num_chunks, expected):
-    assert schedule.chunk_length(length, num_chunks) == expected
-
-
-@pytest.mark.parametrize(
-    "length, num_chunks, error, word",
-    [(8, 0, ValueError, "num_chunks=0"), (8, 9, ValueError, "num_chunks=9"),
-     (8, 2.0, TypeError, "num_chunks=2.0"), (0, 1, ValueError, "length=0"),
-     (8, True, TypeError, "num_chunks=True")],
-)
-def test_chunk_length_validation(length, num_chunks, error, word):
-    with pytest.raises(error, match=word):
-        schedule.chunk_length(length, num_chunks)
 
 
 @given(plan_args(), st.sampled_from(["kv", "q"]))
