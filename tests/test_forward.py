@@ -241,3 +241,23 @@ def test_extreme_scale_is_exact_argmax(scale):
         assert np.isfinite(out).all() and np.isfinite(lse).all()
         np.testing.assert_array_equal(out, ref.astype(np.float32))
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+def test_module_graph_created_once_called_twice():
+    """The documented module pattern: one graph from ``ir.create_graph(FlashAttention(...))``,
+    called with ``ops.call`` for two layers' inputs."""
+    rng = np.random.default_rng(9)
+    a = random_qkv(rng, 2, 20, 20, 8, "float32")
+    b = random_qkv(rng, 2, 20, 20, 8, "float32")
+
+    def build(*ts):
+        graph = popxl.gcg().ir.create_graph(pf.FlashAttention(num_chunks_q=3, window=(4, None)),
+                                            *ts[:3])
+        return [*ops.call(graph, *ts[:3]), *ops.call(graph, *ts[3:])]
+    (out_a, lse_a, out_b, lse_b), _ = run_graph(build, [*a, *b])
+    for (q, k, v), out, lse in ((a, out_a, lse_a), (b, out_b, lse_b)):
+        ref, ref_lse = pf.reference.attention(q, k, v, window=(4, None))
+        # float32, one kv chunk of 20, D = 8: 4 * (n + c + D) * eps32 * max|.| (attention_utils)
+        tol = 4 * (1 + 20 + 8) * EPS32 * max(np.abs(v).max(), np.abs(ref_lse).max())
+        np.testing.assert_allclose(out, ref, atol=tol)
+        np.testing.assert_allclose(lse, ref_lse, atol=tol)
