@@ -304,3 +304,16 @@ def test_only_streams_with_host_io_are_listed():
         popxl.d2h_stream((3,), f32, name="unused_out")
     assert list(ir.get_all_h2d_streams()) == [s_in]
     assert list(ir.get_all_d2h_streams()) == [s_out]
+
+
+def test_more_entries_than_host_transfers_accepted():
+    """Reference §3: with num_host_transfers > 1, dim 0 must be >= num_host_transfers; a larger
+    leading dim is accepted (fewer is an error)."""
+    ir, s_in, s_out = _io_repeat_program(2)
+    xs = np.arange(9, dtype=np.float32).reshape(3, 3)
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run({s_in: xs})
+        with pytest.raises(ValueError):
+            session.run({s_in: xs[:1]})
+    assert out[s_out].shape == (2, 3)
+    np.testing.assert_array_equal(out[s_out], 2 * xs[:2])  # the emulator reads the first two
