@@ -42,7 +42,7 @@ It runs on the emulator, the IPU model or IPU hardware (``--device``); see the u
 """
 import argparse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Dict
 
 import numpy as np
 
@@ -189,9 +189,9 @@ class LayerGraph:
         variables: ``{"wq", "wk", "wv", "wo"}`` -> ``popxl.Variable`` ``[E, E]``.
     """
     ir: object
-    inputs: dict[str, object]
-    outputs: dict[str, object]
-    variables: dict[str, object]
+    inputs: Dict[str, object]
+    outputs: Dict[str, object]
+    variables: Dict[str, object]
 
 
 def initial_weights(seed, hidden=DEFAULTS["hidden"]):
