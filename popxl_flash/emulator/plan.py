@@ -7,6 +7,7 @@ liveness/copy facts the interpreter and the run profile need. Built once per Ses
 import copy
 from collections import defaultdict
 
+from . import dtypes
 from .errors import PopartError
 from .registry import FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
 from .tensor import Constant, Variable
@@ -69,7 +70,17 @@ class _Aliases:
         return t
 
 
+def _check_device_dtypes(g):
+    """PopXL builds host-typed (e.g. ``downcast=False`` float64) constants and variables; the
+    device cannot hold them, so compiling fails."""
+    for t in g._tensors.values():
+        if t.dtype not in dtypes.DEVICE:
+            raise PopartError(f"{t.id} has dtype {t.dtype.name}, which the IPU does not support "
+                              "(device dtypes: bool, int32, uint32, float16, float32)")
+
+
 def _build(g, plan_of):
+    _check_device_dtypes(g)
     _check_call_specs(g)
     al = _Aliases(g)
     check_ambiguity(g, al)

@@ -286,8 +286,7 @@ def _host_data(data, dtype, downcast, what):
     if isinstance(data, Tensor):
         raise TypeError(f"{what}: data must be a host value, not a Tensor ({data})")
     arr = dtypes.to_numpy(data, dtype, downcast)
-    dt = dtypes.from_numpy(arr.dtype)
-    dtypes.check_device(dt, what)
+    dt = dtypes.from_numpy(arr.dtype)  # 64-bit kept with downcast=False: Session() rejects it
     arr = np.array(arr, copy=True, order="C")
     arr.setflags(write=False)
     return arr, dt

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import emulator_only, run
+from conftest import COMPILE_ERRORS, emulator_only, run
 from popxl_flash import popxl
 
 ops = popxl.ops
@@ -323,3 +323,16 @@ def test_user_shapes_validated():
             with pytest.raises(TypeError):
                 popxl.graph_input((2.5,), f32)
         assert ops.init((np.int64(2),), f32).shape == (2,)
+
+
+def test_downcast_false_keeps_64_bit_host_dtype_until_compile():
+    """Reference §2: ``downcast=False`` keeps 64-bit dtypes. Building is fine; the device has no
+    64-bit types, so compiling the Ir fails."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        c = popxl.constant(np.zeros(3), downcast=False)
+        v = popxl.variable(np.zeros(3, np.int64), downcast=False)
+        assert c.dtype == popxl.float64 and v.dtype == popxl.int64
+        assert popxl.constant(np.zeros(3)).dtype == popxl.float32  # default downcast
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
