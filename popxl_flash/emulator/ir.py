@@ -378,21 +378,20 @@ class DeviceToHostStream(_Stream):
     """A device-to-host stream."""
 
 
-def h2d_stream(shape, dtype, name=None):
-    """Args: shape, dtype, name. Returns: a HostToDeviceStream of the current Ir."""
+def _stream(cls, registry, kind, shape, dtype, name):
     ir = context.gir()
     ir._check_mutable()
-    dtypes.check_device(dtype, f"h2d_stream {name}")
-    s = HostToDeviceStream._make(ir, shape, dtype, name or "h2d_stream")
-    ir._h2d.append(s)
+    dtypes.check_device(dtype, f"{kind} {name}")
+    s = cls._make(ir, shape, dtype, name or kind)
+    getattr(ir, registry).append(s)
     return s
+
+
+def h2d_stream(shape, dtype, name=None):
+    """Args: shape, dtype, name. Returns: a HostToDeviceStream of the current Ir."""
+    return _stream(HostToDeviceStream, "_h2d", "h2d_stream", shape, dtype, name)
 
 
 def d2h_stream(shape, dtype, name=None):
     """Args: shape, dtype, name. Returns: a DeviceToHostStream of the current Ir."""
-    ir = context.gir()
-    ir._check_mutable()
-    dtypes.check_device(dtype, f"d2h_stream {name}")
-    s = DeviceToHostStream._make(ir, shape, dtype, name or "d2h_stream")
-    ir._d2h.append(s)
-    return s
+    return _stream(DeviceToHostStream, "_d2h", "d2h_stream", shape, dtype, name)
