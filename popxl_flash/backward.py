@@ -10,7 +10,8 @@ Graph structure::
       pad everything to whole chunks
       repeat nkv x kv_body                         # outer loop: key/value chunks j
         k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
-        repeat nq x q_body                         # inner loop: query chunks i
+        repeat T x q_body                          # inner loop: the q chunks that visit j
+          kind, pattern_id, i = tables[j, t]       # planner constants; T = max visits per j
           conditional(kind == FULL, full_block, passthrough)
           conditional(kind == PARTIAL, partial_block, passthrough)   # SKIP: no work
           dynamic_update_(dq, i, dq_i)             # by-ref accumulator, in place
