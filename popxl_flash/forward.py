@@ -6,9 +6,9 @@ Graph structure (all static; the op count does not grow with L or the chunk coun
       pad q, k, v to whole chunks
       repeat nq x q_body                # outer loop: query chunks i
         q_i = dynamic_slice(q, i)
-        repeat nkv x kv_body            # inner loop: key/value chunks j
+        repeat T x kv_body              # inner loop: the kv chunks q chunk i visits
+          kind, pattern_id, j = tables[i, t]       # planner constants; T = max visits per i
           k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
-          kind, pattern_id = tables[i, j]          # planner constants
           conditional(kind == FULL, full_block, passthrough)      # online-softmax update
           conditional(kind == PARTIAL, partial_block, passthrough) # same, with the mask pattern
                                                 # a SKIP block takes both passthroughs: no work
