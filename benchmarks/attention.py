@@ -36,7 +36,7 @@ def _int_list(text):
     try:
         values = [int(item) for item in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values

@@ -8,7 +8,7 @@ user would write it.
 timing and (on the emulator) the run profile.
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple  # noqa: F401
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -71,7 +71,8 @@ def host_inputs(case, seed=0):
 
 
 def flash_graph(case):
-    """Graph body for :func:`popxl_flash.harness.run_graph`: the library's forward or stash-mode backward."""
+    """Graph body for :func:`popxl_flash.harness.run_graph`: the library's forward, or its
+    stash-mode backward."""
     if case.pass_ == "fwd":
         return lambda q, k, v: [pf.flash_attention(q, k, v, **case.options)]
     return lambda dout, q, k, v, out, lse: list(
@@ -79,7 +80,8 @@ def flash_graph(case):
 
 
 def naive_graph(case):
-    """Graph body for :func:`popxl_flash.harness.run_graph`: naive attention (forward, or hand-written backward)."""
+    """Graph body for :func:`popxl_flash.harness.run_graph`: naive attention (forward, or the
+    hand-written backward with ``out`` stashed: 5 matmuls, like flash's stash mode)."""
     options = dict(causal=case.causal, window=case.window, scale=case.config().scale)
     if case.pass_ == "fwd":
         return lambda q, k, v: [naive.naive_attention(q, k, v, **options)]

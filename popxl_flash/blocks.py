@@ -1,8 +1,9 @@
 """PopXL graph helpers shared by the forward and backward modules.
 
 They slice chunks by loop counters, look a block up in the planner's tables, fetch its mask
-pattern and dispatch the block to its full or partial branch graph. Everything here is graph code: it runs inside the
-graph context of the module being built and uses only the documented PopXL API.
+pattern and dispatch the block to its full or partial branch graph. Everything here is graph
+code: it runs inside the graph context of the module being built and uses only the documented
+PopXL API.
 """
 import numpy as np
 

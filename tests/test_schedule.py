@@ -7,7 +7,6 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from planner_oracle import dense_visibility, oracle_plan
 
-from popxl_flash import schedule
 from popxl_flash.schedule import FULL, PARTIAL, SKIP, plan
 
 MAX_LEN = 600

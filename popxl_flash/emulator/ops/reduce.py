@@ -19,7 +19,8 @@ def _axes(kind, axis, rank):
     try:
         axes = [norm_axis(kind, a, rank) for a in axis]
     except TypeError:
-        raise TypeError(f"{kind}: axis must be None, an int or an iterable of ints; got {axis!r}")
+        raise TypeError(f"{kind}: axis must be None, an int or an iterable of ints; "
+                        f"got {axis!r}") from None
     if len(set(axes)) != len(axes):
         raise PopartError(f"{kind}: duplicate axes {list(axis)}")
     return tuple(sorted(axes))
