@@ -5,42 +5,11 @@ from hypothesis import given
 
 import popxl_flash as pf
 from popxl_flash.config import AttentionConfig
+from popxl_flash.tolerance import grad_bounds
 
 from attention_utils import (assert_within_rule, naive_attention_grad, random_qkv,
                              run_flash_grad, run_graph, suite_case, suite_parametrize)
 from test_forward import attention_cases, emulator_only
-
-
-def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype):
-    """Float64 error scales of dq, dk, dv, from the true probabilities P.
-
-    Returns:
-        ``(magnitudes, stash_errors)``, each a tuple for (dq, dk, dv):
-
-        * magnitude: max over entries of the sum of |terms| the entry accumulates (the float32
-          accumulation floor of attention_utils multiplies it by ``4 (n + c + D) eps32``);
-          ``|dS| <= P (|dO| |V|^T + rowsum(|dO| |O|))``.
-        * stash error: the backward reads ``out`` rounded to the input dtype (stash mode, and
-          recompute mode's forward output, as in FlashAttention), so ``Dvec = rowsum(dO * O)``
-          carries up to ``u * rowsum(|dO| |O|)`` (u = unit roundoff of the dtype). Through
-          ``dS = P (dP - Dvec)`` it reaches dq as ``|scale| P u rowsum(|dO||O|) |K|`` and dk as
-          the transpose with |Q|; dv does not use Dvec. Any implementation that stashes the
-          output in the input dtype has this error, whatever its summation order.
-    """
-    q64, k64, v64, do64 = (np.asarray(a, np.float64) for a in (q, k, v, dout))
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    p, _, _ = pf.reference._probabilities(q64, k64, causal=causal, scale=scale, window=window)
-    aq, ak, av, ado = (np.abs(a) for a in (q64, k64, v64, do64))
-    rowdot = (ado * np.abs(p @ v64)).sum(-1, keepdims=True)  # rowsum(|dO| |O|)  [G, Lq, 1]
-    ds = p * (ado @ av.transpose(0, 2, 1) + rowdot)
-    ds_stash = p * (np.finfo(dtype).eps / 2) * rowdot
-    scale = abs(scale)
-
-    def through(t):  # (dq, dk) bounds of a |dS|-like term
-        return (float((scale * t @ ak).max(initial=0)),
-                float((scale * t.transpose(0, 2, 1) @ aq).max(initial=0)))
-    mags = (*through(ds), float((p.transpose(0, 2, 1) @ ado).max(initial=0)))
-    return mags, (*through(ds_stash), 0.0)
 
 
 def check_backward(case, stash=True):

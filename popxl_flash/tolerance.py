@@ -1,0 +1,155 @@
+"""The FlashAttention tolerance rule, shared by the test suite and the hardware self-check.
+
+For an output ``x`` with float64 reference ``ref``::
+
+    max|x - ref| <= factor * max|naive - ref| + floor
+
+where ``naive`` is a plain attention in the SAME precision as the inputs (float16 inputs give
+float16 scores and probabilities; float32 gives float32), ``factor`` is 2 for the forward and 3 for
+the backward (FlashAttention's own test rule), and ``floor`` is the sum of small terms:
+
+* the rounding error of representing ``ref`` in the input dtype
+  (``2 * max|fl(ref + 0.3) - 0.3 - ref|``, the floor FlashAttention's tests use): below that no
+  implementation in that dtype can go, and the naive error can be 0 by luck on tiny problems;
+* the float32 accumulation error of the chunked algorithm: each of the ``n`` chunk steps
+  rescales and adds into a float32 accumulator (about 4 roundings per step, relative to the
+  accumulator's magnitude), and each block matmul sums ``c + D`` products, so the error is at
+  most ``4 * (n + c + D) * eps32 * magnitude``. For float32 inputs this term is what makes the
+  bound meaningful: a naive float32 attention sums in one pass and can be far more accurate
+  than any chunked order when there are hundreds of chunks. For float16 it is negligible next
+  to the float16 naive error;
+* for the backward, the error of reading ``out`` rounded to the input dtype (see
+  :func:`grad_bounds`).
+
+Flash keeps scores, statistics and accumulators in float32 even for float16 inputs, so it is
+usually far inside the bound. Everything here is numpy on the host.
+"""
+import numpy as np
+
+from popxl_flash import reference
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def naive_attention(q, k, v, *, causal, scale, window):
+    """Plain attention in the inputs' precision (float16 scores and probabilities for float16).
+
+    Matmuls accumulate in float32 and round to the input dtype, as a float16 IPU matmul does.
+
+    Args:
+        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` numpy arrays of one dtype.
+        causal, scale, window: as :func:`popxl_flash.flash_attention`.
+
+    Returns:
+        ``(out [G, Lq, D], lse [G, Lq])`` in the input dtype.
+    """
+    dt = q.dtype
+    D = q.shape[-1]
+    scale = dt.type(1.0 / np.sqrt(D) if scale is None else scale)
+    visible = reference.visibility(q.shape[1], k.shape[1], causal=causal, window=window)
+    s = (q.astype(np.float32) @ k.astype(np.float32).transpose(0, 2, 1)).astype(dt) * scale
+    s = np.where(visible, s, dt.type(-np.inf))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, dt.type(0))
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True, dtype=dt)
+        lse = (m + np.log(l))[..., 0]
+        p = p / np.where(l > 0, l, dt.type(1))
+    out = (p.astype(np.float32) @ v.astype(np.float32)).astype(dt)
+    return out, lse
+
+
+def naive_attention_grad(dout, q, k, v, *, causal, scale, window):
+    """Plain backward in the inputs' precision (float16 P and dS for float16 inputs).
+
+    Args:
+        dout: ``[G, Lq, D]``; q, k, v, causal, scale, window: as :func:`naive_attention`.
+
+    Returns:
+        ``(dq, dk, dv)`` in the input dtype.
+    """
+    dt = q.dtype
+    f32 = np.float32
+    scale = dt.type(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    out, lse = naive_attention(q, k, v, causal=causal, scale=scale, window=window)
+    visible = reference.visibility(q.shape[1], k.shape[1], causal=causal, window=window)
+    s = (q.astype(f32) @ k.astype(f32).transpose(0, 2, 1)).astype(dt) * scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.where(visible, np.exp(s - lse[..., None]), dt.type(0)).astype(dt)
+    p = np.where(np.isfinite(lse)[..., None], p, dt.type(0))
+
+    def mm(a, b):
+        return (a.astype(f32) @ b.astype(f32)).astype(dt)
+    dv = mm(p.transpose(0, 2, 1), dout)
+    dp = mm(dout, v.transpose(0, 2, 1))
+    dvec = (dout.astype(f32) * out.astype(f32)).sum(-1, keepdims=True).astype(dt)
+    ds = (p * (dp - dvec)).astype(dt)
+    return mm(ds, k) * scale, mm(ds.transpose(0, 2, 1), q) * scale, dv
+
+
+def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype):
+    """Float64 error scales of dq, dk, dv, from the true probabilities P.
+
+    Returns:
+        ``(magnitudes, stash_errors)``, each a tuple for (dq, dk, dv):
+
+        * magnitude: max over entries of the sum of |terms| the entry accumulates (the float32
+          accumulation floor multiplies it by ``4 (n + c + D) eps32``);
+          ``|dS| <= P (|dO| |V|^T + rowsum(|dO| |O|))``.
+        * stash error: the backward reads ``out`` rounded to the input dtype (stash mode, and
+          recompute mode's forward output, as in FlashAttention), so ``Dvec = rowsum(dO * O)``
+          carries up to ``u * rowsum(|dO| |O|)`` (u = unit roundoff of the dtype). Through
+          ``dS = P (dP - Dvec)`` it reaches dq as ``|scale| P u rowsum(|dO||O|) |K|`` and dk as
+          the transpose with |Q|; dv does not use Dvec. Any implementation that stashes the
+          output in the input dtype has this error, whatever its summation order.
+    """
+    q64, k64, v64, do64 = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    p, _, _ = reference._probabilities(q64, k64, causal=causal, scale=scale, window=window)
+    aq, ak, av, ado = (np.abs(a) for a in (q64, k64, v64, do64))
+    rowdot = (ado * np.abs(p @ v64)).sum(-1, keepdims=True)  # rowsum(|dO| |O|)  [G, Lq, 1]
+    ds = p * (ado @ av.transpose(0, 2, 1) + rowdot)
+    ds_stash = p * (np.finfo(dtype).eps / 2) * rowdot
+    scale = abs(scale)
+
+    def through(t):  # (dq, dk) bounds of a |dS|-like term
+        return (float((scale * t @ ak).max(initial=0)),
+                float((scale * t.transpose(0, 2, 1) @ aq).max(initial=0)))
+    mags = (*through(ds), float((p.transpose(0, 2, 1) @ ado).max(initial=0)))
+    return mags, (*through(ds_stash), 0.0)
+
+
+def rounding_floor(ref, dtype):
+    """FlashAttention's floor: twice the rounding error of ``ref`` in ``dtype``."""
+    dt = np.dtype(dtype).type
+    ref = np.where(np.isfinite(ref), ref, 0.0)
+    rounded = (ref.astype(dt) + dt(0.3) - dt(0.3)).astype(np.float64)
+    return 2.0 * float(np.max(np.abs(rounded - ref), initial=0.0))
+
+
+def max_err(x, ref):
+    """max |x - ref| over finite reference entries (infinite ones are checked separately)."""
+    finite = np.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(x.astype(np.float64)[finite] - ref[finite])))
+
+
+def rule_bound(naive, ref, *, factor, dtype, accum_steps, magnitude, extra_floor=0.0):
+    """``factor * max|naive - ref| + floor`` (see the module docstring).
+
+    Args:
+        naive, ref: the same-precision naive result and the float64 reference.
+        factor: 2 (forward) or 3 (backward).
+        dtype: the input dtype name (for the rounding floor).
+        accum_steps: ``n + c + D`` of the accumulation-error floor.
+        magnitude: bound on the accumulated values (e.g. ``max|v|`` for the output).
+        extra_floor: a further error bound the caller derives (the backward's stashed-output
+            rounding, :func:`grad_bounds`).
+
+    Returns:
+        The bound (float).
+    """
+    floor = rounding_floor(ref, dtype) + 4 * accum_steps * EPS32 * magnitude + extra_floor
+    return factor * max_err(naive, ref) + floor
