@@ -56,8 +56,8 @@ def check_bool(name, value):
     """
     value = _unwrap(value)
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool (Python or NumPy), got {name}={value!r} "
-                        f"({type(value).__name__})")
+        raise TypeError(f"{name} must be a bool (Python or NumPy), got "
+                        f"{name}={_python_scalar(value)!r} ({type(value).__name__})")
     return bool(value)
 
 
@@ -91,7 +91,8 @@ def _check_int(name, value, *, low=1, high=None):
     """
     value = _unwrap(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be an int, got {_python_scalar(value)!r} "
+                        f"({type(value).__name__})")
     value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -143,11 +144,16 @@ def check_scale(scale, head_dim, name="scale"):
         return 1.0 / math.sqrt(head_dim)
     scale = _unwrap(scale)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {name}={scale!r}")
-    if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+        raise TypeError(f"{name} must be a real number or None, got "
+                        f"{name}={_python_scalar(scale)!r} ({type(scale).__name__})")
+    try:
+        value = float(scale)
+    except OverflowError:  # a Python int beyond float64
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > MAX_SCALE:
         raise ValueError(f"{name} must be finite in float32 (|{name}| <= {MAX_SCALE:.4g}), "
-                         f"got {name}={scale!r}")
-    return float(scale)
+                         f"got {name}={_python_scalar(scale)!r}")
+    return value
 
 
 @dataclass(frozen=True)
