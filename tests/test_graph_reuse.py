@@ -16,13 +16,13 @@ G, L, D = 2, 12, 8
 
 def reachable_graphs(ir):
     """Every graph called, directly or not, from ``ir``'s main graph."""
-    seen, stack = [], [ir.main_graph]
+    seen, stack = {}, [ir.main_graph]
     while stack:
         for g in stack.pop().called_graphs:
-            if not any(g is s for s in seen):
-                seen.append(g)
+            if g.id not in seen:
+                seen[g.id] = g
                 stack.append(g)
-    return seen
+    return list(seen.values())
 
 
 def count_graphs(build, n_calls):
