@@ -140,9 +140,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                    window=check_window(window_size, name="window_size"))
     return_lse = check_bool("return_lse", return_lse)
     _check_heads(dims)
-    G = dims.batch * dims.q_heads
-    AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), (G, dims.kv_len, dims.head_dim),
-                                (G, dims.kv_len, dims.head_dim),
+    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+    kv_shape = (Gk, dims.kv_len, dims.head_dim)
+    AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
                                 (q.dtype.name, k.dtype.name, v.dtype.name), **options)
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]

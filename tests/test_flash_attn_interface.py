@@ -1,4 +1,4 @@
-"""pf.flash_attn_func: flash-attn's names, defaults and [B, L, H, D] layout against the reference."""
+"""pf.flash_attn_func: flash-attn's names, defaults and [B, L, H, D] layout vs the reference."""
 import itertools
 import re
 

@@ -218,7 +218,8 @@ def test_numpy_values_accepted_like_python_ones(options):
 
 
 NUMPY_REJECTED = [
-    (dict(causal=np.int64(1)), TypeError, "causal must be a bool (Python or NumPy), got causal=1 (int64)"),
+    (dict(causal=np.int64(1)), TypeError,
+     "causal must be a bool (Python or NumPy), got causal=1 (int64)"),
     (dict(causal=np.array([True])), TypeError, "causal must be a bool"),
     (dict(return_lse=np.array([True, False])), TypeError, "return_lse must be a bool"),
     (dict(num_chunks_q=np.float64(2.0)), TypeError, "num_chunks_q must be an int"),
