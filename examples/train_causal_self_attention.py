@@ -35,7 +35,8 @@ what the tests use to check the flash gradients.
 
 Run::
 
-    python examples/train_causal_self_attention.py [--steps 8] [--attention flash|naive]
+    python examples/train_causal_self_attention.py [--steps 8] [--attention flash|naive] \
+        [--batch 2] [--seq-len 22] [--heads 2] [--head-dim 8] [--num-chunks-q 3] ...  (--help)
 
 It runs on the emulator, the IPU model or IPU hardware (``--device``); see the user guide's
 "Backends".
@@ -327,23 +328,76 @@ def gradients(*, attention="flash", seed=0, device="ipu_model", **sizes):
     return {n: results[0]["d" + n] for n in WEIGHTS + ("x",)}
 
 
-def main(argv=None):
+def _int_at_least(low):
+    """argparse type: an int >= ``low`` (a bad value is a usage error, not a traceback)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text):
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    """The command line: training options and the layer's sizes (defaults: :data:`DEFAULTS`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--attention", choices=["flash", "naive"], default="flash")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    parser.add_argument("--device", default="ipu_model",
-                        help="Session device: ipu_model, ipu_hw or cpu")
+    add = parser.add_argument
+    add("--steps", type=_int_at_least(1), default=8, help="SGD steps (default: %(default)s)")
+    add("--attention", choices=["flash", "naive"], default="flash",
+        help="flash attention, or naive attention as the baseline (default: %(default)s)")
+    add("--seed", type=_int_at_least(0), default=0,
+        help="seed of the weights, input and target (default: %(default)s)")
+    add("--lr", type=_positive_float, default=DEFAULTS["lr"],
+        help="SGD learning rate (default: %(default)s)")
+    add("--batch", type=_int_at_least(1), default=DEFAULTS["batch"],
+        help="batch size B (default: %(default)s)")
+    add("--seq-len", type=_int_at_least(1), default=DEFAULTS["seq_len"],
+        help="sequence length L (default: %(default)s)")
+    add("--heads", type=_int_at_least(1), default=DEFAULTS["heads"],
+        help="attention heads H (default: %(default)s)")
+    add("--head-dim", type=_int_at_least(1), default=DEFAULTS["hidden"] // DEFAULTS["heads"],
+        help="head dimension Dh; the hidden size is H x Dh (default: %(default)s)")
+    add("--num-chunks-q", type=_int_at_least(1), default=DEFAULTS["num_chunks_q"],
+        help="flash query chunks, at most L (default: %(default)s)")
+    add("--num-chunks-kv", type=_int_at_least(1), default=DEFAULTS["num_chunks_kv"],
+        help="flash key/value chunks, at most L (default: %(default)s)")
+    add("--device", choices=["ipu_model", "ipu_hw", "cpu"], default="ipu_model",
+        help="popxl.Session device (default: %(default)s)")
     args = parser.parse_args(argv)
+    for flag in ("num_chunks_q", "num_chunks_kv"):
+        if getattr(args, flag) > args.seq_len:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at most "
+                         f"--seq-len {args.seq_len}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sizes = dict(batch=args.batch, seq_len=args.seq_len, hidden=args.heads * args.head_dim,
+                 heads=args.heads, num_chunks_q=args.num_chunks_q,
+                 num_chunks_kv=args.num_chunks_kv, lr=args.lr)
     print(f"backend: {pf.BACKEND}; attention: {args.attention}; "
-          + ", ".join(f"{k}={v}" for k, v in {**DEFAULTS, "lr": args.lr}.items()))
+          + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     losses, weights = train(args.steps, attention=args.attention, seed=args.seed,
-                            device=args.device, lr=args.lr, return_weights=True)
+                            device=args.device, return_weights=True, **sizes)
     for step, loss in enumerate(losses):
         print(f"step {step}: loss {loss:.6f}")
     moved = max(float(np.abs(weights[n] - w0).max())
-                for n, w0 in initial_weights(args.seed).items())
+                for n, w0 in initial_weights(args.seed, sizes["hidden"]).items())
     print(f"max |weight change| after {args.steps} steps: {moved:.3e}")
     return 0
 

@@ -6,6 +6,7 @@ from popxl_flash import reference
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig
+from popxl_flash.flash_attn_interface import flash_attn_func
 from popxl_flash.forward import FlashAttention
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
@@ -14,6 +15,6 @@ from popxl_flash.schedule import BlockSchedule, plan
 __all__ = [
     "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
-    "flash_attention_grad", "flash_attention_qkv_packed_grad",
+    "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
 ]
 __version__ = "0.1.0"

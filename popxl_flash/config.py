@@ -31,10 +31,68 @@ SUPPORTED_DTYPES = ("float16", "float32")
 MAX_SCALE = float(np.finfo(np.float32).max)
 
 
+def _unwrap(value):
+    """A 0-d numpy array becomes its numpy scalar; anything else is returned unchanged."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value[()]
+    return value
+
+
+def _python_scalar(value):
+    """NumPy scalars and 0-d arrays become the equal Python scalar; others are unchanged."""
+    value = _unwrap(value)
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def check_bool(name, value):
+    """Return ``value`` as a Python bool, or raise naming ``name``.
+
+    Args:
+        name: the option's name, for messages (``"causal"``).
+        value: a Python bool, a ``numpy.bool_`` or a 0-d numpy bool array.
+
+    Returns:
+        ``bool(value)``.
+    """
+    value = _unwrap(value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (Python or NumPy), got "
+                        f"{name}={_python_scalar(value)!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_window(window, name="window"):
+    """Normalise a window option to ``(left, right)`` ints, ``-1`` = unbounded.
+
+    Args:
+        window: ``None`` or a ``(left, right)`` pair (tuple, list or 1-D NumPy integer array)
+            of ints >= -1 or ``None``; NumPy integers and 0-d arrays count as ints.
+        name: the option's name in messages (``"window"``, ``"window_size"``).
+
+    Returns:
+        ``(left, right)``.
+    """
+    if isinstance(window, np.ndarray):
+        window = window.tolist()  # Python ints (floats, bools: rejected below); 0-d: a scalar
+    elif isinstance(window, tuple):
+        window = tuple(_python_scalar(side) for side in window)
+    elif isinstance(window, list):
+        window = [_python_scalar(side) for side in window]
+    try:
+        return normalise_window(window)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("window=", f"{name}=", 1)) from None
+
+
 def _check_int(name, value, *, low=1, high=None):
-    """Return ``value`` as an int in ``[low, high]`` or raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    """Return ``value`` as an int in ``[low, high]`` or raise naming ``name``.
+
+    Python ints, NumPy integers and 0-d NumPy integer arrays are accepted; bools are not.
+    """
+    value = _unwrap(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_python_scalar(value)!r} "
+                        f"({type(value).__name__})")
     value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -68,6 +126,34 @@ def resolve_num_chunks(name, length, num_chunks):
     num_chunks = _check_int(name, num_chunks, low=1, high=length)
     chunk_len = math.ceil(length / num_chunks)
     return chunk_len, math.ceil(length / chunk_len)
+
+
+def check_scale(scale, head_dim, name="scale"):
+    """Resolve the softmax scale.
+
+    Args:
+        scale: ``None`` (``1/sqrt(D)``) or a finite real number (Python, NumPy scalar or 0-d
+            array; a bool is rejected).
+        head_dim: D.
+        name: the option's name in messages (``"scale"``, ``"softmax_scale"``).
+
+    Returns:
+        The scale as a Python float.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = _unwrap(scale)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got "
+                        f"{name}={_python_scalar(scale)!r} ({type(scale).__name__})")
+    try:
+        value = float(scale)
+    except OverflowError:  # a Python int beyond float64
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > MAX_SCALE:
+        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {MAX_SCALE:.4g}), "
+                         f"got {name}={_python_scalar(scale)!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -123,14 +209,12 @@ class AttentionConfig:
             raise ValueError(f"{vn} must have the shape of {kn} {(Gk, Lkv, Dk)}, "
                              f"got {vn} shape {v_shape}")
         dtype = cls._check_dtypes(dict(zip(names, dtypes)))
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got causal={causal!r}")
         chunk_q, nq = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
         chunk_kv, nkv = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
         return cls(groups=G, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=nq, num_chunks_kv=nkv,
-                   causal=causal, scale=cls._check_scale(scale, D),
-                   window=normalise_window(window))
+                   causal=check_bool("causal", causal), scale=check_scale(scale, D),
+                   window=check_window(window))
 
     @classmethod
     def from_packed_shape(cls, qkv_shape, dtype, **options):
@@ -152,18 +236,6 @@ class AttentionConfig:
         if len(set(named_dtypes.values())) != 1:
             raise TypeError(f"q, k and v must share one dtype, got {named_dtypes}")
         return next(iter(named_dtypes.values()))
-
-    @staticmethod
-    def _check_scale(scale, head_dim):
-        """``None`` -> ``1/sqrt(D)``; else a finite real number."""
-        if scale is None:
-            return 1.0 / math.sqrt(head_dim)
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got scale={scale!r}")
-        if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-            raise ValueError(f"scale must be finite in float32 (|scale| <= {MAX_SCALE:.4g}), "
-                             f"got scale={scale!r}")
-        return float(scale)
 
     def check_like(self, name, shape, dtype, expected_shape, expected_dtype):
         """Check that an extra tensor (``dout``, ``out``, ``lse``) has the expected spec."""

@@ -3,6 +3,12 @@
 Each function validates its arguments (raising ``TypeError``/``ValueError`` that name the
 argument), builds the module's graph with ``ir.create_graph`` and calls it with ``ops.call``.
 
+One graph per configuration: the graphs are cached per ``popxl.Ir``, keyed by the module, its
+validated :class:`~popxl_flash.config.AttentionConfig` and the input specs, so a model that
+calls :func:`flash_attention` once per layer on equal specs builds the forward graphs once.
+Each call and its outputs are created under ``popxl.name_scope("flash_attention")`` (or the
+function's name), so tensor ids and profiles read ``flash_attention/...``.
+
 Causal alignment is bottom-right (FlashAttention >= 2.1). With ``Lq = 2, Lkv = 5``::
 
     1 1 1 1 0
@@ -16,33 +22,122 @@ and with ``Lq = 5, Lkv = 2`` (the first three rows see nothing: output 0, lse -i
     1 0
     1 1
 """
+import functools
+
 from popxl_flash.backend import popxl
 from popxl_flash.backward import FlashAttentionGrad
-from popxl_flash.config import AttentionConfig
+from popxl_flash.config import AttentionConfig, check_bool
 from popxl_flash.forward import FlashAttention
 
 ops = popxl.ops
 
+#: Attribute of a ``popxl.Ir`` that holds this library's graphs, keyed by configuration.
+_GRAPH_CACHE_ATTR = "_popxl_flash_graphs"
 
-def _check_tensors(**tensors):
+#: Keywords of flash-attn / PyTorch SDPA that the ``[G, L, D]`` API spells differently.
+CORE_KEYWORD_HINTS = {
+    "softmax_scale": "this API calls it scale= (pf.flash_attn_func takes flash-attn's names "
+                     "and [B, L, H, D] tensors)",
+    "window_size": "this API calls it window= (pf.flash_attn_func takes flash-attn's names "
+                   "and [B, L, H, D] tensors)",
+    "is_causal": "this API calls it causal= (PyTorch SDPA's is_causal)",
+    "attn_mask": "mask tensors are not supported; use causal= and window=",
+    "dropout_p": "attention dropout is not supported",
+}
+
+
+def keyword_hints(hints):
+    """Decorator: a keyword argument named in ``hints`` raises ``TypeError`` with its hint.
+
+    Args:
+        hints: ``{keyword: hint}`` for keywords the decorated function does not take but users
+            coming from another attention API are likely to pass.
+
+    Returns:
+        The decorator (the wrapped function keeps its signature and docstring).
+    """
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for name in kwargs:
+                if name in hints:
+                    raise TypeError(f"{fn.__name__}() got an unexpected keyword argument "
+                                    f"{name!r}: {hints[name]}")
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate
+
+
+def check_tensors(**tensors):
+    """Each value must be a ``popxl.Tensor`` of the current graph.
+
+    Raises:
+        TypeError: a value is not a ``popxl.Tensor``.
+        ValueError: a tensor belongs to another ``popxl.Ir`` or to another graph of this Ir
+            (PopXL has no implicit capture: pass it into the subgraph as an input).
+    """
+    graph = popxl.gcg()
     for name, t in tensors.items():
         if not isinstance(t, popxl.Tensor):
             shape = getattr(t, "shape", None)
             raise TypeError(f"{name} must be a popxl.Tensor, got {type(t).__name__}"
                             + (f" of shape {tuple(shape)}" if shape is not None else ""))
+        if t.ir != graph.ir:
+            raise ValueError(f"{name} ({t.id}) belongs to another popxl.Ir than the current "
+                             f"graph {graph.name!r}; build all tensors of a model in one Ir")
+        if t not in graph:
+            raise ValueError(f"{name} ({t.id}) is not a tensor of the current graph "
+                             f"{graph.name!r}; PopXL subgraphs cannot capture parent tensors, "
+                             "so pass it in as an input of the graph you are building")
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+def _check_rank3(**tensors):
+    """Point rank-4 ``[B, L, H, D]`` tensors at :func:`popxl_flash.flash_attn_func`."""
+    for name, t in tensors.items():
+        if len(t.shape) == 4:
+            raise ValueError(f"{name} must have rank 3 [G, L, D] (G = batch x heads), got shape "
+                             f"{tuple(t.shape)}; for [B, L, H, D] tensors use "
+                             "pf.flash_attn_func, or reshape to [B*H, L, D]")
 
 
-def _call_module(module, *inputs):
-    """Trace ``module`` into a subgraph of the current Ir and call it with ``inputs``."""
-    graph = popxl.gcg().ir.create_graph(module, *inputs)
-    return ops.call(graph, *inputs)
+def _cached_graph(module, inputs):
+    """The graph of ``module`` for ``inputs``' specs: created once per Ir and configuration.
+
+    The key is the module class, its validated :class:`AttentionConfig` (which holds every
+    option the graph depends on) and the inputs' shapes and dtypes, so equal calls anywhere in
+    one Ir share one graph. The cache is an attribute of the ``popxl.Ir``: it lives and dies
+    with the Ir.
+
+    Args:
+        module: a ``FlashAttention`` or ``FlashAttentionGrad``.
+        inputs: the tensors its ``build`` takes.
+
+    Returns:
+        The ``popxl.Graph``.
+    """
+    ir = popxl.gcg().ir
+    cache = getattr(ir, _GRAPH_CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(ir, _GRAPH_CACHE_ATTR, cache)
+    specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
+    key = (type(module), module.config(*inputs), specs)
+    if key not in cache:
+        cache[key] = ir.create_graph(module, *inputs)
+    return cache[key]
 
 
+def _call_module(scope, module, *inputs):
+    """Call ``module``'s (cached) graph on ``inputs`` under ``popxl.name_scope(scope)``.
+
+    Validate before calling: PopXL's ``name_scope`` is not exception-safe (an error inside
+    leaves the scope pushed).
+    """
+    with popxl.name_scope(scope):
+        return ops.call(_cached_graph(module, inputs), *inputs)
+
+
+@keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
                     window=None, return_lse=False):
     """Exact attention with O(L) memory: ``softmax(scale * q k^T + mask) v``.
@@ -52,7 +147,8 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         k, v: ``[G, Lkv, D]``, same dtype as q.
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
             ``ceil(L / 128)``. Lengths need not be divisible (the tail chunk is padded).
-        causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq).
+        causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
+            True, as the PopART op; :func:`popxl_flash.flash_attn_func` defaults to False.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``. ``1.0`` matches the PopART op.
         window: ``None`` or ``(left, right)`` local window around the diagonal; ``None`` or
             ``-1`` for an unbounded side. Intersected with ``causal``.
@@ -62,22 +158,25 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         out ``[G, Lq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)`` where lse is
         float32 ``[G, Lq]`` (``-inf`` for rows that see no key; their out is 0).
     """
-    _check_tensors(q=q, k=k, v=v)
-    _check_bool("return_lse", return_lse)
+    check_tensors(q=q, k=k, v=v)
+    _check_rank3(q=q, k=k, v=v)
+    return_lse = check_bool("return_lse", return_lse)
     module = FlashAttention(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window)
     module.config(q, k, v)  # validate before any graph is created
-    out, lse = _call_module(module, q, k, v)
+    out, lse = _call_module("flash_attention", module, q, k, v)
     return (out, lse) if return_lse else out
 
 
 def _unpack(qkv, options):
     """Validate a packed ``qkv [3, G, L, D]`` and return ``(q, k, v)`` views of it."""
-    _check_tensors(qkv=qkv)
+    check_tensors(qkv=qkv)
     AttentionConfig.from_packed_shape(qkv.shape, qkv.dtype.name, **options)
-    return qkv[0], qkv[1], qkv[2]
+    with popxl.name_scope("flash_attention_qkv_packed"):
+        return qkv[0], qkv[1], qkv[2]
 
 
+@keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, causal=True,
                                scale=None, window=None, return_lse=False):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
@@ -95,6 +194,7 @@ def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, ca
     return flash_attention(*_unpack(qkv, options), return_lse=return_lse, **options)
 
 
+@keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None,
                          num_chunks_kv=None, causal=True, scale=None, window=None):
     """Gradients of :func:`flash_attention` with respect to q, k and v.
@@ -112,7 +212,8 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
     """
-    _check_tensors(dout=dout, q=q, k=k, v=v)
+    check_tensors(dout=dout, q=q, k=k, v=v)
+    _check_rank3(dout=dout, q=q, k=k, v=v)
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
                          f"(recompute mode), got out={out!r}, lse={lse!r}")
@@ -123,11 +224,12 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         cfg = FlashAttention(**options).config(q, k, v)
         cfg.check_like("dout", dout.shape, dout.dtype.name, q.shape, cfg.dtype)
         out, lse = flash_attention(q, k, v, return_lse=True, **options)
-    _check_tensors(out=out, lse=lse)
+    check_tensors(out=out, lse=lse)
     module.config(dout, q, k, v, out, lse)
-    return _call_module(module, dout, q, k, v, out, lse)
+    return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse)
 
 
+@keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks_q=None,
                                     num_chunks_kv=None, causal=True, scale=None, window=None):
     """Gradient of :func:`flash_attention_qkv_packed` with respect to the packed ``qkv``.
@@ -144,4 +246,5 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
                    scale=scale, window=window)
     q, k, v = _unpack(qkv, options)
     grads = flash_attention_grad(dout, q, k, v, out, lse, **options)
-    return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)
+    with popxl.name_scope("flash_attention_qkv_packed_grad"):
+        return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)

@@ -45,6 +45,21 @@ def run_flash_grad(dout, q, k, v, *, stash=True, **options):
     return grads, session
 
 
+def run_flash_attn_func(q, k, v, **options):
+    """``pf.flash_attn_func(..., return_lse=True)`` on host arrays -> ``out, lse, run``."""
+    (out, lse), session = run_graph(
+        lambda q, k, v: pf.flash_attn_func(q, k, v, return_lse=True, **options), [q, k, v])
+    return out, lse, session
+
+
+def to_groups(x, layout="BLHD"):
+    """Host-side ``[B, L, H, D]`` (or ``[B, H, L, D]``) -> ``[B*H, L, D]``, batch-major."""
+    if layout == "BLHD":
+        x = x.transpose(0, 2, 1, 3)
+    B, H, L, D = x.shape
+    return x.reshape(B * H, L, D)
+
+
 def random_qkv(rng, G, Lq, Lkv, D, dtype):
     """Standard-normal q ``[G, Lq, D]``, k, v ``[G, Lkv, D]`` in ``dtype``."""
     q = rng.standard_normal((G, Lq, D)).astype(dtype)

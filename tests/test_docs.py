@@ -41,7 +41,7 @@ def test_doc_example_runs(code):
 
 
 PUBLIC_FUNCTIONS = [pf.flash_attention, pf.flash_attention_qkv_packed, pf.flash_attention_grad,
-                    pf.flash_attention_qkv_packed_grad, pf.reference.attention,
+                    pf.flash_attention_qkv_packed_grad, pf.flash_attn_func, pf.reference.attention,
                     pf.reference.attention_grad, pf.plan]
 
 

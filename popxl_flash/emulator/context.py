@@ -99,12 +99,20 @@ def op_created(op):
 
 @contextmanager
 def name_scope(name):
-    """Args: name: prefix for the names of tensors created inside."""
-    _state["scopes"].append(str(name))
-    try:
-        yield
-    finally:
-        _state["scopes"].pop()
+    """Prefix ``name + "/"`` to the ids of tensors created inside (PopXL semantics).
+
+    Args:
+        name: the scope, a str; scopes nest as ``outer/inner``.
+
+    Yields:
+        The list of active scopes, innermost last, as PopXL does.
+
+    As in PopXL 3.3/3.4, the scope is popped only on a normal exit: an exception raised inside
+    leaves it pushed (PopXL's context manager has no ``finally``).
+    """
+    _state["scopes"].append(name)  # a non-str fails when a tensor is named, as in PopXL
+    yield list(_state["scopes"])
+    _state["scopes"].pop()
 
 
 def scoped(name):

@@ -336,3 +336,43 @@ def test_downcast_false_keeps_64_bit_host_dtype_until_compile():
         assert popxl.constant(np.zeros(3)).dtype == popxl.float32  # default downcast
     with pytest.raises(COMPILE_ERRORS):
         popxl.Session(ir, "ipu_model")
+
+
+def test_name_scope_prefixes_tensor_ids():
+    """``popxl.name_scope`` (popart python/popxl context.py, graph.py ``_create_tensor_id``):
+    ``name = "/".join(scopes + [name])``; in a subgraph the id also gets the graph's prefix;
+    the context manager yields the active scopes."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with popxl.name_scope("outer") as scopes:
+            assert list(scopes) == ["outer"]
+            with popxl.name_scope("inner") as scopes:
+                assert list(scopes) == ["outer", "inner"]
+                a = popxl.variable(np.zeros(2, np.float32), name="a")
+                b = a + 1
+            c = ops.init((2,), f32, name="c")
+
+            def body(x):
+                return x * 2
+            g = ir.create_graph(body, a)
+            (d,) = ops.call(g, a)
+        e = popxl.constant(1.0, name="e")
+    assert (a.id, c.id, e.id) == ("outer/inner/a", "outer/c", "e")
+    assert b.id.startswith("outer/inner/") and d.id.startswith("outer/")
+    (x,) = g.inputs
+    assert x.id == f"{g.name}/outer/x" and x.name == "outer/x"
+
+
+@emulator_only
+def test_name_scope_not_popped_on_error():
+    """PopXL 3.3/3.4's ``name_scope`` has no ``finally``: an exception inside leaves the scope
+    pushed (the emulator does the same; cleaned up here through the emulator's state)."""
+    from popxl_flash.emulator import context
+    depth = len(context._state["scopes"])
+    with pytest.raises(KeyError):
+        with popxl.name_scope("broken"):
+            raise KeyError("x")
+    try:
+        assert context._state["scopes"][depth:] == ["broken"]
+    finally:
+        del context._state["scopes"][depth:]

@@ -1,0 +1,152 @@
+"""flash-attn's interface: :func:`flash_attn_func` on ``[B, L, H, D]`` tensors.
+
+The names, defaults and layouts are those of ``flash_attn.flash_attn_func`` (flash-attn 2):
+``softmax_scale``, ``causal=False``, ``window_size=(-1, -1)``; q ``[B, Lq, Hq, D]``, k and v
+``[B, Lkv, Hkv, D]``; out ``[B, Lq, Hq, D]`` and the logsumexp ``[B, Hq, Lq]`` float32. The
+layout changes are ordinary PopXL ``transpose``/``reshape`` ops around
+:func:`popxl_flash.flash_attention`, which works on ``[G, L, D]`` with ``G = B x H``::
+
+    q [B, Lq, Hq, D] --transpose--> [B, Hq, Lq, D] --reshape--> [B*Hq, Lq, D]
+    out [B*Hq, Lq, D] --reshape--> [B, Hq, Lq, D] --transpose--> [B, Lq, Hq, D]
+    lse [B*Hq, Lq] --reshape--> [B, Hq, Lq]
+
+With ``layout="BHLD"`` (PyTorch SDPA's ``[B, H, L, D]``) only the reshapes remain.
+
+Heads flatten batch-major (``g = b * H + h``), so grouped-query attention needs nothing here
+beyond the core accepting ``k``/``v`` with ``B * Hkv`` groups: q group ``b * Hq + h`` then reads
+kv group ``(b * Hq + h) // (Hq // Hkv) = b * Hkv + h // (Hq // Hkv)``, flash-attn's convention.
+Until the core does, ``Hq != Hkv`` raises ``NotImplementedError``.
+"""
+from collections import namedtuple
+
+from popxl_flash.backend import popxl
+from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
+from popxl_flash.functional import check_tensors, flash_attention, keyword_hints
+
+#: Accepted ``layout`` values: flash-attn's ``[B, L, H, D]`` and PyTorch SDPA's ``[B, H, L, D]``.
+LAYOUTS = ("BLHD", "BHLD")
+
+#: Keywords of the ``[G, L, D]`` API, PyTorch SDPA or flash-attn that are spelt differently (or
+#: unsupported) here.
+KEYWORD_HINTS = {
+    "scale": "flash_attn_func calls it softmax_scale= (scale= is pf.flash_attention's name)",
+    "window": "flash_attn_func calls it window_size= (window= is pf.flash_attention's name)",
+    "is_causal": "flash_attn_func calls it causal= (PyTorch SDPA's is_causal)",
+    "attn_mask": "mask tensors are not supported; use causal= and window_size=",
+    "dropout_p": "attention dropout is not supported",
+    "softcap": "score soft-capping is not supported",
+    "alibi_slopes": "ALiBi is not supported",
+    "return_attn_probs": "the probabilities are never materialised; return_lse=True returns "
+                         "(out, lse)",
+}
+
+#: The sizes of one call, in flash-attn's names.
+Dims = namedtuple("Dims", "batch q_len kv_len q_heads kv_heads head_dim")
+
+
+def _blhd(shape, layout):
+    """``(B, L, H, D)`` of a rank-4 shape in ``layout``."""
+    b, x, y, d = shape
+    return (b, x, y, d) if layout == "BLHD" else (b, y, x, d)
+
+
+def _check_shapes(q, k, v, layout):
+    """Validate ranks and sizes of q, k, v in ``layout``.
+
+    Returns:
+        :class:`Dims`.
+    """
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
+    order = "[B, L, H, D]" if layout == "BLHD" else "[B, H, L, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        shape = tuple(t.shape)
+        if len(shape) != 4:
+            hint = "; for [G, L, D] tensors use pf.flash_attention" if len(shape) == 3 else ""
+            raise ValueError(f"{name} must have rank 4 {order} (layout={layout!r}), got shape "
+                             f"{shape}{hint}")
+        if min(shape) < 1:
+            raise ValueError(f"{name} must have non-empty dims {order}, got shape {shape}")
+    B, Lq, Hq, D = _blhd(q.shape, layout)
+    Bk, Lkv, Hkv, Dk = _blhd(k.shape, layout)
+    if (Bk, Dk) != (B, D):
+        raise ValueError(f"k must have q's batch B={B} and head dim D={D} ({order}), got k "
+                         f"shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
+                         f"{tuple(v.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"q's head count Hq={Hq} must be a multiple of k/v's Hkv={Hkv} "
+                         "(grouped-query attention)")
+    return Dims(B, Lq, Lkv, Hq, Hkv, D)
+
+
+def _check_heads(dims):
+    """The core kernel needs as many k/v heads as q heads (for now)."""
+    if dims.q_heads != dims.kv_heads:
+        n = dims.q_heads // dims.kv_heads
+        raise NotImplementedError(
+            f"grouped-query / multi-query attention (Hq={dims.q_heads} q heads, "
+            f"Hkv={dims.kv_heads} k/v heads) is not supported yet; repeat each k/v head {n} "
+            f"times along the head axis (q head h reads k/v head h // {n}) to pass Hq heads")
+
+
+def _to_groups(t, layout):
+    """``[B, L, H, D]`` (or ``[B, H, L, D]``) -> ``[B*H, L, D]``."""
+    B, L, H, D = _blhd(t.shape, layout)
+    if layout == "BLHD":
+        t = t.transpose((0, 2, 1, 3))  # [B, H, L, D]
+    return t.reshape((B * H, L, D))
+
+
+def _from_groups(t, batch, heads, layout):
+    """``[B*H, L, D]`` -> ``[B, L, H, D]`` (or ``[B, H, L, D]``)."""
+    _, L, D = t.shape
+    t = t.reshape((batch, heads, L, D))
+    return t.transpose((0, 2, 1, 3)) if layout == "BLHD" else t
+
+
+@keyword_hints(KEYWORD_HINTS)
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    return_lse=False, layout="BLHD", num_chunks_q=None, num_chunks_kv=None):
+    """flash-attn's ``flash_attn_func`` on PopXL tensors: exact attention, O(L) memory.
+
+    The options are keyword-only (flash-attn's fourth positional parameter is ``dropout_p``,
+    which does not exist here, so positional options could silently mean something else).
+
+    Args:
+        q: ``[B, Lq, Hq, D]`` float16 or float32 (``[B, Hq, Lq, D]`` with ``layout="BHLD"``).
+        k, v: ``[B, Lkv, Hkv, D]`` (``[B, Hkv, Lkv, D]``), q's dtype. ``Hkv`` must equal
+            ``Hq`` for now (grouped-query attention raises ``NotImplementedError``).
+        softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
+        causal: bottom-right aligned causal mask (flash-attn >= 2.1): query ``i`` sees key
+            ``j <= i + Lkv - Lq``. Default ``False``, as in flash-attn.
+        window_size: ``(left, right)`` local window around the bottom-right diagonal; ``-1``
+            (or ``None``) for an unbounded side; intersected with ``causal``.
+        return_lse: also return the logsumexp (flash-attn's ``softmax_lse``).
+        layout: ``"BLHD"`` (flash-attn, default) or ``"BHLD"`` (PyTorch SDPA) for q, k, v and
+            out.
+        num_chunks_q, num_chunks_kv: chunk counts, as :func:`popxl_flash.flash_attention`.
+
+    Returns:
+        out ``[B, Lq, Hq, D]`` (``[B, Hq, Lq, D]``) in q's dtype; with ``return_lse``,
+        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` where a row sees no key).
+    """
+    check_tensors(q=q, k=k, v=v)
+    dims = _check_shapes(q, k, v, layout)
+    options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                   causal=check_bool("causal", causal),
+                   scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
+                   window=check_window(window_size, name="window_size"))
+    return_lse = check_bool("return_lse", return_lse)
+    _check_heads(dims)
+    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+    kv_shape = (Gk, dims.kv_len, dims.head_dim)
+    AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
+                                (q.dtype.name, k.dtype.name, v.dtype.name), **options)
+    with popxl.name_scope("flash_attn_func"):
+        groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
+        out, lse = flash_attention(*groups, return_lse=True, **options)
+        out = _from_groups(out, dims.batch, dims.q_heads, layout)
+        lse = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
+    return (out, lse) if return_lse else out

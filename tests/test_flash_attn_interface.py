@@ -1,0 +1,209 @@
+"""pf.flash_attn_func: flash-attn's names, defaults and [B, L, H, D] layout vs the reference."""
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+import popxl_flash as pf
+from attention_utils import (assert_within_rule, naive_attention, run_flash_attn_func, run_graph,
+                             to_groups)
+from popxl_flash import popxl
+from popxl_flash.config import AttentionConfig
+
+MASKS = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "window": dict(causal=False, window_size=(8, 4)),
+    "causal-window": dict(causal=True, window_size=(6, -1)),
+}
+D = 16
+CHUNKS = dict(num_chunks_q=2, num_chunks_kv=3)
+
+
+def random_blhd(rng, B, Lq, Lkv, Hq, Hkv, dtype, layout="BLHD"):
+    """q ``[B, Lq, Hq, D]``, k/v ``[B, Lkv, Hkv, D]`` (or BHLD) standard normal in ``dtype``."""
+    def make(L, H):
+        shape = (B, L, H, D) if layout == "BLHD" else (B, H, L, D)
+        return rng.standard_normal(shape).astype(dtype)
+    return make(Lq, Hq), make(Lkv, Hkv), make(Lkv, Hkv)
+
+
+def core_options(mask):
+    """flash_attn_func options -> the reference's ``causal``, ``scale``, ``window``."""
+    return dict(causal=mask.get("causal", False), scale=mask.get("softmax_scale"),
+                window=mask.get("window_size"))
+
+
+def check_against_reference(q, k, v, mask, dtype, layout="BLHD"):
+    """Run flash_attn_func and hold out and lse to the 2x rule in the [B*H, L, D] view."""
+    out, lse, _ = run_flash_attn_func(q, k, v, layout=layout, **CHUNKS, **mask)
+    qg, kg, vg = (to_groups(x, layout) for x in (q, k, v))
+    B, Hq, Lq = q.shape[0], qg.shape[0] // q.shape[0], qg.shape[1]
+    assert out.shape == q.shape and out.dtype == np.dtype(dtype)
+    assert lse.shape == (B, Hq, Lq) and lse.dtype == np.float32
+    opts = core_options(mask)
+    ref_out, ref_lse = pf.reference.attention(qg, kg, vg, **opts)
+    naive_out, _ = naive_attention(qg, kg, vg, **opts)
+    cfg = AttentionConfig.from_shapes(qg.shape, kg.shape, vg.shape, (dtype,) * 3, **CHUNKS,
+                                      **opts)
+    steps = cfg.num_chunks_kv + cfg.chunk_kv + D
+    out_g, lse_g = to_groups(out, layout), lse.reshape(B * Hq, Lq)
+    assert_within_rule("out", out_g, naive_out, ref_out, factor=2, dtype=dtype,
+                       accum_steps=steps, magnitude=float(np.abs(v).max()))
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse_g), empty)
+    assert (out_g[empty] == 0).all()
+    _, naive32_lse = naive_attention(*(a.astype(np.float32) for a in (qg, kg, vg)), **opts)
+    assert_within_rule("lse", lse_g, naive32_lse, ref_lse, factor=2, dtype="float32",
+                       accum_steps=steps, magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
+    return out, lse
+
+
+CASES = list(itertools.product([1, 2, 3], [1, 4], list(MASKS), ["float16", "float32"]))
+
+
+@pytest.mark.parametrize("B,H,mask,dtype", CASES,
+                         ids=[f"B{b}-H{h}-{m}-{d}" for b, h, m, d in CASES])
+def test_matches_reference(B, H, mask, dtype):
+    """B in 1..3, H in {1, 4}, Lq != Lkv (both ways), four masks, both dtypes: the 2x rule."""
+    Lq, Lkv = (21, 34) if (B + H) % 2 else (34, 19)
+    rng = np.random.default_rng(100 * B + H)
+    q, k, v = random_blhd(rng, B, Lq, Lkv, H, H, dtype)
+    check_against_reference(q, k, v, MASKS[mask], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_bhld_layout(dtype):
+    """layout="BHLD" (SDPA's order) meets the rule and equals BLHD bit for bit."""
+    rng = np.random.default_rng(7)
+    q, k, v = random_blhd(rng, 2, 19, 27, 3, 3, dtype, layout="BHLD")
+    out, lse = check_against_reference(q, k, v, MASKS["causal"], dtype, layout="BHLD")
+    blhd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+    out_blhd, lse_blhd, _ = run_flash_attn_func(*blhd, causal=True, **CHUNKS)
+    np.testing.assert_array_equal(out_blhd.transpose(0, 2, 1, 3), out)
+    np.testing.assert_array_equal(lse_blhd, lse)
+
+
+def test_lse_layout_and_defaults():
+    """lse[b, h] is the core's lse of group b*H + h; the defaults are flash-attn's (causal=False,
+    window (-1, -1), scale 1/sqrt(D)) and out alone is returned without return_lse."""
+    rng = np.random.default_rng(3)
+    B, L, H = 2, 12, 3
+    q, k, v = random_blhd(rng, B, L, L, H, H, "float32")
+    qg, kg, vg = (to_groups(x) for x in (q, k, v))
+
+    def build(q, k, v, qg, kg, vg):
+        out, lse = pf.flash_attn_func(q, k, v, return_lse=True)
+        core_out, core_lse = pf.flash_attention(qg, kg, vg, causal=False, return_lse=True)
+        return out, lse, core_out, core_lse, pf.flash_attn_func(q, k, v)
+    (out, lse, core_out, core_lse, out_only), _ = run_graph(build, [q, k, v, qg, kg, vg])
+    for b, h in itertools.product(range(B), range(H)):
+        np.testing.assert_array_equal(lse[b, h], core_lse[b * H + h])
+        np.testing.assert_array_equal(out[b, :, h], core_out[b * H + h])
+    np.testing.assert_array_equal(out_only, out)
+    ref_out, ref_lse = pf.reference.attention(qg, kg, vg, causal=False)
+    np.testing.assert_allclose(to_groups(out), ref_out, atol=1e-5)
+    np.testing.assert_allclose(lse.reshape(B * H, L), ref_lse, atol=1e-5)
+
+
+def test_softmax_scale_and_numpy_options():
+    """softmax_scale is used; NumPy scalars/arrays give the Python options' exact result."""
+    rng = np.random.default_rng(5)
+    q, k, v = random_blhd(rng, 1, 10, 13, 2, 2, "float32")
+    py = dict(softmax_scale=0.3, causal=True, window_size=(4, 0), num_chunks_q=2)
+    npy = dict(softmax_scale=np.float32(0.3), causal=np.True_, window_size=np.array([4, 0]),
+               num_chunks_q=np.int64(2))
+    out_py, lse_py, _ = run_flash_attn_func(q, k, v, **py)
+    out_np, lse_np, _ = run_flash_attn_func(q, k, v, **npy)
+    np.testing.assert_array_equal(out_np, out_py)
+    np.testing.assert_array_equal(lse_np, lse_py)
+    ref_out, _ = pf.reference.attention(*(to_groups(x) for x in (q, k, v)), causal=True,
+                                        scale=0.3, window=(4, 0))
+    np.testing.assert_allclose(to_groups(out_py), ref_out, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors at build time
+
+
+def _var(shape, dtype=np.float32):
+    return popxl.variable(np.zeros(shape, dtype))
+
+
+def _build(fn):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        return fn()
+
+
+QKV = dict(q=(2, 8, 4, 16), k=(2, 6, 4, 16), v=(2, 6, 4, 16))
+
+BAD = [
+    # (id, shapes override, options, exception, message fragment)
+    ("q rank 3", dict(q=(8, 8, 16)), {}, ValueError,
+     "q must have rank 4 [B, L, H, D] (layout='BLHD'), got shape (8, 8, 16); for [G, L, D] "
+     "tensors use pf.flash_attention"),
+    ("k batch", dict(k=(3, 6, 4, 16), v=(3, 6, 4, 16)), {}, ValueError,
+     "k must have q's batch B=2 and head dim D=16"),
+    ("k head dim", dict(k=(2, 6, 4, 8), v=(2, 6, 4, 8)), {}, ValueError, "head dim D=16"),
+    ("v shape", dict(v=(2, 7, 4, 16)), {}, ValueError, "v must have the shape of k (2, 6, 4, 16)"),
+    ("heads not multiple", dict(k=(2, 6, 3, 16), v=(2, 6, 3, 16)), {}, ValueError,
+     "Hq=4 must be a multiple of k/v's Hkv=3"),
+    ("gqa", dict(k=(2, 6, 2, 16), v=(2, 6, 2, 16)), {}, NotImplementedError,
+     "grouped-query / multi-query attention (Hq=4 q heads, Hkv=2 k/v heads) is not supported"),
+    ("mqa", dict(k=(2, 6, 1, 16), v=(2, 6, 1, 16)), {}, NotImplementedError,
+     "repeat each k/v head 4 times"),
+    ("layout", {}, dict(layout="BLDH"), ValueError, "layout must be one of ('BLHD', 'BHLD')"),
+    ("scale kw", {}, dict(scale=0.5), TypeError,
+     "flash_attn_func() got an unexpected keyword argument 'scale': flash_attn_func calls it "
+     "softmax_scale="),
+    ("window kw", {}, dict(window=(1, 1)), TypeError, "calls it window_size="),
+    ("is_causal kw", {}, dict(is_causal=True), TypeError, "calls it causal="),
+    ("dropout", {}, dict(dropout_p=0.1), TypeError, "attention dropout is not supported"),
+    ("attn probs", {}, dict(return_attn_probs=True), TypeError, "return_lse=True"),
+    ("softmax_scale str", {}, dict(softmax_scale="1"), TypeError,
+     "softmax_scale must be a real number or None, got softmax_scale='1'"),
+    ("softmax_scale inf", {}, dict(softmax_scale=np.inf), ValueError,
+     "softmax_scale must be finite"),
+    ("window_size < -1", {}, dict(window_size=(-2, 0)), ValueError,
+     "window_size=(-2, 0) has a side -2 < -1"),
+    ("window_size float array", {}, dict(window_size=np.array([1.5, 0.0])), TypeError,
+     "window_size=[1.5, 0.0] has a non-int side 1.5"),
+    ("causal int", {}, dict(causal=1), TypeError, "causal must be a bool"),
+    ("causal 0-d int array", {}, dict(causal=np.array(1)), TypeError, "causal must be a bool"),
+    ("return_lse str", {}, dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
+    ("chunks > Lq", {}, dict(num_chunks_q=9), ValueError, "num_chunks_q must be in [1, 8]"),
+    ("int dtype", dict(dtype=np.int32), {}, TypeError, "expected one of ('float16', 'float32')"),
+]
+
+
+@pytest.mark.parametrize("desc,override,options,exc,fragment", BAD, ids=[c[0] for c in BAD])
+def test_rejects(desc, override, options, exc, fragment):
+    shapes = {**QKV, **{n: s for n, s in override.items() if n != "dtype"}}
+    dtype = override.get("dtype", np.float32)
+
+    def fn():
+        q, k, v = (_var(shapes[n], dtype) for n in "qkv")
+        pf.flash_attn_func(q, k, v, **options)
+    with pytest.raises(exc, match=re.escape(fragment)):
+        _build(fn)
+
+
+def test_options_are_keyword_only():
+    """flash-attn's 4th positional is dropout_p: a positional option here is an error."""
+    with pytest.raises(TypeError):
+        _build(lambda: pf.flash_attn_func(*(_var(QKV[n]) for n in "qkv"), 0.0))
+
+
+def test_errors_create_nothing():
+    """Validation happens before any graph, op or tensor is created."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q, k, v = _var(QKV["q"]), _var((2, 6, 2, 16)), _var((2, 6, 2, 16))
+        before = len(ir.main_graph.tensors)
+        for options in (dict(), dict(softmax_scale="x"), dict(causal=2)):
+            with pytest.raises((NotImplementedError, TypeError)):
+                pf.flash_attn_func(q, k, v, **options)
+        assert len(ir.main_graph.tensors) == before
+        assert ir.main_graph.called_graphs == ()

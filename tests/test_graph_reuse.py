@@ -1,0 +1,177 @@
+"""One graph per configuration and readable names (popxl.name_scope) in the functional API.
+
+Graphs are counted through the public API (``Graph.called_graphs``, transitively from the main
+graph), so the counts hold on the real SDK too.
+"""
+import numpy as np
+import pytest
+
+import popxl_flash as pf
+from attention_utils import run_graph
+from popxl_flash import popxl
+
+ops = popxl.ops
+G, L, D = 2, 12, 8
+
+
+def reachable_graphs(ir):
+    """Every graph called, directly or not, from ``ir``'s main graph."""
+    seen, stack = {}, [ir.main_graph]
+    while stack:
+        for g in stack.pop().called_graphs:
+            if g.id not in seen:
+                seen[g.id] = g
+                stack.append(g)
+    return list(seen.values())
+
+
+def count_graphs(build, n_calls):
+    """Graphs reachable after calling ``build(q, k, v, layer)`` ``n_calls`` times."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q, k, v = (popxl.variable(np.zeros((G, L, D), np.float32)) for _ in range(3))
+        for layer in range(n_calls):
+            build(q, k, v, layer)
+    return len(reachable_graphs(ir))
+
+
+def forward(q, k, v, layer):
+    pf.flash_attention(q, k, v, num_chunks_q=2)
+
+
+def forward_backward(q, k, v, layer):
+    out, lse = pf.flash_attention(q, k, v, num_chunks_q=2, return_lse=True)
+    pf.flash_attention_grad(out, q, k, v, out, lse, num_chunks_q=2)
+
+
+def recompute_backward(q, k, v, layer):
+    pf.flash_attention_grad(q, q, k, v, num_chunks_q=2)
+
+
+def packed(q, k, v, layer):
+    qkv = ops.concat([t.reshape((1, G, L, D)) for t in (q, k, v)], axis=0)
+    out, lse = pf.flash_attention_qkv_packed(qkv, return_lse=True)
+    pf.flash_attention_qkv_packed_grad(out, qkv, out, lse)
+
+
+def blhd(q, k, v, layer):
+    x = q.reshape((1, L, G, D))
+    pf.flash_attn_func(x, x, x, causal=True)
+
+
+def layer_graph(q, k, v, layer):
+    """A model layer as its own graph (traced anew per layer) that calls flash attention."""
+    def body(q, k, v):
+        return pf.flash_attention(q, k, v)
+    graph = popxl.gcg().ir.create_graph(body, q, k, v)
+    ops.call(graph, q, k, v)
+
+
+@pytest.mark.parametrize("build", [forward, forward_backward, recompute_backward, packed, blhd,
+                                   layer_graph], ids=lambda f: f.__name__)
+def test_twelve_calls_build_the_graphs_of_one(build):
+    one = count_graphs(build, 1)
+    assert one > 1
+    twelve = count_graphs(build, 12)
+    expected = one + (11 if build is layer_graph else 0)  # the user's 12 layer graphs
+    assert twelve == expected
+
+
+def test_twelve_calls_give_twelve_results():
+    """Sharing the graph does not share results: each call site computes its own inputs."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((G, L, D)).astype(np.float32) for _ in range(3)]
+
+    def build(q, k, v):
+        outs, x = [], q
+        for _ in range(12):
+            x = pf.flash_attention(x, k, v, causal=False)
+            outs.append(x)
+        return outs
+    outs, _ = run_graph(build, arrays)
+    x = arrays[0]
+    for out in outs:
+        x, _ = pf.reference.attention(x, arrays[1], arrays[2], causal=False)
+        np.testing.assert_allclose(out, x, atol=1e-5)
+
+
+@pytest.mark.parametrize("other", [
+    dict(causal=False), dict(scale=0.5), dict(window=(3, 0)), dict(num_chunks_q=3),
+    dict(num_chunks_kv=2),
+], ids=lambda o: next(iter(o)))
+def test_new_configuration_new_graphs(other):
+    def build(q, k, v, layer):
+        pf.flash_attention(q, k, v, **{"num_chunks_q": 2, **(other if layer else {})})
+    assert count_graphs(build, 2) > count_graphs(build, 1)
+
+
+def test_equal_configuration_spelt_differently_shares_graphs():
+    """Options are compared after validation: None vs the equal explicit chunk count, window
+    None vs (-1, -1), scale None vs 1/sqrt(D), NumPy vs Python values."""
+    spellings = [
+        dict(),
+        dict(num_chunks_q=1, num_chunks_kv=1, window=(-1, -1), scale=1 / np.sqrt(D)),
+        dict(causal=np.True_, num_chunks_q=np.int64(1), window=np.array([-1, -1]),
+             scale=np.float64(1 / np.sqrt(D))),
+    ]
+
+    def build(q, k, v, layer):
+        pf.flash_attention(q, k, v, **spellings[layer])
+    assert count_graphs(build, 3) == count_graphs(build, 1)
+
+
+def test_new_shape_new_graphs():
+    def build(q, k, v, layer):
+        t = q if layer == 0 else q[:, : L - 1]
+        pf.flash_attention(t, k, v)
+    assert count_graphs(build, 2) > count_graphs(build, 1)
+
+
+def test_graphs_are_per_ir():
+    """A second Ir builds its own graphs (a graph belongs to one Ir)."""
+    for _ in range(2):
+        assert count_graphs(forward, 1) > 1
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+
+
+def _ir_with(fn):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q, k, v = (popxl.variable(np.zeros((G, L, D), np.float32), name=n) for n in "qkv")
+        return ir, fn(q, k, v)
+
+
+@pytest.mark.parametrize("fn,scope", [
+    (lambda q, k, v: pf.flash_attention(q, k, v, return_lse=True), "flash_attention/"),
+    (lambda q, k, v: pf.flash_attention_grad(q, q, k, v), "flash_attention_grad/"),
+    (lambda q, k, v: [pf.flash_attn_func(x, x, x, return_lse=True)
+                      for x in [q.reshape((1, L, G, D))]][0], "flash_attn_func/"),
+], ids=["forward", "grad", "flash_attn_func"])
+def test_outputs_are_named_by_scope(fn, scope):
+    ir, outs = _ir_with(fn)
+    for t in outs:
+        assert t.id.startswith(scope), t.id
+    ours = ("flash_attention/", "flash_attention_grad/", "flash_attn_func/")
+    for graph in reachable_graphs(ir):  # the traced graphs' tensors carry a scope too
+        for t in graph.inputs:
+            assert t.name.startswith(ours), (graph.name, t.name)
+
+
+def test_graph_names_name_the_module():
+    ir, _ = _ir_with(lambda q, k, v: pf.flash_attention_grad(q, q, k, v))
+    names = [g.name for g in ir.main_graph.called_graphs]
+    assert any("FlashAttentionGrad" in n for n in names), names
+    assert any(n.startswith("FlashAttention") and "Grad" not in n
+               for g in reachable_graphs(ir) for n in [g.name]), names
+
+
+def test_user_scope_prefixes_ours():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((G, L, D), np.float32))
+        with popxl.name_scope("layer0"):
+            out = pf.flash_attention(q, q, q)
+    assert out.id.startswith("layer0/flash_attention/"), out.id
