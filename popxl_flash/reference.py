@@ -9,6 +9,14 @@ Same semantics as :func:`popxl_flash.flash_attention` (see ``docs/user-guide.md`
   ``i + (Lkv - Lq) - left <= j <= i + (Lkv - Lq) + right``, intersected with ``causal``;
 * a row that sees no key has output 0, lse ``-inf`` and zero gradient.
 
+Packed sequences (``q_segment_ids [G or 1, Lq]``, ``kv_segment_ids [G or 1, Lkv]``, integer):
+row ``i`` of group ``g`` sees column ``j`` only if ``q_segment_ids[g, i] == kv_segment_ids[g, j]
+>= 0`` (a negative id is padding: it sees nothing and nothing sees it) and the mask above allows
+``(i, j)``. With ``q_positions``/``kv_positions`` (integer ``[G or 1, L]``) the causal and window
+conditions compare positions instead of indices: ``kv_pos <= q_pos`` (causal) and
+``q_pos - left <= kv_pos <= q_pos + right`` (window). :func:`varlen_segments` gives flash-attn's
+varlen masks in these terms, and :func:`attention_varlen` is the per-sequence oracle.
+
 Everything is computed in float64 whatever the input dtype.
 """
 import numpy as np
@@ -25,9 +33,14 @@ def visibility(Lq, Lkv, *, causal=True, window=None):
     Returns:
         bool array ``[Lq, Lkv]``, True where query row ``i`` sees key column ``j``.
     """
-    left, right = (None, None) if window is None else window
     offset = np.arange(Lkv)[None, :] - (np.arange(Lq)[:, None] + (Lkv - Lq))  # j - diag(i)
-    visible = np.ones((Lq, Lkv), dtype=bool)
+    return _band(offset, causal, window)
+
+
+def _band(offset, causal, window):
+    """Visibility of a key whose offset from the query's diagonal is ``offset`` (array)."""
+    left, right = (None, None) if window is None else window
+    visible = np.ones(offset.shape, dtype=bool)
     if causal:
         visible &= offset <= 0
     if left is not None and left >= 0:
@@ -37,17 +50,88 @@ def visibility(Lq, Lkv, *, causal=True, window=None):
     return visible
 
 
-def _probabilities(q, k, *, causal, scale, window):
+def _as_rows(name, ids, length):
+    """An integer ``[G or 1, length]`` array, or raise naming ``name``."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[1] != length or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer array [G or 1, {length}], got "
+                         f"{ids.dtype} {ids.shape}")
+    return ids.astype(np.int64)
+
+
+def mask(Lq, Lkv, *, causal=True, window=None, q_segment_ids=None, kv_segment_ids=None,
+         q_positions=None, kv_positions=None):
+    """Dense visibility, with optional segment ids and positions (see the module docstring).
+
+    Args:
+        Lq, Lkv: query and key lengths.
+        causal, window: as :func:`visibility`.
+        q_segment_ids, kv_segment_ids: ``None`` or integer ``[G or 1, Lq]`` / ``[G or 1, Lkv]``
+            (given together); negative ids are padding.
+        q_positions, kv_positions: ``None`` or integer ``[G or 1, Lq]`` / ``[G or 1, Lkv]``
+            (given together, with segment ids): causal and window compare these.
+
+    Returns:
+        bool ``[Lq, Lkv]`` without segment ids, else ``[G or 1, Lq, Lkv]``.
+    """
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if (q_positions is None) != (kv_positions is None):
+        raise ValueError("q_positions and kv_positions must be given together")
+    if q_segment_ids is None:
+        if q_positions is not None:
+            raise ValueError("positions need segment ids")
+        return visibility(Lq, Lkv, causal=causal, window=window)
+    sq = _as_rows("q_segment_ids", q_segment_ids, Lq)[:, :, None]  # [Gs, Lq, 1]
+    sk = _as_rows("kv_segment_ids", kv_segment_ids, Lkv)[:, None, :]  # [Gs, 1, Lkv]
+    visible = (sq == sk) & (sq >= 0)
+    if q_positions is None:
+        return visible & visibility(Lq, Lkv, causal=causal, window=window)
+    pq = _as_rows("q_positions", q_positions, Lq)[:, :, None]
+    pk = _as_rows("kv_positions", kv_positions, Lkv)[:, None, :]
+    return visible & _band(pk - pq, causal, window)
+
+
+def varlen_segments(cu_seqlens, total):
+    """flash-attn's ``cu_seqlens`` as segment ids and bottom-right positions.
+
+    Sequence ``s`` holds rows ``cu_seqlens[s] <= r < cu_seqlens[s + 1]``; rows outside every
+    sequence are padding (id -1). The position of a row is its distance to the end of its
+    sequence, ``r - cu_seqlens[s + 1]`` (so the last row has -1), which aligns causal masks
+    bottom-right per sequence, as flash-attn's varlen functions do.
+
+    Args:
+        cu_seqlens: non-decreasing integer ``[num_seqs + 1]``.
+        total: the number of rows (``total_q`` or ``total_k``).
+
+    Returns:
+        ``(segment_ids, positions)``, int64 ``[1, total]`` each (positions 0 on padding).
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    rows = np.arange(total)
+    seg = np.full(total, -1, dtype=np.int64)
+    pos = np.zeros(total, dtype=np.int64)
+    for s in range(len(cu) - 1):
+        inside = (rows >= cu[s]) & (rows < cu[s + 1])
+        seg[inside] = s
+        pos[inside] = rows[inside] - cu[s + 1]
+    return seg[None], pos[None]
+
+
+def _probabilities(q, k, *, causal, scale, window, **segments):
     """Softmax probabilities and lse in float64.
+
+    Args:
+        segments: the segment-id and position keywords of :func:`mask`.
 
     Returns:
         p ``[G, Lq, Lkv]`` (0 where masked or the row sees nothing), lse ``[G, Lq]``
-        (``-inf`` for rows that see nothing), and the visibility ``[Lq, Lkv]``.
+        (``-inf`` for rows that see nothing), and the scale.
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
-    visible = visibility(q.shape[1], k.shape[1], causal=causal, window=window)
+    visible = mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
     s = np.where(visible, scale * (q @ k.transpose(0, 2, 1)), -np.inf)  # [G, Lq, Lkv]
     m = s.max(axis=-1, keepdims=True)  # [G, Lq, 1]
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -59,21 +143,23 @@ def _probabilities(q, k, *, causal, scale, window):
     return p, lse, scale
 
 
-def attention(q, k, v, *, causal=True, scale=None, window=None):
+def attention(q, k, v, *, causal=True, scale=None, window=None, **segments):
     """Reference attention.
 
     Args:
         q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (any float dtype; computed in float64).
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
+        segments: ``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_positions``
+            (see :func:`mask`).
 
     Returns:
         ``(out, lse)``: out ``[G, Lq, D]`` float64, lse ``[G, Lq]`` float64.
     """
-    p, lse, _ = _probabilities(q, k, causal=causal, scale=scale, window=window)
+    p, lse, _ = _probabilities(q, k, causal=causal, scale=scale, window=window, **segments)
     return p @ np.asarray(v, dtype=np.float64), lse
 
 
-def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
+def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **segments):
     """Analytic gradients of :func:`attention`'s ``out`` for an upstream gradient ``dout``.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
@@ -82,17 +168,70 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
 
     Args:
         dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``.
-        causal, scale, window: as :func:`attention`.
+        causal, scale, window, segments: as :func:`attention`.
 
     Returns:
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
     """
     q64, k64, v64, do64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
-    p, _, scale = _probabilities(q64, k64, causal=causal, scale=scale, window=window)
+    p, _, scale = _probabilities(q64, k64, causal=causal, scale=scale, window=window,
+                                 **segments)
     out = p @ v64
     dv = p.transpose(0, 2, 1) @ do64
     dp = do64 @ v64.transpose(0, 2, 1)
     ds = p * (dp - (do64 * out).sum(axis=-1, keepdims=True))
     dq = scale * (ds @ k64)
     dk = scale * (ds.transpose(0, 2, 1) @ q64)
+    return dq, dk, dv
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                     window=None):
+    """Per-sequence oracle of flash-attn's varlen attention, in float64.
+
+    Each sequence ``s`` (q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``, k/v rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``) is run alone through :func:`attention` (causal and
+    window bottom-right aligned per sequence). Rows outside every sequence are padding.
+
+    Args:
+        q: ``[G, total_q, D]``; k, v: ``[G, total_k, D]`` (heads as groups).
+        cu_seqlens_q, cu_seqlens_k: non-decreasing integer ``[num_seqs + 1]``.
+        causal, scale, window: as :func:`attention`.
+
+    Returns:
+        ``(out, lse)``: out ``[G, total_q, D]`` (0 on padding and rows that see nothing), lse
+        ``[G, total_q]`` (``-inf`` there).
+    """
+    G, total_q, D = np.shape(q)
+    out = np.zeros((G, total_q, D))
+    lse = np.full((G, total_q), -np.inf)
+    for s in range(len(cu_seqlens_q) - 1):
+        rows = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
+        cols = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
+        if rows.start == rows.stop or cols.start == cols.stop:
+            continue
+        out[:, rows], lse[:, rows] = attention(q[:, rows], k[:, cols], v[:, cols],
+                                               causal=causal, scale=scale, window=window)
+    return out, lse
+
+
+def attention_varlen_grad(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False,
+                          scale=None, window=None):
+    """Per-sequence gradients of :func:`attention_varlen` (0 on padding).
+
+    Args:
+        dout: ``[G, total_q, D]``; the rest as :func:`attention_varlen`.
+
+    Returns:
+        ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
+    """
+    dq, dk, dv = (np.zeros(np.shape(a)) for a in (q, k, v))
+    for s in range(len(cu_seqlens_q) - 1):
+        rows = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
+        cols = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
+        if rows.start == rows.stop or cols.start == cols.stop:
+            continue
+        dq[:, rows], dk[:, cols], dv[:, cols] = attention_grad(
+            dout[:, rows], q[:, rows], k[:, cols], v[:, cols], causal=causal, scale=scale,
+            window=window)
     return dq, dk, dv

@@ -31,7 +31,7 @@ from popxl_flash import reference
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def naive_attention(q, k, v, *, causal, scale, window):
+def naive_attention(q, k, v, *, causal, scale, window, **segments):
     """Plain attention in the inputs' precision (float16 scores and probabilities for float16).
 
     Matmuls accumulate in float32 and round to the input dtype, as a float16 IPU matmul does.
@@ -39,6 +39,7 @@ def naive_attention(q, k, v, *, causal, scale, window):
     Args:
         q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` numpy arrays of one dtype.
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
+        segments: segment ids and positions, as :func:`popxl_flash.reference.mask`.
 
     Returns:
         ``(out [G, Lq, D], lse [G, Lq])`` in the input dtype.
@@ -46,7 +47,7 @@ def naive_attention(q, k, v, *, causal, scale, window):
     dt = q.dtype
     D = q.shape[-1]
     scale = dt.type(1.0 / np.sqrt(D) if scale is None else scale)
-    visible = reference.visibility(q.shape[1], k.shape[1], causal=causal, window=window)
+    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
     s = (q.astype(np.float32) @ k.astype(np.float32).transpose(0, 2, 1)).astype(dt) * scale
     s = np.where(visible, s, dt.type(-np.inf))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -60,11 +61,12 @@ def naive_attention(q, k, v, *, causal, scale, window):
     return out, lse
 
 
-def naive_attention_grad(dout, q, k, v, *, causal, scale, window):
+def naive_attention_grad(dout, q, k, v, *, causal, scale, window, **segments):
     """Plain backward in the inputs' precision (float16 P and dS for float16 inputs).
 
     Args:
-        dout: ``[G, Lq, D]``; q, k, v, causal, scale, window: as :func:`naive_attention`.
+        dout: ``[G, Lq, D]``; q, k, v, causal, scale, window, segments: as
+            :func:`naive_attention`.
 
     Returns:
         ``(dq, dk, dv)`` in the input dtype.
@@ -72,8 +74,8 @@ def naive_attention_grad(dout, q, k, v, *, causal, scale, window):
     dt = q.dtype
     f32 = np.float32
     scale = dt.type(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    out, lse = naive_attention(q, k, v, causal=causal, scale=scale, window=window)
-    visible = reference.visibility(q.shape[1], k.shape[1], causal=causal, window=window)
+    out, lse = naive_attention(q, k, v, causal=causal, scale=scale, window=window, **segments)
+    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
     s = (q.astype(f32) @ k.astype(f32).transpose(0, 2, 1)).astype(dt) * scale
     with np.errstate(over="ignore", invalid="ignore"):
         p = np.where(visible, np.exp(s - lse[..., None]), dt.type(0)).astype(dt)
@@ -88,7 +90,7 @@ def naive_attention_grad(dout, q, k, v, *, causal, scale, window):
     return mm(ds, k) * scale, mm(ds.transpose(0, 2, 1), q) * scale, dv
 
 
-def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype):
+def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
     """Float64 error scales of dq, dk, dv, from the true probabilities P.
 
     Returns:
@@ -106,7 +108,8 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype):
     """
     q64, k64, v64, do64 = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    p, _, _ = reference._probabilities(q64, k64, causal=causal, scale=scale, window=window)
+    p, _, _ = reference._probabilities(q64, k64, causal=causal, scale=scale, window=window,
+                                       **segments)
     aq, ak, av, ado = (np.abs(a) for a in (q64, k64, v64, do64))
     rowdot = (ado * np.abs(p @ v64)).sum(-1, keepdims=True)  # rowsum(|dO| |O|)  [G, Lq, 1]
     ds = p * (ado @ av.transpose(0, 2, 1) + rowdot)
