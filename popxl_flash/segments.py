@@ -1,0 +1,227 @@
+"""Runtime segment masks: packed sequences and key padding, as PopXL graph code.
+
+Segment ids arrive with the data (int32 ``[G or 1, L]`` tensors given at run time), so the static
+planner cannot see them. This module turns them into what the block step needs:
+
+* :func:`varlen_segments`: flash-attn's ``cu_seqlens [num_seqs + 1]`` -> segment ids and
+  bottom-right positions (distance to the end of the sequence, ``-1`` for its last row), with
+  ordinary broadcast comparisons and reductions (``O(L * num_seqs)`` elements, once per call);
+* :func:`chunk_stats`: per chunk, computed once before the loops, the few numbers that classify
+  a block at run time (:data:`STATS`);
+* :func:`classify_block`: from two chunks' statistics, whether a block shares no segment
+  (``skip``: no matmul) or lies inside one segment with its whole positional band visible
+  (``full``: unmasked update);
+* :func:`runtime_mask`: for every other visited block, the bool mask ``[G or 1, cq, ckv]``
+  (segment equality, not padding, positional band).
+
+Semantics (see ``docs/user-guide.md``): query row ``i`` sees key ``j`` iff
+``q_ids[i] == kv_ids[j] >= 0`` and the static mask (causal, window on indices) allows ``(i, j)``.
+With positions (the varlen API), causal and window compare positions instead:
+``kv_pos <= q_pos`` (causal), ``q_pos - left <= kv_pos <= q_pos + right`` (window); the static
+schedule is then planned without causal/window, and runtime skipping does that work.
+
+Every classification is conservative: a block is skipped only when no pair in it can be
+visible, and runs unmasked only when every pair is; anything else runs masked, so correctness
+never depends on the ids being sorted. For packed rows (ids non-decreasing, positions increasing
+within a sequence) the tests are exact at block granularity up to chunks straddling sequences.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from popxl_flash.backend import popxl
+
+ops = popxl.ops
+
+#: Columns of the per-chunk statistics table (:func:`chunk_stats`), int32:
+#: ``SEG_MIN``/``SEG_MAX``: smallest/largest non-negative id in the chunk (``BIG``/``-1`` if the
+#: chunk is all padding); ``PAD``: 1 if the chunk holds a padding row, else 0;
+#: ``POS_LO``: the smallest position among rows with id ``SEG_MIN``; ``POS_HI``: the largest
+#: position among rows with id ``SEG_MAX`` (so ``(SEG_MIN, POS_LO)`` and ``(SEG_MAX, POS_HI)``
+#: bound the chunk's (id, position) pairs in lexicographic order).
+STATS = ("SEG_MIN", "SEG_MAX", "PAD", "POS_LO", "POS_HI")
+SEG_MIN, SEG_MAX, PAD, POS_LO, POS_HI = range(len(STATS))
+
+#: Stand-in for "larger than every id and position" (ids and positions are < 2**30).
+BIG = 2 ** 30
+
+#: Largest accepted sequence length with segments (positions and ids stay below ``BIG``).
+MAX_LEN = BIG - 1
+
+
+@dataclass(frozen=True)
+class SegmentConfig:
+    """Static facts about the segment inputs of one attention call.
+
+    Attributes:
+        q_groups: rows of ``q_segment_ids`` (``G`` or 1).
+        kv_groups: rows of ``kv_segment_ids`` (``Gk`` or 1).
+        positions: causal/window compare runtime positions (``q_positions``,
+            ``kv_positions``) instead of row and column indices.
+    """
+    q_groups: int
+    kv_groups: int
+    positions: bool = False
+
+
+def _i32(value):
+    """A rank-0 int32 constant in the current graph."""
+    return popxl.constant(np.array(value, dtype=np.int32))
+
+
+def _not_greater(a, b):
+    """``a <= b`` (PopXL has no ``less_equal``)."""
+    return ops.logical_not(ops.greater(a, b))
+
+
+def varlen_segments(cu_seqlens, total):
+    """Segment ids and bottom-right positions of a varlen packing, on the device.
+
+    Sequence ``s`` holds rows ``cu_seqlens[s] <= r < cu_seqlens[s + 1]``; rows outside every
+    sequence (after ``cu_seqlens[-1]``, or before ``cu_seqlens[0]``) are padding. Repeating the
+    last offset gives empty sequences (the way to pass fewer sequences than the static bound).
+
+    Args:
+        cu_seqlens: int32 ``[num_seqs + 1]``, non-decreasing (not checked on the device).
+        total: the number of rows, ``total_q`` or ``total_k`` (int).
+
+    Returns:
+        ``(segment_ids, positions)``, int32 ``[1, total]`` each: ids in ``[0, num_seqs)`` or -1
+        for padding, positions ``r - cu_seqlens[s + 1]`` (0 on padding).
+    """
+    n = cu_seqlens.shape[0]
+    rows = popxl.constant(np.arange(total, dtype=np.int32).reshape(total, 1))  # [total, 1]
+    cu = cu_seqlens.reshape((1, n))  # [1, S+1]
+    started = _not_greater(cu, rows)  # [total, S+1]: cu[s] <= r
+    seg = ops.sum(ops.cast(started, popxl.int32), axis=-1, keepdims=True) - _i32(1)  # [total, 1]
+    last = ops.slice(cu, start=[n - 1], stop=[n], axis=[1])  # [1, 1]
+    real = ops.logical_and(ops.greater(seg, _i32(-1)), ops.greater(last, rows))
+    end = ops.min(ops.where(started, _i32(BIG), cu), axis=-1, keepdims=True)  # next offset > r
+    seg = ops.where(real, seg, _i32(-1))
+    pos = ops.where(real, rows - end, _i32(0))
+    return seg.reshape((1, total)), pos.reshape((1, total))
+
+
+def pad_ids(ids, padded_len, fill):
+    """Pad ``ids [Gs, L]`` along axis 1 with ``fill`` to ``[Gs, padded_len]`` (no-op if equal)."""
+    Gs, L = ids.shape
+    if padded_len == L:
+        return ids
+    tail = popxl.constant(np.full((Gs, padded_len - L), fill, dtype=np.int32))
+    return ops.concat([ids, tail], axis=1)
+
+
+def chunk_stats(ids, positions, chunk_len):
+    """Per-chunk statistics (:data:`STATS`) of padded segment ids, computed once per call.
+
+    Args:
+        ids: int32 ``[Gs, L_pad]`` (``L_pad`` a multiple of ``chunk_len``; -1 = padding).
+        positions: int32 ``[Gs, L_pad]`` or ``None`` (then the position columns are 0).
+        chunk_len: rows per chunk.
+
+    Returns:
+        int32 ``[n_chunks, 5]``; reductions run over groups and rows of each chunk, so the
+        statistics bound every group at once.
+    """
+    Gs, L = ids.shape
+    n = L // chunk_len
+    ids = ids.reshape((Gs, n, chunk_len))
+    real = ops.greater(ids, _i32(-1))
+    seg_min = ops.min(ops.where(real, ids, _i32(BIG)), axis=[0, 2], keepdims=True)  # [1, n, 1]
+    seg_max = ops.max(ops.where(real, ids, _i32(-1)), axis=[0, 2], keepdims=True)
+    pad = ops.max(ops.cast(ops.logical_not(real), popxl.int32), axis=[0, 2], keepdims=True)
+    if positions is None:
+        zero = ops.init((1, n, 1), popxl.int32, init_type="zero")
+        pos_lo, pos_hi = zero, ops.identity(zero)
+    else:
+        pos = positions.reshape((Gs, n, chunk_len))
+        at_min = ops.logical_and(real, ops.equal(ids, seg_min))
+        at_max = ops.logical_and(real, ops.equal(ids, seg_max))
+        pos_lo = ops.min(ops.where(at_min, pos, _i32(BIG)), axis=[0, 2], keepdims=True)
+        pos_hi = ops.max(ops.where(at_max, pos, _i32(-BIG)), axis=[0, 2], keepdims=True)
+    stats = ops.concat([seg_min, seg_max, pad, pos_lo, pos_hi], axis=2)  # [1, n, 5]
+    return stats.reshape((n, len(STATS)))
+
+
+def chunk_row(stats, index):
+    """Row ``index`` (int32 ``[1]`` counter) of a statistics table: int32 ``[5]``."""
+    row = ops.dynamic_slice(stats, index, axes=[0], sizes=[1], no_overlap=True)
+    return row.reshape((len(STATS),))
+
+
+def _col(row, c):
+    """Entry ``c`` of a ``[5]`` statistics row, as a rank-0 int32 tensor."""
+    return ops.slice(row, start=[c], stop=[c + 1], axis=[0]).reshape(())
+
+
+def _lex_less(a_seg, a_pos, b_seg, b_pos):
+    """``(a_seg, a_pos) < (b_seg, b_pos)`` lexicographically (rank-0 bools)."""
+    return ops.logical_or(ops.greater(b_seg, a_seg),
+                          ops.logical_and(ops.equal(a_seg, b_seg), ops.greater(b_pos, a_pos)))
+
+
+def classify_block(q_row, kv_row, *, positions, causal, window):
+    """Runtime class of a block from its chunks' statistics.
+
+    ``skip``: no (query, key) pair can be visible: the chunks' id ranges are disjoint (or one is
+    all padding), or, with positions, the causal/window band misses every lexicographic
+    (id, position) pair. ``full``: both chunks lie in one segment without padding and, with
+    positions, the band covers every pair (without positions the static schedule decides).
+
+    Args:
+        q_row, kv_row: int32 ``[5]`` rows of :func:`chunk_stats`.
+        positions: whether causal/window compare positions.
+        causal, window: the mask options (used only with positions).
+
+    Returns:
+        ``(skip, full)``: bool rank-0 tensors.
+    """
+    qs0, qs1, q_pad, qp0, qp1 = (_col(q_row, c) for c in range(len(STATS)))
+    ks0, ks1, k_pad, kp0, kp1 = (_col(kv_row, c) for c in range(len(STATS)))
+    skip = ops.logical_or(ops.greater(ks0, qs1), ops.greater(qs0, ks1))
+    one = ops.logical_and(ops.equal(qs0, qs1), ops.equal(ks0, ks1))
+    one = ops.logical_and(one, ops.equal(qs0, ks0))
+    no_pad = ops.equal(q_pad + k_pad, _i32(0))
+    full = ops.logical_and(one, no_pad)
+    if positions:
+        left, right = (min(side, MAX_LEN) for side in window)
+        if causal:  # visible needs (s, kpos) <= (s, qpos): skip if min kv > max q
+            skip = ops.logical_or(skip, _lex_less(qs1, qp1, ks0, kp0))
+            full = ops.logical_and(full, _not_greater(kp1, qp0))
+        if left >= 0:  # visible needs kpos >= qpos - left
+            skip = ops.logical_or(skip, _lex_less(ks1, kp1, qs0, qp0 - _i32(left)))
+            full = ops.logical_and(full, _not_greater(qp1 - _i32(left), kp0))
+        if right >= 0:  # visible needs kpos <= qpos + right
+            skip = ops.logical_or(skip, _lex_less(qs1, qp1 + _i32(right), ks0, kp0))
+            full = ops.logical_and(full, _not_greater(kp1, qp0 + _i32(right)))
+    return skip, ops.logical_and(full, ops.logical_not(skip))
+
+
+def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window=(-1, -1)):
+    """Visibility of a block from its chunks' ids (and positions).
+
+    Args:
+        q_ids: int32 ``[Gs, cq]``; kv_ids: int32 ``[Gsk, ckv]`` (``Gs``, ``Gsk`` in {G, 1}).
+        q_pos, kv_pos: int32 positions of the same shapes, or ``None`` (no positional band).
+        causal, window: the band on positions (ignored without positions).
+
+    Returns:
+        bool ``[max(Gs, Gsk), cq, ckv]``: ``q_id == kv_id >= 0`` and the band.
+    """
+    Gs, cq = q_ids.shape
+    Gsk, ckv = kv_ids.shape
+    qi = q_ids.reshape((Gs, cq, 1))
+    ki = kv_ids.reshape((Gsk, 1, ckv))
+    visible = ops.logical_and(ops.equal(qi, ki), ops.greater(qi, _i32(-1)))
+    if q_pos is None:
+        return visible
+    qp = q_pos.reshape((Gs, cq, 1))
+    kp = kv_pos.reshape((Gsk, 1, ckv))
+    left, right = (min(side, MAX_LEN) for side in window)
+    if causal:
+        visible = ops.logical_and(visible, _not_greater(kp, qp))
+    if left >= 0:
+        visible = ops.logical_and(visible, _not_greater(qp - _i32(left), kp))
+    if right >= 0:
+        visible = ops.logical_and(visible, _not_greater(kp, qp + _i32(right)))
+    return visible
