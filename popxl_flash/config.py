@@ -12,13 +12,14 @@ gives chunks of 2, so 5 chunks: a sixth would hold padding only).
 """
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Tuple
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
 import numpy as np
 
 from popxl_flash import schedule as _schedule
 from popxl_flash.schedule import normalise_window
+from popxl_flash.segments import MAX_LEN, SegmentConfig
 
 #: Target chunk length of the automatic rule: 128 rows keep one float32 score block at
 #: 64 KiB per group and the executed/useful FLOP ratio of causal attention near 1 + 128/L.
@@ -156,6 +157,22 @@ def check_scale(scale, head_dim, name="scale"):
     return value
 
 
+def _spec_text(t):
+    """``None`` or ``shape dtype`` of a tensor, for messages."""
+    return "None" if t is None else f"<tensor {tuple(t.shape)} {t.dtype.name}>"
+
+
+def _check_ids(name, ids, groups, length_name, length):
+    """A segment-id spec must be int32 ``[groups or 1, length]``; return its row count."""
+    expected = f"[G={groups} or 1, {length_name}={length}]"
+    if ids.dtype.name != "int32":
+        raise TypeError(f"{name} must have dtype int32 {expected}, got dtype {ids.dtype.name}")
+    shape = tuple(ids.shape)
+    if len(shape) != 2 or shape[0] not in (groups, 1) or shape[1] != length:
+        raise ValueError(f"{name} must have shape {expected}, got shape {shape}")
+    return shape[0]
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Everything static about one attention call.
@@ -170,6 +187,8 @@ class AttentionConfig:
         causal: bottom-right aligned causal mask.
         scale: softmax scale applied to the scores.
         window: ``(left, right)``, ``-1`` = unbounded.
+        segments: ``None``, or the :class:`~popxl_flash.segments.SegmentConfig` of runtime
+            segment ids (and positions) given with the data.
     """
     groups: int
     q_len: int
@@ -183,6 +202,7 @@ class AttentionConfig:
     causal: bool
     scale: float
     window: Tuple[int, int]
+    segments: Optional[SegmentConfig] = None
 
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
@@ -243,11 +263,50 @@ class AttentionConfig:
             raise ValueError(f"{name} must have shape {tuple(expected_shape)} and dtype "
                              f"{expected_dtype}, got shape {tuple(shape)} and dtype {dtype}")
 
+    def with_segments(self, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None):
+        """Validate segment-id (and position) tensor specs; return the config with them.
+
+        Args:
+            q_segment_ids: ``None`` or a spec (``.shape``, ``.dtype.name``) int32
+                ``[G or 1, Lq]``; kv_segment_ids: int32 ``[G or 1, Lkv]``; given together.
+            q_positions, kv_positions: ``None`` or int32 specs shaped like the ids (internal:
+                the varlen API's bottom-right positions; causal and window then compare them).
+
+        Returns:
+            ``self`` without segment ids, else a copy whose ``segments`` is set.
+        """
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            raise ValueError("q_segment_ids and kv_segment_ids must be given together (or both "
+                             f"None), got q_segment_ids={_spec_text(q_segment_ids)}, "
+                             f"kv_segment_ids={_spec_text(kv_segment_ids)}")
+        if q_segment_ids is None:
+            return self
+        for name, length in (("q_len", self.q_len), ("kv_len", self.kv_len)):
+            if length > MAX_LEN:
+                raise ValueError(f"segment ids support lengths up to {MAX_LEN}, got "
+                                 f"{name}={length}")
+        gq = _check_ids("q_segment_ids", q_segment_ids, self.groups, "Lq", self.q_len)
+        gk = _check_ids("kv_segment_ids", kv_segment_ids, self.groups, "Lkv", self.kv_len)
+        positions = q_positions is not None
+        if positions:
+            for name, ids, t in (("q_positions", q_segment_ids, q_positions),
+                                 ("kv_positions", kv_segment_ids, kv_positions)):
+                self.check_like(name, t.shape, t.dtype.name, ids.shape, "int32")
+        return replace(self, segments=SegmentConfig(gq, gk, positions))
+
+    @property
+    def static_mask(self) -> Tuple[bool, Tuple[int, int]]:
+        """``(causal, window)`` of the static schedule: none when runtime positions decide."""
+        if self.segments is not None and self.segments.positions:
+            return False, (-1, -1)
+        return self.causal, self.window
+
     @property
     def schedule(self) -> "_schedule.BlockSchedule":
         """The static block schedule (cached by the planner)."""
+        causal, window = self.static_mask
         return _schedule.plan(self.q_len, self.kv_len, self.chunk_q, self.chunk_kv,
-                              causal=self.causal, window=self.window)
+                              causal=causal, window=window)
 
     @property
     def padded_q_len(self) -> int:
