@@ -7,6 +7,7 @@ from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig
 from popxl_flash.forward import FlashAttention
+from popxl_flash.fpchecks import enable_floating_point_checks
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
 from popxl_flash.schedule import BlockSchedule, plan
@@ -14,6 +15,6 @@ from popxl_flash.schedule import BlockSchedule, plan
 __all__ = [
     "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
-    "flash_attention_grad", "flash_attention_qkv_packed_grad",
+    "flash_attention_grad", "flash_attention_qkv_packed_grad", "enable_floating_point_checks",
 ]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import devices, popxl
 from popxl_flash.harness import run_graph
 from popxl_flash.naive import naive_attention
 
@@ -22,8 +22,9 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=["float16", "float32"], default="float16")
-    parser.add_argument("--device", default="ipu_model",
-                        help="Session device: ipu_model, ipu_hw or cpu")
+    parser.add_argument("--device", default="ipu_model", choices=devices.NAMES,
+                        help="ipu_model (full-size 1472-tile model), ipu_hw or cpu "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     G, L, D = args.groups, args.seq_len, args.head_dim
     rng = np.random.default_rng(0)

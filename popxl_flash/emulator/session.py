@@ -8,6 +8,7 @@ from . import dtypes
 from .errors import PopartError
 from .interpreter import Runtime
 from .plan import build_plans
+from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
 from .tensor import Constant, Variable
 
@@ -19,14 +20,20 @@ class Session:
 
     Args:
         ir: the Ir (must not be modified afterwards).
-        device_desc: "cpu" (default), "ipu_model" or "ipu_hw".
+        device_desc: "cpu" (default), "ipu_model" (PopART's 4-tile model), "ipu_hw" (a Mk2
+            IPU, 1472 tiles) or a ``DeviceInfo`` from ``popxl_flash.emulator.popart``.
         weights_to_host_on_exit: copy variables to host when leaving the outermost context.
+
+    With ``ir._pb_ir.getSessionOptions().enableFloatingPointChecks`` set before construction,
+    every op that overflows, divides by zero or gives an invalid result raises
+    ``FloatingPointError`` (see the emulator README).
     """
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
-        _check_device(device_desc, ir)
+        self._device_info = _device_info(device_desc, ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
-        self._main, plans = build_plans(ir)
+        self._fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
+        self._main, plans = build_plans(ir, fp_checks=self._fp_checks)
         self._const_bytes = sum(p.const_bytes for p in plans.values())
         ir._prepared = True
         self._vars = list(ir.main_graph.variables)
@@ -35,6 +42,8 @@ class Session:
         self.profile = None
 
     ir = property(lambda self: self._ir)
+    #: The DeviceInfo compiled for (emulator: tile count and memory of the device).
+    device = property(lambda self: self._device_info)
     is_attached = property(lambda self: self._depth > 0)
 
     def expected_inputs(self):
@@ -149,6 +158,7 @@ class Session:
             env[slot] = self._device[var]
         with np.errstate(all="ignore"):
             rt.run_env(self._main, env)
+        del env
         self._host_in_sync = False
         for s, n in rt.stores.items():
             if n < nht:
@@ -157,7 +167,8 @@ class Session:
                                    "unspecified on the device)")
             outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, rt.copied,
+                                  self._device_info.memory_bytes)
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers
@@ -197,14 +208,22 @@ def _check_keys(given, expected, what):
                          f"Missing: {missing}")
 
 
-def _check_device(device_desc, ir):
-    if not isinstance(device_desc, str):
+def _device_info(device_desc, ir):
+    """The DeviceInfo ``device_desc`` names (PopXL's ``_to_device_info``)."""
+    if not isinstance(device_desc, (str, DeviceInfo)):
         raise NotImplementedError(f"device_desc {device_desc!r} is not supported by the emulator "
-                                  f"(use one of {DEVICES})")
-    if device_desc not in DEVICES:
+                                  f"(use one of {DEVICES} or a popart DeviceInfo)")
+    if isinstance(device_desc, str) and device_desc not in DEVICES:
         raise ValueError(f"device_desc must be one of {DEVICES}, got {device_desc!r}")
     if ir.replication_factor > 1:
         if device_desc == "cpu":
             raise ValueError("The 'cpu' device supports a single IPU; replication_factor "
                              f"{ir.replication_factor} needs an IPU device")
         raise NotImplementedError("replication is not supported by the emulator")
+    if isinstance(device_desc, DeviceInfo):
+        return device_desc
+    if device_desc == "cpu":
+        return DeviceManager().createCpuDevice()
+    if device_desc == "ipu_model":
+        return DeviceManager().createIpuModelDevice({"numIPUs": 1})
+    return ipu_hw_device(1)
