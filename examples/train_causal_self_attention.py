@@ -47,7 +47,7 @@ from typing import Callable, Dict
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import devices, popxl
 from popxl_flash.naive import naive_attention, naive_attention_grad
 
 ops = popxl.ops
@@ -285,7 +285,7 @@ def _run(steps, *, attention, seed, device, store_grads, **sizes):
                               store_grads=store_grads, **sizes)
     feed = {layer.inputs[n]: data[n] for n in ("x", "target")}
     results = []
-    with popxl.Session(layer.ir, device) as session:
+    with popxl.Session(layer.ir, devices.session_device(device)) as session:
         for _ in range(steps):
             out = session.run(feed)
             results.append({n: out[s] for n, s in layer.outputs.items()})
@@ -301,7 +301,7 @@ def train(steps=8, *, attention="flash", seed=0, device="ipu_model", return_weig
         steps: number of ``session.run`` calls (one step each).
         attention: ``"flash"`` or ``"naive"``.
         seed: seeds the initial weights, the input and the target.
-        device: ``popxl.Session`` device.
+        device: a device name of ``popxl_flash.devices`` (``ipu_model``: the full-size model).
         return_weights: also return the weights after training.
         **sizes: overrides of :data:`DEFAULTS` (``batch``, ``seq_len``, ``hidden``, ``heads``,
             ``lr``, ``num_chunks_q``, ``num_chunks_kv``).
@@ -333,8 +333,8 @@ def main(argv=None):
     parser.add_argument("--attention", choices=["flash", "naive"], default="flash")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    parser.add_argument("--device", default="ipu_model",
-                        help="Session device: ipu_model, ipu_hw or cpu")
+    parser.add_argument("--device", default="ipu_model", choices=devices.NAMES,
+                        help="ipu_model (full-size 1472-tile model), ipu_hw or cpu")
     args = parser.parse_args(argv)
     print(f"backend: {pf.BACKEND}; attention: {args.attention}; "
           + ", ".join(f"{k}={v}" for k, v in {**DEFAULTS, "lr": args.lr}.items()))

@@ -150,7 +150,7 @@ class Session:
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
         nht = self._ir.num_host_transfers
-        d2h = {s: np.empty((nht,) + s.shape, s.dtype.as_numpy()) for s in outputs}
+        d2h = {s: _d2h_buffer(s, outputs[s], nht) for s in outputs}
         t0 = time.perf_counter()
         rt = Runtime(h2d, d2h, self._const_bytes)
         env = self._main.template[:]
@@ -165,7 +165,8 @@ class Session:
                 raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
                                    "never written by host_store this run (their contents are "
                                    "unspecified on the device)")
-            outputs[s][...] = d2h[s].reshape(outputs[s].shape)
+            if not np.shares_memory(d2h[s], outputs[s]):
+                outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
                                   time.perf_counter() - t0, rt.copied,
                                   self._device_info.memory_bytes)
@@ -175,7 +176,7 @@ class Session:
         return ((nht,) if nht > 1 else ()) + stream.shape
 
     def _prepare_inputs(self, inputs, downcast):
-        arrays = {s: dtypes.to_numpy(a, downcast=downcast) for s, a in inputs.items()}
+        arrays = {s: _host_array(a, downcast) for s, a in inputs.items()}
         _check_keys(arrays, self._ir.get_all_h2d_streams(), "input")
         nht = self._ir.num_host_transfers
         out = {}
@@ -198,6 +199,25 @@ class Session:
                                       f"{s.dtype.name}, array is {arr.dtype}")
             out[s] = arr.reshape((nht,) + s.shape)
         return out
+
+
+def _host_array(data, downcast):
+    """The input as a numpy array: the caller's own array when no conversion is needed (it is
+    only read: ``host_load`` copies each entry it loads), else a converted copy."""
+    if isinstance(data, np.ndarray) and data.dtype.kind in "biuf" and \
+            not (downcast and data.dtype in dtypes._DOWNCAST):
+        return data
+    return dtypes.to_numpy(data, downcast=downcast)
+
+
+def _d2h_buffer(stream, out, nht):
+    """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
+    array of the stream's dtype and size (no staging copy), else a new buffer."""
+    shape = (nht,) + stream.shape
+    if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
+            out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
+        return out.reshape(shape)
+    return np.empty(shape, stream.dtype.as_numpy())
 
 
 def _check_keys(given, expected, what):
