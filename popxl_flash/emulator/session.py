@@ -30,7 +30,7 @@ class Session:
     """
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
-        self._device_info = _device_info(device_desc, ir)
+        self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
         self._fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
         self._main, plans = build_plans(ir, fp_checks=self._fp_checks)
@@ -38,12 +38,10 @@ class Session:
         ir._prepared = True
         self._vars = list(ir.main_graph.variables)
         self._host = {v: np.array(v._data, copy=True) for v in self._vars}
-        self._device, self._depth, self._host_in_sync = {}, 0, True
+        self._on_device, self._depth, self._host_in_sync = {}, 0, True
         self.profile = None
 
     ir = property(lambda self: self._ir)
-    #: The DeviceInfo compiled for (emulator: tile count and memory of the device).
-    device = property(lambda self: self._device_info)
     is_attached = property(lambda self: self._depth > 0)
 
     def expected_inputs(self):
@@ -73,13 +71,13 @@ class Session:
     def weights_from_host(self):
         """Copy all host variable values to the device."""
         self._assert_attached()
-        self._device = {v: np.array(a, copy=True) for v, a in self._host.items()}
+        self._on_device = {v: np.array(a, copy=True) for v, a in self._host.items()}
         self._host_in_sync = True
 
     def weights_to_host(self):
         """Copy all device variable values to the host."""
         self._assert_attached()
-        self._host = {v: np.array(a, copy=True) for v, a in self._device.items()}
+        self._host = {v: np.array(a, copy=True) for v, a in self._on_device.items()}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -155,7 +153,7 @@ class Session:
         rt = Runtime(h2d, d2h, self._const_bytes)
         env = self._main.template[:]
         for slot, var in self._main.var_slots:
-            env[slot] = self._device[var]
+            env[slot] = self._on_device[var]
         with np.errstate(all="ignore"):
             rt.run_env(self._main, env)
         del env
@@ -165,11 +163,11 @@ class Session:
                 raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
                                    "never written by host_store this run (their contents are "
                                    "unspecified on the device)")
-            if not np.shares_memory(d2h[s], outputs[s]):
+            if not np.may_share_memory(d2h[s], outputs[s]):
                 outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
                                   time.perf_counter() - t0, rt.copied,
-                                  self._device_info.memory_bytes)
+                                  self._device.memory_bytes)
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers

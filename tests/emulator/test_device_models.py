@@ -59,8 +59,8 @@ def test_model_option_values_must_be_integers():
     ("ipu_model", 4, 4 * 624 * KiB), ("ipu_hw", 1472, 1472 * 624 * KiB), ("cpu", 1, None)])
 def test_session_strings_name_devices_with_known_memory(desc, tiles, memory):
     session = popxl.Session(_ir(4), desc)
-    assert session.device.tilesPerIPU == tiles
-    assert session.device.memory_bytes == memory
+    assert session._device.tilesPerIPU == tiles  # PopXL keeps the DeviceInfo in `_device` too
+    assert session._device.memory_bytes == memory
 
 
 def test_session_accepts_a_device_info_and_profile_says_whether_it_fits():
