@@ -9,8 +9,9 @@ from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
 from popxl_flash.naive import naive_attention as naive_attention_graph
 
-from attention_utils import (EPS32, FLASH_ATTN_SEQLENS, assert_within_rule, naive_attention,
-                             random_qkv, run_flash, run_graph, suite_case, suite_parametrize)
+from attention_utils import (EPS32, FLASH_ATTN_SEQLENS, FP_CHECKS, assert_within_rule,
+                             naive_attention, random_qkv, run_flash, run_graph, suite_case,
+                             suite_parametrize)
 
 ops = popxl.ops
 emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator",
@@ -106,7 +107,7 @@ def test_seed_cases_packed(L):
     for chunks in [(16, 16), (1, 1)]:
         nq, nkv = chunks
         (out,), _ = run_graph(lambda t, nq=nq, nkv=nkv: (pf.flash_attention_qkv_packed(
-            t, num_chunks_q=nq, num_chunks_kv=nkv, scale=1.0),), [qkv])
+            t, num_chunks_q=nq, num_chunks_kv=nkv, scale=1.0),), [qkv], fp_checks=FP_CHECKS)
         results[chunks] = out
     ref, _ = pf.reference.attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0)
     naive, _ = naive_attention(qkv[0], qkv[1], qkv[2], causal=True, scale=1.0, window=None)
@@ -259,7 +260,7 @@ def test_module_graph_created_once_called_twice():
         graph = popxl.gcg().ir.create_graph(pf.FlashAttention(num_chunks_q=3, window=(4, None)),
                                             *ts[:3])
         return [*ops.call(graph, *ts[:3]), *ops.call(graph, *ts[3:])]
-    (out_a, lse_a, out_b, lse_b), _ = run_graph(build, [*a, *b])
+    (out_a, lse_a, out_b, lse_b), _ = run_graph(build, [*a, *b], fp_checks=FP_CHECKS)
     for (q, k, v), out, lse in ((a, out_a, lse_a), (b, out_b, lse_b)):
         ref, ref_lse = pf.reference.attention(q, k, v, window=(4, None))
         # float32, one kv chunk of 20, D = 8: 4 * (n + c + D) * eps32 * max|.| (attention_utils)

@@ -22,7 +22,8 @@ MOVE = frozenset((
     "where", "init", "identity", "concat", "concat_", "split", "slice", "slice_", "subsample",
     "reshape", "reshape_", "flatten", "flatten_", "squeeze", "transpose", "transpose_",
     "detach", "detach_", "dynamic_slice", "dynamic_update", "dynamic_update_", "gather",
-    "host_load", "host_store", "copy_var_update_", "accumulator_zero_", "isnan", "isinf", "isfinite",
+    "host_load", "host_store", "copy_var_update_", "accumulator_zero_",
+    "isnan", "isinf", "isfinite",
     "logical_and", "logical_or", "logical_not"))
 #: Ordered comparisons and selections by value: trap only on NaN.
 COMPARE = frozenset(("greater", "equal", "maximum", "max", "min", "argmax", "argmin"))

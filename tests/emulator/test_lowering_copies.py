@@ -3,10 +3,10 @@
 Model (emulator README, "Lowering copies"): IfOpx copies every input and output of the taken
 branch; CallOpx copies an input in only when the callee modifies it (in place, or by passing it
 by reference to a further call or repeat: PopXL marks a by-ref input modified at its call
-site), copies modified by-ref inputs back, and gives an output its own copy only when it is a graph input or a constant
-(AliasZeroCopy shares the rest); LoopOpx copies the carried values into its clones once before,
-the body outputs into the clones every iteration, and the clones out once after, around the
-wrapper's CallOpx copies per iteration.
+site), copies modified by-ref inputs back, and gives an output its own copy only when it is a
+graph input or a constant (AliasZeroCopy shares the rest); LoopOpx copies the carried values
+into its clones once before, the body outputs into the clones every iteration, and the clones
+out once after, around the wrapper's CallOpx copies per iteration.
 """
 import numpy as np
 import pytest
