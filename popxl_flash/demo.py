@@ -49,6 +49,10 @@ def main(argv=None):
         f_bytes, n_bytes, how = est.flash, est.naive, "planner estimate of activation bytes"
     print(f"memory: flash {f_bytes / 2**20:.2f} MiB vs naive {n_bytes / 2**20:.2f} MiB "
           f"-> {n_bytes / f_bytes:.1f}x less ({how})")
+    if pf.BACKEND == "emulator" and flash.profile.device_bytes is not None:
+        print(f"{args.device} tile memory {flash.profile.device_bytes / 2**20:.0f} MiB: flash "
+              f"fits: {flash.profile.fits_device}, naive fits: {naive.profile.fits_device} "
+              "(peak live bytes only; the IPU model itself never checks memory)")
     print(f"run time on this backend: flash {flash.seconds:.3f} s, naive {naive.seconds:.3f} s")
     return 0
 

@@ -27,7 +27,7 @@ class Plan:
         self.in_bytes = self.entry_free_bytes = self.flops = 0
         self.n_ops, self.n_outputs, self.repeat_count = 0, len(graph.outputs), None
         self.const_bytes = 0
-        # Lowering-copy bytes (see copy_bytes): inputs the graph modifies (copied in), by-ref
+        # Lowering-copy bytes (see call_copy_bytes and siblings below): inputs the graph modifies (copied in), by-ref
         # inputs it modifies (copied back), outputs needing their own buffer, all inputs and
         # outputs (IfOpx copies everything), carried outputs (LoopOpx clones).
         self.modified_in_bytes = self.modified_by_ref_bytes = self.fresh_out_bytes = 0
@@ -238,7 +238,8 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
     release, aliased = {}, 0
     for pos, t in enumerate(op.inputs):
         rid = id(al.find(t))
-        if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref:
+        if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref \
+                and rid not in release:
             release[rid] = al.find(t).nbytes
             if op.kind != "conditional" and not data.copy_in[pos]:
                 aliased += t.nbytes
