@@ -6,6 +6,7 @@ from .. import dtypes
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import Graph, check_in_graph
+from ..plan import call_copy_bytes, if_copy_bytes, repeat_copy_bytes
 from ..registry import PREPARE, emit, register
 from ..tensor import Tensor
 
@@ -178,6 +179,7 @@ def _call_rule(*parents, graph):
 
 
 def _run_call(rt, plan, args):
+    rt.copied += call_copy_bytes(plan)
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(args, plan.copy_in)])
 
 
@@ -214,11 +216,14 @@ def _repeat_rule(*parents, graph, count):
 def _run_repeat(rt, plan, args):
     n = plan.n_outputs
     count = plan.repeat_count
+    rt.copied += repeat_copy_bytes(plan, count)
     if count == 0:
         return [a.copy() for a in args[:n]]
     vals = list(args)
+    rt.live += plan.all_out_bytes  # LoopOpx's clones of the carried values
     for _ in range(count):
         vals[:n] = rt.run_graph(plan, [a.copy() if c else a for a, c in zip(vals, plan.copy_in)])
+    rt.live -= plan.all_out_bytes
     return vals[:n]
 
 
@@ -283,6 +288,7 @@ def _run_cond(rt, data, args):
         plan, ins = then_plan, args[1:1 + n_then]
     else:
         plan, ins = else_plan, args[1 + n_then:]
+    rt.copied += if_copy_bytes(plan)
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(ins, plan.copy_in)])
 
 
