@@ -8,9 +8,10 @@ planner cannot see them. This module turns them into what the block step needs:
   ordinary broadcast comparisons and reductions (``O(L * num_seqs)`` elements, once per call);
 * :func:`chunk_stats`: per chunk, computed once before the loops, the few numbers that classify
   a block at run time (:data:`STATS`);
-* :func:`classify_block`: from two chunks' statistics, whether a block shares no segment
-  (``skip``: no matmul) or lies inside one segment with its whole positional band visible
-  (``full``: unmasked update);
+* :func:`classify_blocks`: from the chunks' statistics, once per call and vectorised over all
+  blocks, whether a block shares no segment (``skip``: no matmul), lies inside one segment
+  with its whole positional band visible (``full``: unmasked update) or neither (masked); the
+  loops read one int32 entry per block (:func:`block_class`);
 * :func:`runtime_mask`: for every other visited block, the bool mask ``[G or 1, cq, ckv]``
   (segment equality, not padding, positional band).
 
@@ -41,6 +42,9 @@ ops = popxl.ops
 #: bound the chunk's (id, position) pairs in lexicographic order).
 STATS = ("SEG_MIN", "SEG_MAX", "PAD", "POS_LO", "POS_HI")
 SEG_MIN, SEG_MAX, PAD, POS_LO, POS_HI = range(len(STATS))
+
+#: Runtime block classes (:func:`classify_blocks`): no visible pair; every pair visible; mixed.
+RT_SKIP, RT_FULL, RT_MASKED = 0, 1, 2
 
 #: Stand-in for "larger than every id and position" (ids and positions are < 2**30).
 BIG = 2 ** 30
@@ -143,25 +147,23 @@ def chunk_stats(ids, positions, chunk_len):
     return stats.reshape((n, len(STATS)))
 
 
-def chunk_row(stats, index):
-    """Row ``index`` (int32 ``[1]`` counter) of a statistics table: int32 ``[5]``."""
-    row = ops.dynamic_slice(stats, index, axes=[0], sizes=[1], no_overlap=True)
-    return row.reshape((len(STATS),))
-
-
-def _col(row, c):
-    """Entry ``c`` of a ``[5]`` statistics row, as a rank-0 int32 tensor."""
-    return ops.slice(row, start=[c], stop=[c + 1], axis=[0]).reshape(())
+def _columns(stats, axis):
+    """The :data:`STATS` columns of ``stats [n, 5]`` as int32 tensors shaped ``[n, 1]``
+    (``axis=0``) or ``[1, n]`` (``axis=1``)."""
+    n = stats.shape[0]
+    shape = (n, 1) if axis == 0 else (1, n)
+    return [ops.slice(stats, start=[c], stop=[c + 1], axis=[1]).reshape(shape)
+            for c in range(len(STATS))]
 
 
 def _lex_less(a_seg, a_pos, b_seg, b_pos):
-    """``(a_seg, a_pos) < (b_seg, b_pos)`` lexicographically (rank-0 bools)."""
+    """``(a_seg, a_pos) < (b_seg, b_pos)`` lexicographically (elementwise, broadcast)."""
     return ops.logical_or(ops.greater(b_seg, a_seg),
                           ops.logical_and(ops.equal(a_seg, b_seg), ops.greater(b_pos, a_pos)))
 
 
-def classify_block(q_row, kv_row, *, positions, causal, window):
-    """Runtime class of a block from its chunks' statistics.
+def classify_blocks(q_stats, kv_stats, *, positions, causal, window):
+    """Runtime class of every block from the chunks' statistics, once per call.
 
     ``skip``: no (query, key) pair can be visible: the chunks' id ranges are disjoint (or one is
     all padding), or, with positions, the causal/window band misses every lexicographic
@@ -169,20 +171,19 @@ def classify_block(q_row, kv_row, *, positions, causal, window):
     positions, the band covers every pair (without positions the static schedule decides).
 
     Args:
-        q_row, kv_row: int32 ``[5]`` rows of :func:`chunk_stats`.
+        q_stats: int32 ``[nq, 5]``; kv_stats: int32 ``[nkv, 5]`` (:func:`chunk_stats`).
         positions: whether causal/window compare positions.
         causal, window: the mask options (used only with positions).
 
     Returns:
-        ``(skip, full)``: bool rank-0 tensors.
+        int32 ``[nq, nkv]``: :data:`RT_SKIP`, :data:`RT_FULL` or :data:`RT_MASKED`.
     """
-    qs0, qs1, q_pad, qp0, qp1 = (_col(q_row, c) for c in range(len(STATS)))
-    ks0, ks1, k_pad, kp0, kp1 = (_col(kv_row, c) for c in range(len(STATS)))
-    skip = ops.logical_or(ops.greater(ks0, qs1), ops.greater(qs0, ks1))
+    qs0, qs1, q_pad, qp0, qp1 = _columns(q_stats, 0)  # [nq, 1]
+    ks0, ks1, k_pad, kp0, kp1 = _columns(kv_stats, 1)  # [1, nkv]
+    skip = ops.logical_or(ops.greater(ks0, qs1), ops.greater(qs0, ks1))  # [nq, nkv]
     one = ops.logical_and(ops.equal(qs0, qs1), ops.equal(ks0, ks1))
     one = ops.logical_and(one, ops.equal(qs0, ks0))
-    no_pad = ops.equal(q_pad + k_pad, _i32(0))
-    full = ops.logical_and(one, no_pad)
+    full = ops.logical_and(one, ops.equal(q_pad + k_pad, _i32(0)))
     if positions:
         left, right = (min(side, MAX_LEN) for side in window)
         if causal:  # visible needs (s, kpos) <= (s, qpos): skip if min kv > max q
@@ -194,7 +195,22 @@ def classify_block(q_row, kv_row, *, positions, causal, window):
         if right >= 0:  # visible needs kpos <= qpos + right
             skip = ops.logical_or(skip, _lex_less(qs1, qp1 + _i32(right), ks0, kp0))
             full = ops.logical_and(full, _not_greater(kp1, qp0 + _i32(right)))
-    return skip, ops.logical_and(full, ops.logical_not(skip))
+    full = ops.logical_and(full, ops.logical_not(skip))
+    masked = ops.logical_not(ops.logical_or(skip, full))
+    return ops.cast(full, popxl.int32) * _i32(RT_FULL) + ops.cast(masked, popxl.int32) * \
+        _i32(RT_MASKED)
+
+
+def block_class(classes, i, j):
+    """Entry ``(i, j)`` of :func:`classify_blocks`' table (int32 ``[1]`` counters).
+
+    Returns:
+        ``(skip, full)``: rank-0 bools.
+    """
+    idx = ops.concat([i, j], axis=0)  # [2]
+    cls = ops.dynamic_slice(classes, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
+    cls = cls.reshape(())
+    return ops.equal(cls, _i32(RT_SKIP)), ops.equal(cls, _i32(RT_FULL))
 
 
 def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window=(-1, -1)):
@@ -225,3 +241,69 @@ def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window
     if right >= 0:
         visible = ops.logical_and(visible, _not_greater(kp, qp + _i32(right)))
     return visible
+
+
+def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
+    """Pad the segment inputs to whole chunks and compute the per-chunk statistics, once.
+
+    Args:
+        cfg: the :class:`~popxl_flash.config.AttentionConfig` (with ``segments`` set).
+        q_ids: int32 ``[Gs, Lq]``; kv_ids: int32 ``[Gsk, Lkv]``; q_pos, kv_pos: positions of
+            the same shapes, or ``None``.
+
+    Returns:
+        The list the loops carry by reference: ``[q_ids, kv_ids, classes]``, the ids padded
+        with -1 and the int32 ``[nq, nkv]`` block classes of :func:`classify_blocks`, plus
+        ``[q_pos, kv_pos]`` with positions.
+    """
+    q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
+    kv_ids = pad_ids(kv_ids, cfg.padded_kv_len, -1)
+    if q_pos is not None:
+        q_pos = pad_ids(q_pos, cfg.padded_q_len, 0)
+        kv_pos = pad_ids(kv_pos, cfg.padded_kv_len, 0)
+    classes = classify_blocks(chunk_stats(q_ids, q_pos, cfg.chunk_q),
+                              chunk_stats(kv_ids, kv_pos, cfg.chunk_kv),
+                              positions=cfg.segments.positions, causal=cfg.causal,
+                              window=cfg.window)
+    return [q_ids, kv_ids, classes] + ([q_pos, kv_pos] if q_pos is not None else [])
+
+
+def _ids_chunk(ids, index, chunk_len):
+    """``ids[:, index*chunk_len : (index+1)*chunk_len]`` for a counter ``index [1]``."""
+    return ops.dynamic_slice(ids, index * chunk_len, axes=[1], sizes=[chunk_len],
+                             no_overlap=True)
+
+
+def block_inputs(cfg, tensors, i, j):
+    """Runtime class and mask operands of block (q chunk ``i``, kv chunk ``j``).
+
+    Args:
+        cfg: the :class:`~popxl_flash.config.AttentionConfig`.
+        tensors: the list from :func:`prepare` (inside the loop graph).
+        i, j: int32 ``[1]`` chunk indices.
+
+    Returns:
+        ``(skip, full, operands)``: rank-0 bools from :func:`block_class` and the
+        :func:`runtime_mask` operands ``[q_ids_i [Gs, cq], kv_ids_j [Gsk, ckv]]`` (plus the
+        positions' chunks).
+    """
+    q_ids, kv_ids, classes, *pos = tensors
+    skip, full = block_class(classes, i, j)
+    operands = [_ids_chunk(q_ids, i, cfg.chunk_q), _ids_chunk(kv_ids, j, cfg.chunk_kv)]
+    if pos:
+        operands += [_ids_chunk(pos[0], i, cfg.chunk_q), _ids_chunk(pos[1], j, cfg.chunk_kv)]
+    return skip, full, operands
+
+
+def operand_specs(cfg):
+    """Specs of the :func:`runtime_mask` operands a masked block branch receives."""
+    seg, spec, i32 = cfg.segments, popxl.TensorSpec, popxl.int32
+    specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((seg.kv_groups, cfg.chunk_kv), i32)]
+    return specs * 2 if seg.positions else specs
+
+
+def block_mask(cfg, operands):
+    """:func:`runtime_mask` of a block from its operands (see :func:`block_inputs`)."""
+    q_ids, kv_ids, *pos = operands
+    return runtime_mask(q_ids, kv_ids, *(pos or (None, None)), causal=cfg.causal,
+                        window=cfg.window)

@@ -83,8 +83,8 @@ def dense_mask(qi, ki, qp, kp, causal, window):
                              kv_positions=kp)
 
 
-@settings(max_examples=30)
-@given(packing=packings(max_total=40), chunk_q=st.integers(1, 12), chunk_kv=st.integers(1, 12),
+@settings(max_examples=50)
+@given(packing=packings(max_total=60), chunk_q=st.integers(1, 12), chunk_kv=st.integers(1, 12),
        mask=st.sampled_from(MASKS), positions=st.booleans())
 def test_classify_and_runtime_mask_are_exact_where_they_decide(packing, chunk_q, chunk_kv,
                                                                mask, positions):
@@ -107,30 +107,25 @@ def test_classify_and_runtime_mask_are_exact_where_they_decide(packing, chunk_q,
     def build(qi, qp, ki, kp):
         qs = segments.chunk_stats(qi, qp if positions else None, chunk_q)
         ks = segments.chunk_stats(ki, kp if positions else None, chunk_kv)
-        outs = []
-        for i in range(nq):
-            for j in range(nk):
-                idx_i = pf.popxl.constant(np.array([i], np.int32))
-                idx_j = pf.popxl.constant(np.array([j], np.int32))
-                skip, full = segments.classify_block(segments.chunk_row(qs, idx_i),
-                                                     segments.chunk_row(ks, idx_j), **opts)
-                outs += [skip, full]
+        classes = segments.classify_blocks(qs, ks, **opts)
+        idx = [pf.popxl.constant(np.array([n], np.int32)) for n in (min(1, nq - 1), nk - 1)]
         pos = (qp, kp) if positions else (None, None)
-        outs.append(segments.runtime_mask(qi, ki, *pos, **mask))
-        return outs
-    results, _ = run_graph(build, [qi, qp, ki, kp])
+        return [classes, *segments.block_class(classes, *idx),
+                segments.runtime_mask(qi, ki, *pos, **mask)]
+    (classes, skip_1, full_1, visible), _ = run_graph(build, [qi, qp, ki, kp])
     dense = dense_mask(qi, ki, qp if positions else None, kp if positions else None, **mask)[0]
     if not positions:  # without positions the band is the static schedule's job
         dense = dense_mask(qi, ki, None, None, causal=False, window=None)[0]
-    np.testing.assert_array_equal(results[-1][0] if results[-1].ndim == 3 else results[-1],
-                                  dense)
-    for b, (skip, full) in enumerate(zip(results[0:-1:2], results[1:-1:2])):
-        i, j = divmod(b, nk)
+    np.testing.assert_array_equal(visible[0], dense)
+    assert classes.shape == (nq, nk)
+    entry = classes[min(1, nq - 1), nk - 1]  # block_class reads the table
+    assert (bool(skip_1), bool(full_1)) == (entry == segments.RT_SKIP, entry == segments.RT_FULL)
+    for (i, j), cls in np.ndenumerate(classes):
         block = dense[i * chunk_q:(i + 1) * chunk_q, j * chunk_kv:(j + 1) * chunk_kv]
-        assert not (skip and full)
+        skip = cls == segments.RT_SKIP
         if skip:
             assert not block.any(), (i, j)
-        if full:
+        if cls == segments.RT_FULL:
             assert block.all(), (i, j)
         q_chunk, k_chunk = (ids[0, c * n:(c + 1) * n] for ids, c, n in
                             ((qi, i, chunk_q), (ki, j, chunk_kv)))
