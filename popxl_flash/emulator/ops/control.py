@@ -91,6 +91,33 @@ def _by_ref_positions(graph):
     return [i for i, t in enumerate(graph.inputs) if t in graph._by_ref_inputs]
 
 
+def _check_by_ref_unique(kind, parents, by_ref):
+    """PopXL marks each by-ref input's parent modified by looking up *one* op input index for
+    that parent tensor (``CallSiteInfo.set_parent_input_modified`` -> ``Op::inIndex``,
+    ``willow/src/op.cpp``): a parent bound to a by-ref input and to any other input raises."""
+    for i in by_ref:
+        if sum(p is parents[i] for p in parents) > 1:
+            raise PopartError(f"Tensor {parents[i].id} is an input of {kind} at more than one "
+                              "index (it feeds a by-ref graph input)")
+
+
+#: Inputs PopXL adds to the repeat wrapper graph before the user's (``ops/repeat.py``).
+_WRAPPER_INPUTS = ("Iterator___", "LoopCond___")
+
+
+def _check_repeat_wrapper_ids(graph, parents):
+    """``ops.repeat`` adds one wrapper-graph input per bound input, named after the parent
+    tensor (``ops/repeat.py`` ``_setup_inputs``); a second input with the same id fails in
+    ``Tensors::insert`` (``willow/src/tensors.cpp``): one parent tensor for two inputs raises."""
+    seen = set(_WRAPPER_INPUTS)
+    for p in parents:
+        if p.name in seen:
+            raise PopartError(f"tensor {graph.id}__loop_wrapper/{p.name} already in M (repeat: "
+                              f"parent tensor {p.id} is given for more than one input; pass "
+                              "distinct tensors)")
+        seen.add(p.name)
+
+
 # -- CallSiteInfo ------------------------------------------------------------------------------
 class CallSiteInfo:
     """Info about a call site: called graph, parent inputs/outputs and the mappings."""
@@ -194,6 +221,7 @@ def call_with_info(graph, *inputs, inputs_dict=None, check_inputs=True):
     parents = _bind_inputs(check_inputs, parent, graph, "called", inputs, inputs_dict)
     if graph is parent:
         raise PopartError(f"call: graph {graph} cannot call itself")
+    _check_by_ref_unique("call", parents, _by_ref_positions(graph))
     tensors = {f"input_{i}": t for i, t in enumerate(parents)}
     emit("call", tensors, {"graph": graph}, names=[o.name for o in graph.outputs],
                 modifies=_by_ref_positions(graph), subgraphs=(graph,))
@@ -250,6 +278,7 @@ def repeat_with_info(graph, repeat_count, *inputs, inputs_dict=None, check_input
     parents = _bind_inputs(check_inputs, parent, graph, "called", inputs, inputs_dict)
     if graph is parent:
         raise PopartError(f"repeat: graph {graph} cannot call itself")
+    _check_repeat_wrapper_ids(graph, parents)
     by_ref = _by_ref_positions(graph)
     carried = [graph.inputs[i].id for i in by_ref if i < n_out]
     if carried:
