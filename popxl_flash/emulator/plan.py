@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from . import dtypes
 from .errors import PopartError
-from .registry import FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
+from .registry import COMPILE_CHECKS, FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
 from .tensor import Constant, Variable
 
 PLAIN, MULTI, CONTROL = 0, 1, 2
@@ -82,6 +82,9 @@ def _check_device_dtypes(g):
 def _build(g, plan_of):
     _check_device_dtypes(g)
     _check_call_specs(g)
+    for op in g._ops:
+        if op.kind in COMPILE_CHECKS:
+            COMPILE_CHECKS[op.kind](op)
     al = _Aliases(g)
     check_ambiguity(g, al)
     plan = Plan(g)

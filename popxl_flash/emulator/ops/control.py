@@ -6,7 +6,7 @@ from .. import dtypes
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import Graph, check_in_graph
-from ..registry import PREPARE, emit, register
+from ..registry import COMPILE_CHECKS, PREPARE, emit, register
 from ..tensor import Tensor
 
 
@@ -298,9 +298,6 @@ def repeat(graph, repeat_count, *inputs, inputs_dict=None):
 # -- conditional ----------------------------------------------------------------------------
 def _cond_rule(cond, *parents, then, n_then, **kw):
     g_else = kw["else"]
-    if cond.dtype != dtypes.bool or cond.nelms != 1:
-        raise PopartError(f"conditional: cond {cond.id} must be a bool tensor with one element, "
-                          f"got {cond.dtype.name}{list(cond.shape)}")
     _check_specs("conditional then_branch", then, parents[:n_then])
     _check_specs("conditional else_branch", g_else, parents[n_then:])
     return _out_rule(then)
@@ -315,7 +312,18 @@ def _run_cond(rt, data, args):
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(ins, plan.copy_in)])
 
 
+def _check_cond(op):
+    # IfOp::setup (willow/src/op/if.cpp) does not look at `cond`; IfOpx reshapes it to a scalar
+    # for poplar::program::If (willow/src/popx/op/ifx.cpp): more than one element fails there,
+    # and a non-bool predicate is not what PopXL documents: both refused at compile time.
+    cond = op.inputs[0]
+    if cond.dtype != dtypes.bool or cond.nelms != 1:
+        raise PopartError(f"conditional: cond {cond.id} must be a bool tensor with one element, "
+                          f"got {cond.dtype.name}{list(cond.shape)}")
+
+
 register("conditional", _cond_rule, _run_cond, runtime=True)
+COMPILE_CHECKS["conditional"] = _check_cond
 PREPARE["conditional"] = lambda op, plan_of: (plan_of(op.attrs["then"]),
                                               plan_of(op.attrs["else"]), op.attrs["n_then"])
 

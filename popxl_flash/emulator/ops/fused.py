@@ -3,7 +3,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor
 from ._common import F32, FLOATS, NUMERIC, require, scalar_value
 
@@ -11,14 +11,21 @@ from ._common import F32, FLOATS, NUMERIC, require, scalar_value
 def _scaled_add_rule(x, y, *scales, a, b):
     require("scaled_add", x, FLOATS)
     require("scaled_add", y, FLOATS)
+    for s in scales:
+        require("scaled_add", s, FLOATS)
+    return [(x.shape, x.dtype)]  # ScaledAddOp::setup: the output is X's info, nothing checked
+
+
+def _check_scaled_add(op):
+    # popops::scaledAddTo (willow/src/popx/op/scaledaddx.cpp) needs equal shapes and scalar
+    # scale tensors: refused when the Session compiles.
+    x, y, *scales = op.inputs
     if x.shape != y.shape:
-        raise PopartError(f"scaled_add: X {x.id} {x.shape} and Y {y.id} {y.shape} must have the "
-                          "same shape (no broadcasting)")
+        raise PopartError(f"{op.kind}: X {x.id} {x.shape} and Y {y.id} {y.shape} must have "
+                          "the same shape (no broadcasting in popops::scaledAddTo)")
     for s in scales:
         if s.nelms != 1:
-            raise PopartError(f"scaled_add: scale tensor {s.id} must have one element")
-        require("scaled_add", s, FLOATS)
-    return [(x.shape, x.dtype)]
+            raise PopartError(f"{op.kind}: scale tensor {s.id} must have one element")
 
 
 def _scaled_value(x, y, scales, a, b):
@@ -41,6 +48,7 @@ def _scaled_add_(x, y, *scales, a, b):
 
 register("scaled_add", _scaled_add_rule, _scaled_add)
 register("scaled_add_", _scaled_add_rule, _scaled_add_, alias="modify")
+COMPILE_CHECKS["scaled_add"] = COMPILE_CHECKS["scaled_add_"] = _check_scaled_add
 
 
 def _scaled(kind, X, Y, a, b):

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor
 from ._common import INTS, int_vector, norm_axis
 
@@ -110,12 +110,26 @@ def squeeze(t, axes=None):
 
 # -- transpose -------------------------------------------------------------------------------
 def _transpose_rule(t, permutation):
-    if sorted(permutation) != list(range(t.rank)):
-        raise PopartError(f"transpose: {permutation} is not a permutation of rank {t.rank}")
+    # TransposeBaseOp::setup (willow/src/op/transpose.cpp): the length must equal the rank;
+    # entries index the shape unchecked (a negative one is undefined: refused here).
+    if len(permutation) != t.rank:
+        raise PopartError(f"transpose: permutation {permutation} has length {len(permutation)},"
+                          f" the input rank is {t.rank}")
+    if any(p < 0 for p in permutation):
+        raise PopartError(f"transpose: negative entries in {permutation} are undefined in "
+                          "PopART (use non-negative axes)")
     return [(tuple(t.shape[p] for p in permutation), t.dtype)]
 
 
+def _check_permutation(op):
+    perm = op.attrs["permutation"]
+    if sorted(perm) != list(range(len(perm))):
+        raise PopartError(f"transpose: {perm} is not a permutation (PopART's setup accepts "
+                          "it; Poplar's dimShuffle does not)")
+
+
 _register_pair("transpose", _transpose_rule, lambda a, permutation: a.transpose(permutation))
+COMPILE_CHECKS["transpose"] = COMPILE_CHECKS["transpose_"] = _check_permutation
 
 
 def _perm(t, permutation):
@@ -123,6 +137,8 @@ def _perm(t, permutation):
     if permutation is None:
         permutation = tuple(reversed(range(t.rank)))
     permutation = int_vector("transpose", "permutation", permutation)
+    if not permutation:  # an empty permutation is PopART's default: reverse (setDefaultPerm)
+        permutation = tuple(reversed(range(t.rank)))
     if any(p >= t.rank for p in permutation):
         raise ValueError(f"Values in permutation must be less than the tensor's rank {t.rank}. "
                          f"Found {tuple(p for p in permutation if p >= t.rank)}")
@@ -316,6 +332,10 @@ register("subsample", _subsample_rule,
 def subsample(t, strides):
     """Args: t: Tensor. strides: int or list (padded with 1s). Returns: every k-th element."""
     _tensor_arg("t", t)
+    if isinstance(strides, tuple) and len(strides) < t.rank:
+        # PopXL pads with ``strides += [1] * k``, which a tuple refuses
+        raise TypeError('can only concatenate tuple (not "list") to tuple (subsample strides '
+                        "shorter than the rank must be a list)")
     strides = list(int_vector("subsample", "strides",
                               [strides] if isinstance(strides, int) else strides))
     if len(strides) < t.rank:
@@ -328,9 +348,6 @@ def subsample(t, strides):
 
 # -- gather ----------------------------------------------------------------------------------
 def _gather_rule(t, indices, axis, zero_OOR):  # noqa: N803
-    if indices.dtype not in INTS:
-        raise PopartError(f"gather: indices {indices.id} must be int32 or uint32, got "
-                          f"{indices.dtype.name}")
     ax = norm_axis("gather", axis, t.rank)
     return [(t.shape[:ax] + indices.shape + t.shape[ax + 1:], t.dtype)]
 
@@ -349,7 +366,17 @@ def _gather(a, idx, axis, zero_OOR):  # noqa: N803
     return np.where(mask, np.zeros((), a.dtype), out)
 
 
+def _check_gather_indices(op):
+    # GatherOp::setup does not look at the index dtype; GatherOpx reinterprets the indices as
+    # unsigned ints (willow/src/popx/op/gatherx.cpp): non-integer indices give garbage.
+    indices = op.inputs[1]
+    if indices.dtype not in INTS:
+        raise PopartError(f"gather: indices {indices.id} must be int32 or uint32, got "
+                          f"{indices.dtype.name} (reinterpreted as unsigned by the lowering)")
+
+
 register("gather", _gather_rule, _gather)
+COMPILE_CHECKS["gather"] = _check_gather_indices
 
 
 def gather(t, indices, axis=0, available_memory_proportion=None, zero_OOR=False):  # noqa: N803
