@@ -172,3 +172,11 @@ def test_dynamic_update_rank_one_less_runs_like_popart():
     expected = np.zeros((3, 4), np.float32)
     expected[2] = np.arange(4)
     np.testing.assert_array_equal(run(ir, None, y), expected)
+
+
+# --- increment_mod: op/incrementmod.cpp setup checks nothing ----------------------------------
+
+
+def test_increment_mod_zero_modulus_builds_then_fails_at_session():
+    """1.5 -> 1 and 0.5 -> 0 in int32: a zero modulus, unspecified on device."""
+    _fails_at_session(lambda: ops.increment_mod(popxl.constant(np.int32(3)), 1.5, 0.5))

@@ -75,9 +75,13 @@ def scaled_add_(X, Y, a=1.0, b=1.0):  # noqa: N803
 
 def _incmod_rule(t, increment, modulus):
     require("increment_mod", t, NUMERIC)
-    if modulus == 0:
-        raise ValueError(f"increment_mod: modulus converted to {t.dtype.name} is 0")
-    return [(t.shape, t.dtype)]
+    return [(t.shape, t.dtype)]  # IncrementModOp::setup checks nothing (op/incrementmod.cpp)
+
+
+def _check_modulus(op):
+    if op.attrs["modulus"] == 0:
+        raise PopartError(f"{op.kind}: modulus converted to {op.inputs[0].dtype.name} is 0 "
+                          "(remainder by zero is unspecified on the device)")
 
 
 def _incmod(a, increment, modulus):
@@ -92,6 +96,7 @@ def _incmod_(a, increment, modulus):
 
 register("increment_mod", _incmod_rule, _incmod)
 register("increment_mod_", _incmod_rule, _incmod_, alias="modify")
+COMPILE_CHECKS["increment_mod"] = COMPILE_CHECKS["increment_mod_"] = _check_modulus
 
 
 def _incmod_op(kind, t, increment, modulus):
