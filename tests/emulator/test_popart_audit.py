@@ -180,3 +180,16 @@ def test_dynamic_update_rank_one_less_runs_like_popart():
 def test_increment_mod_zero_modulus_builds_then_fails_at_session():
     """1.5 -> 1 and 0.5 -> 0 in int32: a zero modulus, unspecified on device."""
     _fails_at_session(lambda: ops.increment_mod(popxl.constant(np.int32(3)), 1.5, 0.5))
+
+
+# --- greater/equal: BinaryComparisonOp::setup (op/elementwise.cpp) checks shapes only --------
+
+
+@pytest.mark.parametrize("op", [ops.greater, ops.equal])
+def test_comparison_dtype_mismatch_builds_then_fails_at_session(op):
+    def build():
+        a = popxl.constant(np.ones(3, np.float32))
+        y = op(a, popxl.constant(np.ones(3, np.int32)))
+        assert y.dtype == popxl.bool
+        return y
+    _fails_at_session(build)
