@@ -7,7 +7,7 @@ and its lowering (``willow/src/popx/op/*``, what raises when ``popxl.Session`` c
 import numpy as np
 import pytest
 
-from conftest import COMPILE_ERRORS, run, run_fn, store
+from conftest import COMPILE_ERRORS, IR_ERRORS, run, run_fn, store
 from popxl_flash import popxl
 
 ops = popxl.ops
@@ -192,4 +192,26 @@ def test_comparison_dtype_mismatch_builds_then_fails_at_session(op):
         y = op(a, popxl.constant(np.ones(3, np.int32)))
         assert y.dtype == popxl.bool
         return y
+    _fails_at_session(build)
+
+
+# --- split: ops/split.py (handle_negative_axis, Python shape indexing); op/split.cpp setup ----
+
+
+def test_split_axis_errors_come_from_where_popxl_raises_them():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)  # rank 3
+        with pytest.raises(IndexError):  # t.shape[3] in the wrapper
+            ops.split(t, 2, axis=3)
+        with pytest.raises(IR_ERRORS):  # -5 -> -2: the shape index wraps, setup refuses
+            ops.split(t, 3, axis=-5)
+
+
+def test_split_zero_size_part_builds_then_fails_at_session():
+    """SplitOp::setup only checks that the sizes sum to the axis length."""
+    def build():
+        parts = ops.split(popxl.constant(A), [0, 3], axis=1)
+        assert [p.shape for p in parts] == [(2, 0, 4), (2, 3, 4)]
+        return parts[1]
     _fails_at_session(build)

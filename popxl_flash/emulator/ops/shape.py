@@ -207,9 +207,18 @@ def concat(ts, axis=0):
 
 
 def _split_rule(t, axis, splits):
-    if sum(splits) != t.shape[axis] or any(s < 1 for s in splits):
+    # SplitOp::setup (willow/src/op/split.cpp): axis in [0, rank), sizes summing to the axis
+    if not 0 <= axis < t.rank:
+        raise PopartError(f"split: axis {axis} is out of range for tensor with {t.rank} dims")
+    if sum(splits) != t.shape[axis] or any(s < 0 for s in splits):
         raise PopartError(f"split: sizes {splits} do not partition axis {axis} of {t.shape}")
     return [(t.shape[:axis] + (s,) + t.shape[axis + 1:], t.dtype) for s in splits]
+
+
+def _check_split_sizes(op):
+    if any(s == 0 for s in op.attrs["splits"]):
+        raise PopartError(f"split: zero-size parts {list(op.attrs['splits'])} (accepted by "
+                          "SplitOp::setup; empty tensors on the device are not specified)")
 
 
 def _split(a, axis, splits):
@@ -217,14 +226,17 @@ def _split(a, axis, splits):
 
 
 register("split", _split_rule, _split, multi=True)
+COMPILE_CHECKS["split"] = _check_split_sizes
 
 
 def split(t, splits, axis=0):
     """Args: t: Tensor. splits: number of equal parts or list of sizes. axis: split axis.
     Returns: list of Tensors."""
     _tensor_arg("t", t)
-    axis = norm_axis("split", axis, t.rank)
-    if isinstance(splits, int):
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"split: axis must be an int, got {axis!r}")
+    axis = int(axis) + t.rank if axis < 0 else int(axis)  # PopXL's handle_negative_axis
+    if isinstance(splits, int):  # PopXL indexes the Python shape tuple (IndexError, wrapping)
         if t.shape[axis] % splits != 0:
             raise ValueError(f"Split {splits} does not equally divide tensor axis {axis} of "
                              f"length {t.shape[axis]}.")
