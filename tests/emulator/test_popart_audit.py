@@ -215,3 +215,8 @@ def test_split_zero_size_part_builds_then_fails_at_session():
         assert [p.shape for p in parts] == [(2, 0, 4), (2, 3, 4)]
         return parts[1]
     _fails_at_session(build)
+
+
+def test_rename_is_identity():
+    """ops/identity.py: `rename = identity` (3.3+)."""
+    assert ops.rename is ops.identity

@@ -13,5 +13,6 @@ from .io import host_load, host_store
 from .matmul import matmul
 from .misc import init
 from .reduce import max, mean, min, prod, softmax, sum
-from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, reshape,
-                    reshape_, slice, slice_, split, squeeze, subsample, transpose, transpose_)
+from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
+                    reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
+                    transpose_)

@@ -175,6 +175,9 @@ def identity(t, output_name=None):
     return emit("identity", {"t": t}, names=[output_name] if output_name else None)[0]
 
 
+rename = identity  # PopXL's ops/identity.py
+
+
 # -- concat / split ----------------------------------------------------------------------------
 def _concat_rule(*ts, axis):
     if not ts:
