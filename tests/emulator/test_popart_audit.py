@@ -220,3 +220,14 @@ def test_split_zero_size_part_builds_then_fails_at_session():
 def test_rename_is_identity():
     """ops/identity.py: `rename = identity` (3.3+)."""
     assert ops.rename is ops.identity
+
+
+# --- slice: op/slice.cpp createOutInfo (ceil(len / |step|)) vs growAliasModel (|step| == 1) ----
+
+
+def test_slice_step_two_builds_with_its_shape_then_fails_at_session():
+    def build():
+        y = ops.slice(popxl.constant(np.arange(7, dtype=np.float32)), 0, 7, 2)
+        assert y.shape == (4,)
+        return y
+    _fails_at_session(build)

@@ -261,9 +261,8 @@ def _slices(t, start, stop, step, axis):
     for s, e, st, ax in zip(start, stop, step, axis):
         if ax < 0 or ax >= t.rank:
             raise PopartError(f"slice: axis {ax} invalid for rank {t.rank}")
-        if abs(st) != 1:
-            raise PopartError(f"slice: only steps of 1 or -1 are supported, got {st} "
-                              "(use subsample)")
+        if st == 0:
+            raise PopartError(f"slice: step 0 on axis {ax}")
         dim, flip = t.shape[ax], st < 0
         b, en = _norm_index(s, dim, flip), _norm_index(e, dim, flip)
         if flip:
@@ -276,14 +275,24 @@ def _slices(t, start, stop, step, axis):
     return tuple(out)
 
 
-def _slice_rule(t, slices):
+def _slice_rule(t, slices, steps):
+    # BaseSliceOp::createOutInfo (willow/src/op/slice.cpp): ceil(len / |step|)
     shape = list(t.shape)
-    for ax, b, e, _ in slices:
-        shape[ax] = e - b
+    for (ax, b, e, _), st in zip(slices, steps):
+        shape[ax] = -(-(e - b) // abs(st))
     return [(tuple(shape), t.dtype)]
 
 
-def _slice_view(a, slices):
+def _check_unit_steps(op):
+    # BaseSliceOp::growAliasModel refuses |step| != 1 ("Please enable pattern
+    # Slice2SliceSubsample first"); the alias model is built when the Session prepares the Ir.
+    bad = [st for st in op.attrs["steps"] if abs(st) != 1]
+    if bad:
+        raise PopartError(f"{op.kind}: only steps of 1 or -1 are supported, got {bad} "
+                          "(use subsample)")
+
+
+def _slice_view(a, slices, steps):
     key = [_pyslice(None)] * a.ndim
     for ax, b, e, _ in slices:
         key[ax] = _pyslice(b, e)
@@ -293,6 +302,7 @@ def _slice_view(a, slices):
 
 
 _register_pair("slice", _slice_rule, _slice_view)
+COMPILE_CHECKS["slice"] = COMPILE_CHECKS["slice_"] = _check_unit_steps
 
 
 def _process_slice_args(start, stop, step, axis):
@@ -320,7 +330,7 @@ def _slice_op(kind, t, start, stop, step, axis):
         return t
     args = [int_vector(kind, name, v) for name, v in
             zip(("start", "stop", "step", "axis"), _process_slice_args(start, stop, step, axis))]
-    return emit(kind, {"t": t}, {"slices": _slices(t, *args)})[0]
+    return emit(kind, {"t": t}, {"slices": _slices(t, *args), "steps": args[2]})[0]
 
 
 def slice(t, start=None, stop=None, step=None, axis=None):  # noqa: A001 - PopXL name
