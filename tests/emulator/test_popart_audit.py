@@ -231,3 +231,15 @@ def test_slice_step_two_builds_with_its_shape_then_fails_at_session():
         assert y.shape == (4,)
         return y
     _fails_at_session(build)
+
+
+def test_reshape_shape_must_support_count():
+    """ops/reshape.py calls `shape.count(0)`: an ndarray shape is an AttributeError, an int a
+    TypeError (not iterable)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(A)
+        with pytest.raises(AttributeError):
+            ops.reshape(t, np.array([6, 4]))
+        with pytest.raises(TypeError):
+            ops.reshape(t, 24)

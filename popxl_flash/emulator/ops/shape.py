@@ -3,6 +3,7 @@
 Out-of-place results are fresh arrays; ``*_`` variants are views aliasing their input.
 """
 import builtins
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -55,7 +56,11 @@ _register_pair("reshape", _reshape_rule, lambda a, shape: a.reshape(shape))
 
 def _reshape_shape(t, shape):
     if not isinstance(shape, (tuple, list)):
-        raise TypeError(f"reshape: shape must be a tuple or list of ints, got {shape!r}")
+        # PopXL's ops/reshape.py iterates the shape, then calls `shape.count(0)`
+        if not isinstance(shape, Iterable):
+            raise TypeError(f"reshape: shape must be a tuple or list of ints, got {shape!r}")
+        raise AttributeError(f"'{type(shape).__name__}' object has no attribute 'count' "
+                             "(reshape: shape must be a tuple or list of ints)")
     shape = list(int_vector("reshape", "shape", shape))
     if any(s < -1 for s in shape) or shape.count(0) > 0:
         raise ValueError(f"Invalid shape value in reshape. Must be '>0' or '-1'. Provided {shape}.")
