@@ -187,7 +187,7 @@ class LayerGraph:
         inputs: ``{"x": h2d stream [B, L, E], "target": h2d stream [B, L, E]}``.
         outputs: ``{"loss": d2h stream ()}``, plus ``"dx"`` and one ``"d<weight>"`` per weight
             when built with ``store_grads=True``.
-        variables: ``{"wq", "wk", "wv", "wo"}`` -> ``popxl.Variable`` ``[E, E]``.
+        variables: ``{"wq", "wk", "wv", "wo"}`` -> ``popxl.tensor.Variable`` ``[E, E]``.
     """
     ir: object
     inputs: Dict[str, object]

@@ -103,9 +103,12 @@ def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRe
     """
     ckv, f32 = cfg.chunk_kv, blocks.float32()
     k_j, v_j = blocks.chunk(k, j, ckv), blocks.chunk(v, j, ckv)  # [G, ckv, D]
-    zeros = ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
+    # One tensor per carried input: PopXL names repeat inputs after their parent tensor, so
+    # one tensor given twice is an IR error.
+    dk_0, dv_0 = (ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
+                  for _ in range(2))
     trips = cfg.schedule.inner_loop("q").trip_count
-    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), zeros, zeros, j, k_j, v_j, q,
+    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), dk_0, dv_0, j, k_j, v_j, q,
                                do, lse, dvec, dq)
     blocks.update_chunk_(dk, j, dk_j, ckv)
     blocks.update_chunk_(dv, j, dv_j, ckv)

@@ -10,7 +10,7 @@ from collections import defaultdict
 from . import dtypes
 from .errors import PopartError
 from .fpchecks import checking
-from .registry import FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
+from .registry import COMPILE_CHECKS, FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
 from .tensor import Constant, Variable
 
 PLAIN, MULTI, CONTROL = 0, 1, 2
@@ -90,6 +90,9 @@ def _check_device_dtypes(g):
 def _build(g, plan_of, fp_checks):
     _check_device_dtypes(g)
     _check_call_specs(g)
+    for op in g._ops:
+        if op.kind in COMPILE_CHECKS:
+            COMPILE_CHECKS[op.kind](op)
     al = _Aliases(g)
     check_ambiguity(g, al)
     plan = Plan(g)
@@ -123,11 +126,23 @@ def _check_call_specs(g):
                                       f"{x.dtype.name}{list(x.shape)}")
         elif op.kind == "conditional":
             t, e = op.attrs["then"], op.attrs["else"]
+            _check_branch_has_ops(t, e)
             for i, (a, b) in enumerate(zip(t.outputs, e.outputs)):
                 if (a.shape, a.dtype) != (b.shape, b.dtype):
                     raise PopartError(f"conditional: else_branch output {i} {b.dtype.name}"
                                       f"{list(b.shape)} does not match then_branch output "
                                       f"{a.dtype.name}{list(a.shape)}")
+
+
+def _check_branch_has_ops(*branches):
+    """An op-less branch graph has no program fragments, and ``IfOpx`` calls the branch's
+    fragments directly (``willow/src/popx/op/ifx.cpp``, ``PopPrograms::scopeFragments`` in
+    ``willow/src/popx/popprograms.cpp``): lowering fails."""
+    for g in branches:
+        if not g._ops:
+            raise PopartError(f"There are no scope fragments for subgraph '{g.id}' (an "
+                              "ops.conditional branch needs at least one op; e.g. return "
+                              "ops.identity(x))")
 
 
 def _pinned(g, tensors, plan, slot):
