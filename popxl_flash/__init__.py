@@ -12,11 +12,12 @@ from popxl_flash.fpchecks import enable_floating_point_checks
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
 from popxl_flash.schedule import BlockSchedule, plan
+from popxl_flash.varlen import flash_attn_varlen_func
 
 __all__ = [
     "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
-    "enable_floating_point_checks",
+    "enable_floating_point_checks", "flash_attn_varlen_func",
 ]
 __version__ = "0.1.0"

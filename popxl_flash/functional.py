@@ -41,7 +41,12 @@ CORE_KEYWORD_HINTS = {
     "window_size": "this API calls it window= (pf.flash_attn_func takes flash-attn's names "
                    "and [B, L, H, D] tensors)",
     "is_causal": "this API calls it causal= (PyTorch SDPA's is_causal)",
-    "attn_mask": "mask tensors are not supported; use causal= and window=",
+    "attn_mask": "mask tensors are not supported; use causal=, window= and q_segment_ids=/"
+                 "kv_segment_ids= (packed sequences, key padding)",
+    "cu_seqlens_q": "this API takes q_segment_ids=/kv_segment_ids= (pf.flash_attn_varlen_func "
+                    "takes flash-attn's cu_seqlens and [total, H, D] tensors)",
+    "key_padding_mask": "pass kv_segment_ids= with -1 on padding keys (and q_segment_ids= "
+                        "with 0 elsewhere)",
     "dropout_p": "attention dropout is not supported",
 }
 
@@ -120,7 +125,7 @@ def _cached_graph(module, inputs):
     if cache is None:
         cache = {}
         setattr(ir, _GRAPH_CACHE_ATTR, cache)
-    specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
+    specs = tuple(None if t is None else (tuple(t.shape), t.dtype.name) for t in inputs)
     key = (type(module), module.config(*inputs), specs)
     if key not in cache:
         cache[key] = ir.create_graph(module, *inputs)
@@ -130,16 +135,32 @@ def _cached_graph(module, inputs):
 def _call_module(scope, module, *inputs):
     """Call ``module``'s (cached) graph on ``inputs`` under ``popxl.name_scope(scope)``.
 
-    Validate before calling: PopXL's ``name_scope`` is not exception-safe (an error inside
-    leaves the scope pushed).
+    ``None`` inputs (absent segment ids) are not graph inputs. Validate before calling:
+    PopXL's ``name_scope`` is not exception-safe (an error inside leaves the scope pushed).
     """
     with popxl.name_scope(scope):
-        return ops.call(_cached_graph(module, inputs), *inputs)
+        graph = _cached_graph(module, inputs)
+        return ops.call(graph, *(t for t in inputs if t is not None))
+
+
+def _segment_inputs(q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None):
+    """Check the segment tensors that are given.
+
+    Returns:
+        The module's extra inputs: ``()`` without segment ids, else the ids (and positions;
+        ``None`` where absent, so the module's validation names what is missing).
+    """
+    named = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                 q_positions=q_positions, kv_positions=kv_positions)
+    check_tensors(**{name: t for name, t in named.items() if t is not None})
+    if all(t is None for t in named.values()):
+        return ()
+    return tuple(named.values()) if q_positions is not None else tuple(named.values())[:2]
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                    window=None, return_lse=False):
+                    window=None, return_lse=False, q_segment_ids=None, kv_segment_ids=None):
     """Exact attention with O(L) memory: ``softmax(scale * q k^T + mask) v``.
 
     Args:
@@ -153,6 +174,11 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         window: ``None`` or ``(left, right)`` local window around the diagonal; ``None`` or
             ``-1`` for an unbounded side. Intersected with ``causal``.
         return_lse: also return the logsumexp.
+        q_segment_ids, kv_segment_ids: ``None`` (default) or int32 tensors ``[G or 1, Lq]`` and
+            ``[G or 1, Lkv]`` given at run time (packed sequences, key padding): query row i
+            sees key j only if ``q_segment_ids[i] == kv_segment_ids[j] >= 0`` and the static
+            mask allows it; a negative id is padding (sees nothing, seen by nothing). Blocks
+            whose chunks share no segment are skipped at run time (no matmul).
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)`` where lse is
@@ -161,42 +187,75 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
     check_tensors(q=q, k=k, v=v)
     _check_rank3(q=q, k=k, v=v)
     return_lse = check_bool("return_lse", return_lse)
-    module = FlashAttention(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
-    module.config(q, k, v)  # validate before any graph is created
-    out, lse = _call_module("flash_attention", module, q, k, v)
+    segments = _segment_inputs(q_segment_ids, kv_segment_ids)
+    out, lse = _forward(q, k, v, segments, dict(num_chunks_q=num_chunks_q,
+                                                num_chunks_kv=num_chunks_kv, causal=causal,
+                                                scale=scale, window=window))
     return (out, lse) if return_lse else out
 
 
-def _unpack(qkv, options):
+def _forward(q, k, v, segments, options):
+    """Validate and call the forward module: ``(out, lse)``."""
+    module = FlashAttention(**options)
+    module.config(q, k, v, *segments)  # validate before any graph is created
+    return _call_module("flash_attention", module, q, k, v, *segments)
+
+
+def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                        **options):
+    """Forward with segment ids and runtime positions (the varlen API's core call).
+
+    Causal and window compare ``q_positions``/``kv_positions`` (int32, shaped like the ids)
+    instead of row and column indices; see :mod:`popxl_flash.segments`.
+
+    Args:
+        q, k, v: as :func:`flash_attention`; q_segment_ids, kv_segment_ids: int32
+            ``[G or 1, L]``; q_positions, kv_positions: int32, the ids' shapes.
+        options: ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``.
+
+    Returns:
+        ``(out, lse)``.
+    """
+    check_tensors(q=q, k=k, v=v)
+    segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    return _forward(q, k, v, segments, options)
+
+
+def _unpack(qkv, options, segments=(None, None)):
     """Validate a packed ``qkv [3, G, L, D]`` and return ``(q, k, v)`` views of it."""
     check_tensors(qkv=qkv)
-    AttentionConfig.from_packed_shape(qkv.shape, qkv.dtype.name, **options)
+    _segment_inputs(*segments)
+    cfg = AttentionConfig.from_packed_shape(qkv.shape, qkv.dtype.name, **options)
+    cfg.with_segments(*segments)
     with popxl.name_scope("flash_attention_qkv_packed"):
         return qkv[0], qkv[1], qkv[2]
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, causal=True,
-                               scale=None, window=None, return_lse=False):
+                               scale=None, window=None, return_lse=False, q_segment_ids=None,
+                               kv_segment_ids=None):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
 
     Args:
         qkv: ``[3, G, L, D]`` float16 or float32; ``qkv[0]``, ``qkv[1]``, ``qkv[2]`` are q, k, v.
-        num_chunks_q, num_chunks_kv, causal, scale, window, return_lse: as
-            :func:`flash_attention`.
+        num_chunks_q, num_chunks_kv, causal, scale, window, return_lse, q_segment_ids,
+            kv_segment_ids: as :func:`flash_attention`.
 
     Returns:
         out ``[G, L, D]`` (and lse float32 ``[G, L]`` with ``return_lse``).
     """
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
-    return flash_attention(*_unpack(qkv, options), return_lse=return_lse, **options)
+    segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    return flash_attention(*_unpack(qkv, options, tuple(segments.values())),
+                           return_lse=return_lse, **options, **segments)
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None,
-                         num_chunks_kv=None, causal=True, scale=None, window=None):
+                         num_chunks_kv=None, causal=True, scale=None, window=None,
+                         q_segment_ids=None, kv_segment_ids=None):
     """Gradients of :func:`flash_attention` with respect to q, k and v.
 
     Stash mode (``out`` and ``lse`` given, from ``flash_attention(..., return_lse=True)``)
@@ -207,44 +266,67 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         dout: ``[G, Lq, D]`` gradient of the output, q's dtype.
         q, k, v: the forward's inputs.
         out, lse: the forward's outputs, or both ``None``.
-        num_chunks_q, num_chunks_kv, causal, scale, window: the forward's options.
+        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
+            the forward's options and segment ids.
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
+        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (0 for padding rows and for
+        keys no query sees).
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     _check_rank3(dout=dout, q=q, k=k, v=v)
+    segments = _segment_inputs(q_segment_ids, kv_segment_ids)
+    return _backward(dout, q, k, v, out, lse, segments, dict(
+        num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
+        window=window))
+
+
+def _backward(dout, q, k, v, out, lse, segments, options):
+    """Validate and call the backward module (running the forward first in recompute mode)."""
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
                          f"(recompute mode), got out={out!r}, lse={lse!r}")
-    options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
-                   scale=scale, window=window)
     module = FlashAttentionGrad(**options)
     if out is None:
-        cfg = FlashAttention(**options).config(q, k, v)
+        cfg = FlashAttention(**options).config(q, k, v, *segments)
         cfg.check_like("dout", dout.shape, dout.dtype.name, q.shape, cfg.dtype)
-        out, lse = flash_attention(q, k, v, return_lse=True, **options)
+        out, lse = _forward(q, k, v, segments, options)
     check_tensors(out=out, lse=lse)
-    module.config(dout, q, k, v, out, lse)
-    return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse)
+    module.config(dout, q, k, v, out, lse, *segments)
+    return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments)
+
+
+def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_ids,
+                             q_positions, kv_positions, **options):
+    """Gradients of :func:`segmented_attention` (stash mode, or recompute with out/lse None).
+
+    Returns:
+        ``(dq, dk, dv)``.
+    """
+    check_tensors(dout=dout, q=q, k=k, v=v)
+    segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    return _backward(dout, q, k, v, out, lse, segments, options)
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks_q=None,
-                                    num_chunks_kv=None, causal=True, scale=None, window=None):
+                                    num_chunks_kv=None, causal=True, scale=None, window=None,
+                                    q_segment_ids=None, kv_segment_ids=None):
     """Gradient of :func:`flash_attention_qkv_packed` with respect to the packed ``qkv``.
 
     Args:
         dout: ``[G, L, D]``; qkv: ``[3, G, L, D]``; out, lse: stash (see
             :func:`flash_attention_grad`) or both ``None``.
-        num_chunks_q, num_chunks_kv, causal, scale, window: the forward's options.
+        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
+            the forward's options and segment ids.
 
     Returns:
         dqkv ``[3, G, L, D]`` in qkv's dtype.
     """
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
-    q, k, v = _unpack(qkv, options)
-    grads = flash_attention_grad(dout, q, k, v, out, lse, **options)
+    segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    q, k, v = _unpack(qkv, options, tuple(segments.values()))
+    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments)
     with popxl.name_scope("flash_attention_qkv_packed_grad"):
         return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)
