@@ -30,9 +30,7 @@ __all__ = [
 ]
 
 
-transforms = namespace("popxl.transforms", ("autodiff", "decompose_sum", "merge_exchange",
-                                            "GradGraphInfo", "ExpectedConnection",
-                                            "ExpectedConnectionType"))
+from . import transforms  # noqa: E402 - popxl.transforms (autodiff)
 remote_buffer = stub("popxl.remote_buffer")
 RemoteBuffer = stub("popxl.RemoteBuffer")
 ReplicaGrouping = stub("popxl.ReplicaGrouping")

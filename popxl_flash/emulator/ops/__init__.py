@@ -11,6 +11,7 @@ from .elementwise import (abs, add, add_, cast, ceil, cos, div, equal, exp, exp_
 from .fused import increment_mod, increment_mod_, scaled_add, scaled_add_
 from .io import host_load, host_store
 from .matmul import matmul
+from .nn import gelu, gelu_, group_norm, layer_norm
 from .misc import init
 from .reduce import max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, reshape,
@@ -20,8 +21,8 @@ _NOT_IMPLEMENTED = {
     "average_pool", "max_pool", "batch_norm_inference", "pow2scale_cast_to_fp8",
     "pow2scale_cast_from_fp8", "concat_", "conv", "conv_transpose", "remote_code_load", "cumsum",
     "roi_align", "argmin", "argmax", "interpolate", "dropout", "onehot", "topk",
-    "groupedgather", "tied_gather", "gelu", "gelu_", "geluerf", "geluerf_", "group_norm",
-    "layer_norm", "histogram", "io_tile_copy", "ipu_copy", "l1", "l2", "lamb_square", "logsum",
+    "groupedgather", "tied_gather", "geluerf", "geluerf_", "histogram", "io_tile_copy",
+    "ipu_copy", "l1", "l2", "lamb_square", "logsum",
     "logsumexp", "matmul_pow2scaled", "median", "nll_loss", "nll_loss_with_softmax_grad",
     "print_tensor", "split_random_seed", "random_uniform", "random_normal", "remote_load",
     "remote_load_", "remote_store", "scatter", "scatter_reduce", "shaped_dropout", "sumsquare",
