@@ -16,7 +16,7 @@ from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_
                  graph_input, graph_output, h2d_stream)
 from .profile import RunProfile, count_ops
 from .session import Session
-from .unsupported import namespace, stub
+from .unsupported import stub
 from .tensor import Constant, Tensor, TensorByRef, TensorSpec, Variable, constant, variable
 
 __all__ = [

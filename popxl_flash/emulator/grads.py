@@ -72,15 +72,16 @@ def _like(g, t):
 
 
 def _mul(ctx, i):
-    a, b, _ = ctx.x(0), ctx.x(1), ctx.y(0)
+    a, b = ctx.x(0), ctx.x(1)
+    ctx.y(0)  # read by PopART's MulArg*GradOp too
     other = b if i == 0 else a
     g = ops.mul(ctx.dy(0), other)
     return _like(unbroadcast(g, ctx.op.inputs[i].shape), ctx.op.inputs[i])
 
 
 def _div(ctx, i):
-    a, b, out = ctx.x(0), ctx.x(1), ctx.y(0)
-    dy = ctx.dy(0)
+    ctx.x(0)  # read by PopART's DivArg*GradOp, like b and out
+    b, out, dy = ctx.x(1), ctx.y(0), ctx.dy(0)
     g = dy / b if i == 0 else ops.negate(dy * out) / b  # d(a/b)/db = -(a/b)/b
     return unbroadcast(g, ctx.op.inputs[i].shape)
 

@@ -289,7 +289,7 @@ def test_empty_graph_with_explicit_inputs_and_outputs():
 def test_unimplemented_features_raise_not_implemented():
     """Collectives are outside the emulator's subset: where the name exists, using it raises
     NotImplementedError (never a silent wrong result). (Autodiff is implemented: see
-    test_autodiff.py.)"""
+    test_emulator_autodiff.py.)"""
     ir = popxl.Ir()
     with ir.main_graph:
         x = popxl.constant(np.ones(3, np.float32))
