@@ -340,3 +340,64 @@ def test_expected_gradient_of_an_output_off_the_loss_path_is_not_optional():
         parent = ir.create_graph(lambda a: ops.call(callee, a)[0], x)
         with pytest.raises(IR_ERRORS, match="not optional"):
             popxl.transforms.autodiff(parent, called_graphs_grad_info={callee: info})
+
+
+def test_grads_provided_and_required_choose_inputs_and_outputs():
+    """FwdGrad inputs follow grads_provided (kept even if unused), outputs follow
+    grads_required, which may name an intermediate tensor."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.full((2,), 3.0, np.float32))
+        inner = {}
+
+        def fn(a, b):
+            inner["h"] = a * b
+            return inner["h"] + b, ops.exp(a)
+        graph = ir.create_graph(fn, x, x)
+        y, z = graph.outputs
+        info = popxl.transforms.autodiff(graph, grads_provided=[z, y],
+                                         grads_required=[inner["h"], graph.inputs[0]])
+        FwdGrad = popxl.transforms.ExpectedConnectionType.FwdGrad
+        assert [(e.connection_type, e.fwd_tensor) for e in info.expected_inputs[:2]] == [
+            (FwdGrad, z), (FwdGrad, y)]
+        assert [e.fwd_tensor for e in info.expected_outputs] == [inner["h"], graph.inputs[0]]
+        call = ops.call_with_info(graph, x, x)
+        dz = popxl.constant(np.full((2,), 2.0, np.float32))
+        dy = popxl.constant(np.full((2,), 5.0, np.float32))
+        dh, da = ops.call(info.graph, dz, dy, inputs_dict=info.inputs_dict(call))
+    dh, da = run(ir, None, [dh, da])
+    np.testing.assert_allclose(dh, 5.0)                             # dL/dh = dy
+    np.testing.assert_allclose(da, 5.0 * 3.0 + 2.0 * np.exp(3.0), rtol=1e-6)  # b dy + e^a dz
+
+
+@emulator_only
+def test_recursive_callee_output_off_the_loss_path_is_not_optional():
+    """A called graph is differentiated with all its outputs provided; if the parent has no
+    gradient for one its gradient graph uses, the CallGradOp input is missing (PopART)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.ones(3, np.float32))
+        callee = ir.create_graph(lambda a: (a * 2.0, ops.exp(a)), x)
+        parent = ir.create_graph(lambda a: ops.call(callee, a)[0], x)
+        with pytest.raises(IR_ERRORS, match="not optional"):
+            popxl.transforms.autodiff(parent)
+
+
+@emulator_only
+def test_custom_entry_with_an_internal_fwd_tensor_is_refused():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.ones(3, np.float32))
+        inner = {}
+
+        def callee_fn(a):
+            inner["h"] = a * a
+            return inner["h"] + 1.0
+        callee = ir.create_graph(callee_fn, x)
+        grad = ir.create_graph(lambda dy, h: dy * h, x, x)
+        info = _hand_written(ir, callee, grad, [("FwdGrad", callee.outputs[0]),
+                                                ("Fwd", inner["h"])],
+                             [("FwdGrad", callee.inputs[0])])
+        parent = ir.create_graph(lambda a: ops.call(callee, a)[0], x)
+        with pytest.raises(IR_ERRORS, match="While trying to produce the grad op"):
+            popxl.transforms.autodiff(parent, called_graphs_grad_info={callee: info})
