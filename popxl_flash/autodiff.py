@@ -126,11 +126,8 @@ def _check_no_lse_gradient(graph, loss_ids, seen):
     if key in seen:
         return
     seen.add(key)
-    reach = set(loss_ids)
     pb_ops = graph._pb_graph.getOps()
-    for op in reversed(pb_ops):
-        if any(t.id in reach for t in op.getOutputTensors()):
-            reach.update(t.id for t in op.getInputTensors())
+    reach = _reaching(pb_ops, set(loss_ids))
     for op in pb_ops:
         if op.opType() != "Call":
             continue
@@ -149,6 +146,20 @@ def _check_no_lse_gradient(graph, loss_ids, seen):
         sub = {callee_outs[i] for i, t in enumerate(outs) if t in reach and i < len(callee_outs)}
         if sub:
             _check_no_lse_gradient(callee, sub, seen)
+
+
+def _reaching(pb_ops, targets):
+    """Tensor ids with a path to ``targets`` (reverse passes until nothing changes, so the
+    order ``getOps`` returns does not matter)."""
+    reach, changed = set(targets), True
+    while changed:
+        changed = False
+        for op in reversed(pb_ops):
+            ins = {t.id for t in op.getInputTensors()}
+            if not ins <= reach and any(t.id in reach for t in op.getOutputTensors()):
+                reach |= ins
+                changed = True
+    return reach
 
 
 def _flash_grad_info(fwd):
