@@ -8,7 +8,8 @@ read here too, even if unused, because those reads decide which forward tensors 
 gradient-graph inputs (and forward outputs by stitching): mul/div read both operands and the
 output, matmul the other operand, exp/sqrt/softmax the output, log/gelu the input, group_norm
 x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, the rest
-nothing.
+nothing. Like PopART's, a rule needs the gradient of every output of a multi-output op (split):
+one off the loss path raises "input is not optional".
 
 ``NO_GRAD`` kinds have no grad op in PopART: the gradient silently stops there. Kinds in
 neither table raise ``NotImplementedError`` when a gradient is needed through them.
@@ -179,6 +180,12 @@ def _concat(ctx, i):
                      axis=[ax])
 
 
+def _split(ctx, i):
+    """SplitGradOp: the concat of every output's gradient (all required, as in PopART)."""
+    dys = [ctx.dy(j) for j in range(len(ctx.op.outputs))]
+    return ops.concat(dys, axis=ctx.op.attrs["axis"])
+
+
 def _expand_reduced(ctx):
     src, axes = ctx.op.inputs[0], ctx.op.attrs["axes"]
     kept = tuple(1 if a in axes else d for a, d in enumerate(src.shape))
@@ -243,7 +250,7 @@ RULES = {
     "identity": (_all, _identity), "gelu": (_all, _gelu),
     "where": (lambda op: (1, 2), _where), "group_norm": (_all, _group_norm),
     "reshape": (_all, _reshape), "transpose": (_all, _transpose), "slice": (_all, _slice),
-    "concat": (_all, _concat), "sum": (_all, _sum), "mean": (_all, _mean),
+    "concat": (_all, _concat), "split": (_all, _split), "sum": (_all, _sum), "mean": (_all, _mean),
     "softmax": (_all, _softmax), "dynamic_slice": (lambda op: (0,), _dynamic_slice),
     "matmul": (_all, _matmul),
 }

@@ -57,6 +57,10 @@ def _call_nested(x, w):
     return ops.call(outer, x, w)[0]
 
 
+def _product(parts):
+    return parts[1] * parts[0]
+
+
 def _dyn_slice(x):
     idx = popxl.constant(np.array([1, 2], np.int32))
     return ops.dynamic_slice(x, idx, axes=[0, 1], sizes=[2, 3], no_overlap=True)
@@ -80,6 +84,8 @@ CASES = {
     # values exact in float16, so the round trip is the identity the gradient assumes
     "cast": (lambda a: ops.cast(ops.cast(a, popxl.float16), f32) * a, lambda a: a * a,
              [lambda rng: rng.integers(-8, 8, (5,)) / 4]),
+    "split": (lambda a: _product(ops.split(a, [1, 3], axis=1)),
+              lambda a: a[:, 1:] * a[:, :1], [_normal((2, 4))]),
     "sum": (lambda a: ops.sum(a, axis=[0, 2], keepdims=False), lambda a: a.sum(axis=(0, 2)),
             [_normal((2, 3, 4))]),
     "mean": (lambda a: ops.mean(a, axis=1, keepdims=True), lambda a: a.mean(1, keepdims=True),
@@ -401,3 +407,15 @@ def test_custom_entry_with_an_internal_fwd_tensor_is_refused():
         parent = ir.create_graph(lambda a: ops.call(callee, a)[0], x)
         with pytest.raises(IR_ERRORS, match="While trying to produce the grad op"):
             popxl.transforms.autodiff(parent, called_graphs_grad_info={callee: info})
+
+
+@emulator_only
+def test_split_needs_the_gradient_of_every_output():
+    """PopART's SplitGradOp has no optional inputs: one split output off the loss path makes
+    "input is not optional"."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.ones((2, 4), np.float32))
+        graph = ir.create_graph(lambda a: ops.split(a, 2, axis=1)[0] * 2.0, x)
+        with pytest.raises(IR_ERRORS, match="not optional"):
+            popxl.transforms.autodiff(graph)

@@ -130,8 +130,10 @@ class _Ctx:
         return self._b.fwd_value(self.op.outputs[j])
 
     def dy(self, j):
-        if self._dys[j] is None:
-            raise PopartError(f"[Autodiff] no gradient for output {j} of {self.op}")
+        if self._dys[j] is None:  # output off the loss path: PopART's grad op input is unset
+            raise PopartError(f"No input found for input {j} of the grad op of {self.op}, but "
+                              "input is not optional: output "
+                              f"{self.op.outputs[j].id} has no gradient")
         return self._dys[j]
 
 
