@@ -5,8 +5,8 @@ produce a gradient for, and ``grad(ctx, i)`` builds (in the gradient graph) the 
 of input ``i`` from ``ctx.dy(j)`` (the gradient of output ``j``). Forward tensors a rule needs
 are read through ``ctx.x(i)``/``ctx.y(j)``; every forward tensor PopART's grad op reads must be
 read here too, even if unused, because those reads decide which forward tensors become
-gradient-graph inputs (and forward outputs by stitching): mul/div read both operands and the
-output, matmul the other operand, exp/sqrt/softmax the output, log/gelu the input, group_norm
+gradient-graph inputs (and forward outputs by stitching): mul/div/pow read both operands and the
+output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu the input, group_norm
 x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, the rest
 nothing. Like PopART's, a rule needs the gradient of every output of a multi-output op (split):
 one off the loss path raises "input is not optional".
@@ -106,6 +106,24 @@ def _sqrt(ctx, i):
 def _tanh(ctx, i):
     y = ctx.y(0)
     return ctx.dy(0) * (_const(1.0, y.dtype) - y * y)
+
+
+def _relu(ctx, i):
+    y, dy = ctx.y(0), ctx.dy(0)
+    zero = _const(0.0, y.dtype)
+    return ops.where(ops.greater(y, zero), dy, zero)
+
+
+def _pow(ctx, i):
+    a, e, out, dy = ctx.x(0), ctx.x(1), ctx.y(0), ctx.dy(0)
+    if out.dtype not in _FLOATS:
+        raise NotImplementedError("autodiff: integer pow gradients are not implemented by the "
+                                  "emulator")
+    if i == 0:  # e * a^(e - 1)
+        g = dy * e * ops.pow(a, e - _const(1.0, e.dtype))
+    else:       # a^e * log(a)
+        g = dy * out * ops.log(a)
+    return unbroadcast(g, ctx.op.inputs[i].shape)
 
 
 def _where(ctx, i):
@@ -246,7 +264,7 @@ def _matmul(ctx, i):
 RULES = {
     "add": (_all, _add), "sub": (_all, _sub), "mul": (_all, _mul), "div": (_all, _div),
     "negate": (_all, _negate), "exp": (_all, _exp), "log": (_all, _log),
-    "sqrt": (_all, _sqrt), "tanh": (_all, _tanh), "cast": (_all, _cast),
+    "sqrt": (_all, _sqrt), "tanh": (_all, _tanh), "relu": (_all, _relu), "pow": (_all, _pow), "cast": (_all, _cast),
     "identity": (_all, _identity), "gelu": (_all, _gelu),
     "where": (lambda op: (1, 2), _where), "group_norm": (_all, _group_norm),
     "reshape": (_all, _reshape), "transpose": (_all, _transpose), "slice": (_all, _slice),
