@@ -24,6 +24,7 @@ and with ``Lq = 5, Lkv = 2`` (the first three rows see nothing: output 0, lse -i
 """
 import functools
 
+from popxl_flash import provenance
 from popxl_flash.backend import popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig, check_bool
@@ -125,7 +126,7 @@ def _cached_graph(module, inputs):
     if cache is None:
         cache = {}
         setattr(ir, _GRAPH_CACHE_ATTR, cache)
-    specs = tuple(None if t is None else (tuple(t.shape), t.dtype.name) for t in inputs)
+    specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
     key = (type(module), module.config(*inputs), specs)
     if key not in cache:
         cache[key] = ir.create_graph(module, *inputs)
@@ -135,12 +136,11 @@ def _cached_graph(module, inputs):
 def _call_module(scope, module, *inputs):
     """Call ``module``'s (cached) graph on ``inputs`` under ``popxl.name_scope(scope)``.
 
-    ``None`` inputs (absent segment ids) are not graph inputs. Validate before calling:
-    PopXL's ``name_scope`` is not exception-safe (an error inside leaves the scope pushed).
+    Validate before calling: PopXL's ``name_scope`` is not exception-safe (an error inside
+    leaves the scope pushed).
     """
     with popxl.name_scope(scope):
-        graph = _cached_graph(module, inputs)
-        return ops.call(graph, *(t for t in inputs if t is not None))
+        return ops.call(_cached_graph(module, inputs), *inputs)
 
 
 def _segment_inputs(q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None):
@@ -195,10 +195,15 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
 
 
 def _forward(q, k, v, segments, options):
-    """Validate and call the forward module: ``(out, lse)``."""
+    """Validate and call the forward module: ``(out, lse)``, recorded for autodiff and grad."""
     module = FlashAttention(**options)
-    module.config(q, k, v, *segments)  # validate before any graph is created
-    return _call_module("flash_attention", module, q, k, v, *segments)
+    cfg = module.config(q, k, v, *segments)  # validate before any graph is created
+    inputs = (q, k, v, *segments)
+    with popxl.name_scope("flash_attention"):
+        graph = _cached_graph(module, inputs)
+        out, lse = ops.call(graph, *inputs)
+    provenance.record_forward(graph, module.options, cfg, (out, lse))
+    return out, lse
 
 
 def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
@@ -292,7 +297,8 @@ def _backward(dout, q, k, v, out, lse, segments, options):
         cfg.check_like("dout", dout.shape, dout.dtype.name, q.shape, cfg.dtype)
         out, lse = _forward(q, k, v, segments, options)
     check_tensors(out=out, lse=lse)
-    module.config(dout, q, k, v, out, lse, *segments)
+    cfg = module.config(dout, q, k, v, out, lse, *segments)
+    _check_stash_options(cfg, out=out, lse=lse)
     return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments)
 
 
@@ -306,6 +312,26 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
     check_tensors(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     return _backward(dout, q, k, v, out, lse, segments, options)
+
+
+def _check_stash_options(cfg, **stash):
+    """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
+    window options returned (its gradients would be silently wrong), or a pair from two calls.
+
+    Only the very tensors ``flash_attention`` returned in this Ir are known (see
+    :mod:`popxl_flash.provenance`); chunk counts may differ, they do not change the result.
+    """
+    wanted = dict(causal=cfg.causal, scale=cfg.scale, window=cfg.window)
+    records = {name: provenance.output_record(t) for name, t in stash.items()}
+    for name, rec in records.items():
+        if rec is not None and rec.attention_options() != wanted:
+            raise ValueError(f"{name} was produced by flash_attention with options "
+                             f"{rec.attention_options()}, but flash_attention_grad was given "
+                             f"{wanted}; pass the forward's causal, scale and window")
+    calls = {rec.call for rec in records.values() if rec is not None}
+    if len(calls) > 1:
+        raise ValueError("out and lse come from two different flash_attention calls; pass the "
+                         "pair one call returned")
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
