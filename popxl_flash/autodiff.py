@@ -9,7 +9,10 @@ module builds those entries:
   ``FlashAttentionGrad`` in stash mode with the forward's options. Its gradient graph takes
   ``FwdGrad(out)``, ``Fwd(q)``, ``Fwd(k)``, ``Fwd(v)``, ``Fwd(out)``, ``Fwd(lse)`` and returns
   ``FwdGrad(q)``, ``FwdGrad(k)``, ``FwdGrad(v)``; ``out`` and ``lse`` are forward outputs, so
-  nothing needs stitching and every call site is unchanged;
+  nothing needs stitching and every call site is unchanged. A forward with segment ids (and
+  the varlen API's positions) has them as further int32 inputs: the gradient graph takes them
+  as ``Fwd`` inputs too and returns no gradient for them (leave the layer's integer inputs,
+  e.g. ``cu_seqlens``, out of ``grads_required``: PopART's autodiff cannot give them one);
 * every graph below a flash forward graph (loop bodies, branches and, on the SDK, the repeat
   wrapper graphs) gets an entry too. Autodiff visits every graph reachable from the target and
   would try (and fail) to differentiate those; an entry makes it skip them, and only its graph
@@ -167,14 +170,15 @@ def _flash_grad_info(fwd):
     rec = provenance.ir_record(fwd.ir)
     if fwd.id not in rec.grad_infos:
         ir = fwd.ir
-        q, k, v = fwd.inputs
+        q, k, v, *segments = fwd.inputs  # segment ids (and positions): int32, no gradient
         out, lse = fwd.outputs[:2]
         module = FlashAttentionGrad(**provenance.forward_record(fwd).options)
         with ir.main_graph:
-            grad = ir.create_graph(module, out.spec, q.spec, k.spec, v.spec, out.spec, lse.spec)
+            grad = ir.create_graph(module, out.spec, q.spec, k.spec, v.spec, out.spec, lse.spec,
+                                   *(t.spec for t in segments))
         Fwd, FwdGrad = _ir.ExpectedConnectionType.Fwd, _ir.ExpectedConnectionType.FwdGrad
         ins = [_ir.ExpectedConnection(out.id, FwdGrad)] + [
-            _ir.ExpectedConnection(t.id, Fwd) for t in (q, k, v, out, lse)]
+            _ir.ExpectedConnection(t.id, Fwd) for t in (q, k, v, out, lse, *segments)]
         outs = [_ir.ExpectedConnection(t.id, FwdGrad) for t in (q, k, v)]
         rec.grad_infos[fwd.id] = _grad_graph_info(ir, fwd, grad, ins, outs)
     return rec.grad_infos[fwd.id]
