@@ -220,7 +220,9 @@ def attention_varlen_grad(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=F
     """Per-sequence gradients of :func:`attention_varlen` (0 on padding).
 
     Args:
-        dout: ``[G, total_q, D]``; the rest as :func:`attention_varlen`.
+        dout: ``[G, total_q, D]``.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window: as
+            :func:`attention_varlen`.
 
     Returns:
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
