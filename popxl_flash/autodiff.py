@@ -84,10 +84,15 @@ def autodiff(graph, **kwargs):
         **kwargs: ``popxl.transforms.autodiff`` arguments (``grads_provided``,
             ``grads_required``, ``called_graphs_grad_info``, ``return_all_grad_graphs``);
             entries you pass in ``called_graphs_grad_info`` win over the generated ones.
+            ``grads_required`` defaults to the graph's floating-point inputs (PopXL's default,
+            every input, fails for integer inputs such as segment ids or ``cu_seqlens``,
+            which have no gradient).
 
     Returns:
         What ``popxl.transforms.autodiff`` returns.
     """
+    if kwargs.get("grads_required") is None:
+        kwargs["grads_required"] = [t for t in graph.inputs if t.dtype.is_floating_point]
     given = dict(kwargs.pop("called_graphs_grad_info", None) or {})
     entries = called_graphs_grad_info(graph, kwargs.get("grads_provided"))
     entries.update(given)
