@@ -11,8 +11,10 @@ from popxl_flash.schedule import FULL, PARTIAL, SKIP, plan
 
 MAX_LEN = 600
 SMALL = 12
-ARRAY_FIELDS = ("kind", "pattern_id", "patterns", "visited_per_q", "empty_rows")
-COUNT_FIELDS = ("nq", "nkv", "visible_elements", "visited_blocks", "full_blocks", "partial_blocks")
+ARRAY_FIELDS = ("kind", "pattern_id", "patterns", "split", "visited_per_q", "empty_rows")
+COUNT_FIELDS = ("nq", "nkv", "visible_elements", "visited_blocks", "full_blocks", "partial_blocks",
+                "executed_elements")
+LIST_FIELDS = ("q_chunk", "kv_chunk", "kind", "pattern_id", "split", "first", "last")
 
 
 @st.composite
@@ -46,6 +48,12 @@ def _assert_same_as_oracle(got, want):
         np.testing.assert_array_equal(g, w, err_msg=name)
     for name in COUNT_FIELDS:
         assert getattr(got, name) == getattr(want, name), name
+    for order in ("q_major", "kv_major"):
+        got_list, want_list = got.block_list(order), want.lists[order]
+        for name in LIST_FIELDS:
+            g, w = getattr(got_list, name), want_list[name]
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), (order, name)
+            np.testing.assert_array_equal(g, w, err_msg=f"{order}.{name}")
 
 
 def _reassemble(s):
