@@ -105,11 +105,11 @@ def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec:
     every step: zeros until the kv chunk's last block writes the result).
     """
     cq, ckv = cfg.chunk_q, cfg.chunk_kv
-    i0, j0, branch, pattern_id = step.tables().lookup(t)  # first rows of the chunks
+    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
     q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
     k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [G, ckv, D]
     dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
-        branch, pattern_id, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j))
+        t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j))
     blocks.write_rows_(dq, i0, dq_i)
     blocks.write_rows_(dk, j0, dk_done)
     blocks.write_rows_(dv, j0, dv_done)

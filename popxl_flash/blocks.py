@@ -75,29 +75,29 @@ class StepTables:
     """
 
     def __init__(self, cfg, block_list, branch_ids):
-        def table(values):
-            return popxl.constant(np.ascontiguousarray(values, dtype=INDEX_DTYPE))  # [V]
-
-        self.q_offset = table(block_list.q_chunk.astype(np.int64) * cfg.chunk_q)
-        self.kv_offset = table(block_list.kv_chunk.astype(np.int64) * cfg.chunk_kv)
-        self.branch = None if branch_ids is None else table(branch_ids)
-        partial = block_list.kind == PARTIAL
-        self.pattern_id = table(block_list.pattern_id) if partial.any() else None
+        self.q_offset = _table(block_list.q_chunk.astype(np.int64) * cfg.chunk_q)
+        self.kv_offset = _table(block_list.kv_chunk.astype(np.int64) * cfg.chunk_kv)
+        self.branch = None if branch_ids is None else _table(branch_ids)
 
     def lookup(self, t):
         """Entries of step ``t`` (int32 ``[1]``).
 
         Returns:
-            ``(q_offset, kv_offset, branch, pattern_id)``: int32 ``[1]`` each (first row of the
-            q and kv chunks; branch and pattern id, ``None`` when the loop has no such table).
+            ``(q_offset, kv_offset, branch)``: int32 ``[1]`` each (first row of the q and kv
+            chunks; the branch is ``None`` when the loop has a single branch).
         """
-        def entry(table):
-            if table is None:
-                return None
-            return ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
+        return tuple(None if table is None else entry(table, t)
+                     for table in (self.q_offset, self.kv_offset, self.branch))
 
-        return tuple(entry(tb) for tb in (self.q_offset, self.kv_offset, self.branch,
-                                           self.pattern_id))
+
+def _table(values):
+    """An int32 ``[V]`` constant of the current graph."""
+    return popxl.constant(np.ascontiguousarray(values, dtype=INDEX_DTYPE))
+
+
+def entry(table, t):
+    """``table[t]`` as int32 ``[1]`` for a step counter ``t [1]``."""
+    return ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
 
 
 def rows(t, offset, length):
@@ -224,8 +224,9 @@ def _branch(spec, cfg, key, *inputs):
     """One block step of a fixed ``key = (kind, split, last)``.
 
     Args:
-        inputs: block tensors, operands, then the int32 ``[1]`` pattern id when the loop has
-            partial blocks.
+        inputs: block tensors, operands, then the step counter ``t [1]`` when the loop has
+            partial blocks (a partial branch looks its pattern id up itself, so full steps
+            skip that lookup).
 
     Returns:
         ``(*carried, *written, *finished)``: the running state for the next step (fresh at an
@@ -234,7 +235,10 @@ def _branch(spec, cfg, key, *inputs):
     """
     kind, split, last = key
     n = len(spec.block_specs) + len(spec.operand_specs)
-    visible = block_mask(cfg.schedule, inputs[n]) if kind == PARTIAL else None
+    visible = None
+    if kind == PARTIAL:
+        pattern_ids = _table(cfg.schedule.block_list(spec.order).pattern_id)  # [V]
+        visible = block_mask(cfg.schedule, entry(pattern_ids, inputs[n]))
     block = run_block(spec, cfg, split, inputs[:n], visible)
     carried = [block[i] for i in spec.carried]
     written = [t for i, t in enumerate(block) if i not in spec.carried]
@@ -294,7 +298,7 @@ class BlockStep:
             ir = popxl.gcg().ir
             specs = [*spec.block_specs, *spec.operand_specs]
             if self.has_partial:
-                specs.append(popxl.TensorSpec((1,), popxl.int32))
+                specs.append(popxl.TensorSpec((1,), popxl.int32))  # the step counter
             self.graphs = [ir.create_graph(_branch, spec, cfg, key, *specs) for key in self.keys]
 
     def tables(self):
@@ -302,17 +306,18 @@ class BlockStep:
         blist = self.cfg.schedule.block_list(self.spec.order)
         return StepTables(self.cfg, blist, self.branch_ids if self.graphs else None)
 
-    def run(self, branch, pattern_id, tensors):
+    def run(self, t, branch, tensors):
         """One step: dispatch to the step's branch.
 
         Args:
-            branch, pattern_id: from :meth:`StepTables.lookup`.
+            t: the step counter, int32 ``[1]``.
+            branch: from :meth:`StepTables.lookup`.
             tensors: block tensors then operands.
 
         Returns:
             ``(*carried, *written, *finished)`` as the branch returns them (a tuple).
         """
-        inputs = list(tensors) + ([pattern_id] if self.has_partial else [])
+        inputs = list(tensors) + ([t] if self.has_partial else [])
         if not self.graphs:
             return _branch(self.spec, self.cfg, self.keys[0], *inputs)
         return tuple(_select(self.graphs, list(range(len(self.keys))), inputs, branch))

@@ -114,10 +114,10 @@ def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: 
     its q chunk of out and lse (zeros until the chunk's last block writes the result: the
     chunk's blocks are consecutive, so the last write wins).
     """
-    i0, j0, branch, pattern_id = step.tables().lookup(t)  # first rows of the chunks
+    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
     q_i = blocks.rows(q, i0, cfg.chunk_q)  # [G, cq, D]
     k_j, v_j = blocks.rows(k, j0, cfg.chunk_kv), blocks.rows(v, j0, cfg.chunk_kv)
-    m_i, l_i, acc, out_i, lse_i = step.run(branch, pattern_id, (m_i, l_i, acc, q_i, k_j, v_j))
+    m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j))
     blocks.write_rows_(out, i0, out_i)
     blocks.write_rows_(lse, i0, lse_i)
     return t + 1, m_i, l_i, acc

@@ -17,6 +17,8 @@ class RunProfile:
             and a caller value last read by the call is dead once copied in).
         const_bytes: bytes of variables and constants (included in peak_live_bytes).
         wall_seconds: wall-clock time of the run.
+        loop_iterations: repeat-body executions, summed over every ``repeat`` executed (a
+            nested repeat counts each of its iterations each time it runs).
     """
 
     ops_executed: int = 0
@@ -24,6 +26,7 @@ class RunProfile:
     peak_live_bytes: int = 0
     const_bytes: int = 0
     wall_seconds: float = 0.0
+    loop_iterations: int = 0
 
 
 def count_ops(graph_or_ir):

@@ -157,7 +157,7 @@ class Session:
                                    "unspecified on the device)")
             outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, loop_iterations=rt.iterations)
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers

@@ -217,6 +217,7 @@ def _run_repeat(rt, plan, args):
     if count == 0:
         return [a.copy() for a in args[:n]]
     vals = list(args)
+    rt.iterations += count
     for _ in range(count):
         vals[:n] = rt.run_graph(plan, [a.copy() if c else a for a, c in zip(vals, plan.copy_in)])
     return vals[:n]
