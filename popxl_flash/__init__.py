@@ -5,14 +5,16 @@ Public names only; see ``docs/`` for the user guide.
 from popxl_flash import reference
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
-from popxl_flash.config import AttentionConfig
+from popxl_flash import costmodel
+from popxl_flash.config import AttentionConfig, explain
 from popxl_flash.forward import FlashAttention
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
 from popxl_flash.schedule import BlockSchedule, plan
 
 __all__ = [
-    "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
+    "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan", "explain",
+    "costmodel",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad",
 ]

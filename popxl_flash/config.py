@@ -191,3 +191,31 @@ class AttentionConfig:
     def padded_kv_len(self) -> int:
         """Lkv rounded up to whole chunks."""
         return self.chunk_kv * self.num_chunks_kv
+
+
+def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
+            num_chunks_q=None, num_chunks_kv=None) -> "costmodel.ChunkChoice":
+    """The cost model's figures behind the automatic chunk choice of one attention call.
+
+    Args:
+        Lq, Lkv: query and key/value lengths.
+        head_dim: D; groups: G = batch x heads.
+        dtype: ``"float16"`` or ``"float32"``.
+        causal, window: the mask, as :func:`popxl_flash.flash_attention`.
+        num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
+            fixes that axis's chunk length and only the other is chosen.
+
+    Returns:
+        :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
+        ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
+        (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
+        and ``table()`` to print them.
+    """
+    shapes = [(groups, Lq, head_dim), (groups, Lkv, head_dim), (groups, Lkv, head_dim)]
+    cfg = AttentionConfig.from_shapes(*shapes, (dtype,) * 3, num_chunks_q=num_chunks_q,
+                                      num_chunks_kv=num_chunks_kv, causal=causal,
+                                      window=window)
+    return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                            causal=causal, window=cfg.window,
+                            chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                            chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)

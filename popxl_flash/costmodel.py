@@ -22,16 +22,18 @@ Modelled time of one pass::
       + bytes_copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
 
 Choice: candidates are square chunk lengths :data:`CANDIDATE_CHUNKS` (capped at the sequence
-lengths). A candidate is **eligible** if its working set fits the usable tile memory
-(``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``) and its forward executed/useful FLOP
-ratio is at most :data:`MAX_FLOP_RATIO`. The eligible candidate with the least modelled
-forward + backward time wins. If none is eligible, the fitting candidate with the least
-FLOP ratio wins (short causal sequences, where no chunking wastes under 3.5%); if none fits,
-the one with the smallest working set (the report flags it).
+lengths). A candidate is **eligible** if (1) its working set fits the usable tile memory
+(``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``), (2) one step's temporaries are at most
+the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
+naive attention), and (3) its forward executed/useful FLOP ratio is at most
+:data:`MAX_FLOP_RATIO`. The eligible candidate with the least modelled forward + backward time
+wins. If none is eligible, the least FLOP ratio among those meeting (1) and (2) wins (short
+causal sequences, where no chunking wastes under 3.5%), then among those meeting (1); if none
+fits, the smallest working set (the report flags it).
 
 With G = 2, D = 64 the per-op overhead dominates the FLOP term, so the model prefers the longest
-chunk the FLOP budget allows: causal L = 2048 gets 128 (ratio 1.031; 256 would waste 6.2%),
-L = 4096 gets 256; non-causal attention wastes nothing and gets 512.
+chunk the FLOP budget and the O(L) rule allow: causal L = 2048 gets 128 (ratio 1.031; 256 would
+waste 6.2%), L = 4096 gets 256.
 """
 from __future__ import annotations
 
@@ -84,8 +86,11 @@ class Candidate:
         ops_forward, ops_backward: ops executed per pass (fitted model).
         bytes_copied_forward, bytes_copied_backward: lowering copies per pass (model).
         working_set_bytes: resident tensors + one step's temporaries, larger pass (model).
+        step_bytes: one step's temporaries (model; the part that grows with the chunk).
         fits: working set within the usable tile memory.
-        eligible: fits and ``flop_ratio <= MAX_FLOP_RATIO``.
+        linear_memory: ``step_bytes`` at most the resident tensors' bytes, so memory stays
+            O(L) (what flash attention is for).
+        eligible: fits, linear_memory and ``flop_ratio <= MAX_FLOP_RATIO``.
         seconds: modelled forward + backward time on one IPU.
     """
 
@@ -102,7 +107,9 @@ class Candidate:
     bytes_copied_forward: int
     bytes_copied_backward: int
     working_set_bytes: int
+    step_bytes: int
     fits: bool
+    linear_memory: bool
     eligible: bool
     seconds: float
 
@@ -124,14 +131,15 @@ class ChunkChoice:
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``)."""
         head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "MiB copied",
-                "work set MiB", "fits", "model ms")
+                "step MiB", "work set MiB", "fits", "O(L)", "model ms")
         rows = [head]
         for c in self.candidates:
             rows.append(("*" if c is self.chosen else "", f"{c.chunk_q}x{c.chunk_kv}",
                          f"{c.flop_ratio:.4f}", str(c.iterations), str(c.ops_forward),
                          str(c.ops_backward),
                          f"{(c.bytes_copied_forward + c.bytes_copied_backward) / 2**20:.1f}",
-                         f"{c.working_set_bytes / 2**20:.1f}", "yes" if c.fits else "NO",
+                         f"{c.step_bytes / 2**20:.2f}", f"{c.working_set_bytes / 2**20:.1f}",
+                         "yes" if c.fits else "NO", "yes" if c.linear_memory else "no",
                          f"{c.seconds * 1e3:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
@@ -167,12 +175,13 @@ def _bytes_copied(sched, G, D, item, backward):
 
 
 def _working_set(sched, G, D, item):
-    """Resident tensors (padded) plus one step's float32 block temporaries, backward pass
-    (the larger): q, do, out, k, v; lse, Dvec; float32 dq, dk, dv; ~5 [cq, ckv] blocks."""
+    """``(resident, step)`` bytes of the backward pass (the larger): the resident tensors
+    (padded q, do, out, k, v; lse, Dvec; float32 dq, dk, dv) and one step's temporaries
+    (~5 float32 ``[cq, ckv]`` blocks and 4 float32 ``[cq, D]`` rows)."""
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
     resident = (3 * lq + 2 * lkv) * D * item + 2 * lq * _F32 + (lq + 2 * lkv) * D * _F32
     step = 5 * sched.chunk_q * sched.chunk_kv * _F32 + 4 * sched.chunk_q * D * _F32
-    return G * (resident + step)
+    return G * resident, G * step
 
 
 def _seconds(flops, ops, iterations, copied, dtype):
@@ -201,8 +210,10 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     ops_b = _ops(OPS_BACKWARD, sched.block_list("kv_major"))
     copied_f = _bytes_copied(sched, groups, head_dim, item, backward=False)
     copied_b = _bytes_copied(sched, groups, head_dim, item, backward=True)
-    working = _working_set(sched, groups, head_dim, item)
+    resident, step = _working_set(sched, groups, head_dim, item)
+    working = resident + step
     fits = working <= TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION
+    linear = step <= resident
     iters = sched.visited_blocks
     seconds = (_seconds(fwd.executed, ops_f, iters, copied_f, dtype)
                + _seconds(bwd.executed, ops_b, iters, copied_b, dtype))
@@ -210,8 +221,9 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                      num_chunks_kv=sched.nkv, flop_ratio=fwd.ratio, forward_flops=fwd.executed,
                      backward_flops=bwd.executed, iterations=iters, ops_forward=ops_f,
                      ops_backward=ops_b, bytes_copied_forward=copied_f,
-                     bytes_copied_backward=copied_b, working_set_bytes=working, fits=fits,
-                     eligible=fits and fwd.ratio <= MAX_FLOP_RATIO, seconds=seconds)
+                     bytes_copied_backward=copied_b, working_set_bytes=working,
+                     step_bytes=step, fits=fits, linear_memory=linear,
+                     eligible=fits and linear and fwd.ratio <= MAX_FLOP_RATIO, seconds=seconds)
 
 
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
@@ -233,10 +245,16 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, head_dim=head_dim, groups=groups,
                                 dtype=dtype, causal=causal, window=window) for cq, ckv in pairs)
     eligible = [c for c in candidates if c.eligible]
+    linear = [c for c in candidates if c.fits and c.linear_memory]
     fitting = [c for c in candidates if c.fits]
     if eligible:
         chosen = min(eligible, key=lambda c: c.seconds)
-        reason = f"least modelled time with FLOP ratio <= {MAX_FLOP_RATIO} and fitting memory"
+        reason = (f"least modelled time with FLOP ratio <= {MAX_FLOP_RATIO}, step temporaries "
+                  "<= resident tensors, fitting memory")
+    elif linear:
+        chosen = min(linear, key=lambda c: (c.flop_ratio, c.seconds))
+        reason = (f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least wasted work with "
+                  "step temporaries <= resident tensors")
     elif fitting:
         chosen = min(fitting, key=lambda c: (c.flop_ratio, c.seconds))
         reason = f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least wasted work that fits"
