@@ -5,8 +5,9 @@ user's options, at graph-build time. It resolves the automatic chunk counts and 
 window, then hands ``(Lq, Lkv, chunk_q, chunk_kv, causal, window)`` to the planner.
 
 Chunking rule: ``num_chunks_*=None`` lets the cost model (:mod:`popxl_flash.costmodel`) choose
-the chunk length (64, 128, 256 or 512, capped at L): the least modelled IPU time among the
-chunkings that fit tile memory and waste at most 3.5% of the matmul FLOPs. For a given count
+the chunk length (targets 64, 128, 256 or 512, balanced over L): the least modelled IPU time
+among the chunkings that fit tile memory, keep memory O(L) and waste at most 3.5% of the matmul
+FLOPs (see :func:`explain`). For a given count
 ``n`` the chunk length is ``ceil(L / n)`` and the number of chunks actually used is
 ``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted). That count is
 ``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6`` gives chunks of

@@ -21,8 +21,8 @@ Modelled time of one pass::
       + (ops * OP_CYCLES + iterations * ITERATION_CYCLES) / CLOCK_HZ
       + bytes_copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
 
-Choice: candidates are square chunk lengths :data:`CANDIDATE_CHUNKS` (capped at the sequence
-lengths). A candidate is **eligible** if (1) its working set fits the usable tile memory
+Choice: candidates are the target chunk lengths :data:`CANDIDATE_CHUNKS`, each balanced over
+the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads little). A candidate is **eligible** if (1) its working set fits the usable tile memory
 (``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``), (2) one step's temporaries are at most
 the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
 naive attention), and (3) its forward executed/useful FLOP ratio is at most
@@ -226,6 +226,13 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                      eligible=fits and linear and fwd.ratio <= MAX_FLOP_RATIO, seconds=seconds)
 
 
+def _balanced(length, target):
+    """The chunk length of ``ceil(length / target)`` equal chunks (at most ``target``; the
+    padding of the tail is less than one chunk per chunk count)."""
+    count = -(-length // target)
+    return -(-length // count)
+
+
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
            chunk_kv=None):
     """Choose chunk lengths by the model (see the module docstring).
@@ -239,7 +246,7 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     """
     pairs = []
     for c in CANDIDATE_CHUNKS:
-        pair = (chunk_q or min(c, Lq), chunk_kv or min(c, Lkv))
+        pair = (chunk_q or _balanced(Lq, c), chunk_kv or _balanced(Lkv, c))
         if pair not in pairs:
             pairs.append(pair)
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, head_dim=head_dim, groups=groups,

@@ -228,8 +228,8 @@ class BlockSchedule:
           ``[G, Lq, D]`` and k, v ``[G, Lkv, D]`` at ``itemsize``.
         * flash: q, k, v, out as above; lse ``float32[G, Lq]``; the accumulator
           ``float32[G, chunk_q, D]``, m_i and l_i ``float32[G, chunk_q]``; one score block and
-          one probability block ``float32[G, chunk_q, chunk_kv]``; plus the schedule tables
-          (``kind``, ``pattern_id``) and the pattern table at their numpy sizes.
+          one probability block ``float32[G, chunk_q, chunk_kv]``; plus the graph's block-list
+          tables (16 bytes per visited block) and the pattern table.
 
         Args:
             head_dim: D.
@@ -248,7 +248,7 @@ class BlockSchedule:
         accumulator = g * self.chunk_q * d * _FLOAT32_BYTES
         running_stats = 2 * g * self.chunk_q * _FLOAT32_BYTES  # m_i, l_i
         block_scores = 2 * g * self.chunk_q * self.chunk_kv * _FLOAT32_BYTES  # scores + probs
-        tables = self.kind.nbytes + self.pattern_id.nbytes + self.patterns.nbytes
+        tables = 16 * self.visited_blocks + self.patterns.nbytes
         flash = io_bytes + lse + accumulator + running_stats + block_scores + tables
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
 
