@@ -27,9 +27,10 @@ the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads
 the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
 naive attention), and (3) its forward executed/useful FLOP ratio is at most
 :data:`MAX_FLOP_RATIO`. The eligible candidate with the least modelled forward + backward time
-wins. If none is eligible, the least FLOP ratio among those meeting (1) and (2) wins (short
-causal sequences, where no chunking wastes under 3.5%), then among those meeting (1); if none
-fits, the smallest working set (the report flags it).
+wins. If none is eligible (windows, short causal sequences: no chunking wastes under 3.5%), the
+least modelled time among those meeting (1), (2) and :data:`FALLBACK_FLOP_RATIO` wins, else the
+least FLOP ratio among those meeting (1) and (2), then (1); if none fits, the smallest working
+set (the report flags it).
 
 With G = 2, D = 64 the per-op overhead dominates the FLOP term, so the model prefers the longest
 chunk the FLOP budget and the O(L) rule allow: causal L = 2048 gets 128 (ratio 1.031; 256 would
@@ -62,6 +63,9 @@ COPY_BYTES_PER_TILE_CYCLE = 8
 USABLE_MEMORY_FRACTION = 0.5
 #: Wasted-work budget: largest forward executed/useful FLOP ratio the choice accepts.
 MAX_FLOP_RATIO = 1.035
+#: Second-tier budget, for masks no candidate meets the first for (windows, short causal
+#: sequences): the fastest chunking within it wins, else the least wasteful.
+FALLBACK_FLOP_RATIO = 1.25
 #: Chunk lengths tried (square blocks; capped at the sequence lengths).
 CANDIDATE_CHUNKS = (64, 128, 256, 512)
 
@@ -258,9 +262,14 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         chosen = min(eligible, key=lambda c: c.seconds)
         reason = (f"least modelled time with FLOP ratio <= {MAX_FLOP_RATIO}, step temporaries "
                   "<= resident tensors, fitting memory")
+    elif any(c.flop_ratio <= FALLBACK_FLOP_RATIO for c in linear):
+        chosen = min((c for c in linear if c.flop_ratio <= FALLBACK_FLOP_RATIO),
+                     key=lambda c: c.seconds)
+        reason = (f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least modelled time within "
+                  f"{FALLBACK_FLOP_RATIO} with step temporaries <= resident tensors")
     elif linear:
         chosen = min(linear, key=lambda c: (c.flop_ratio, c.seconds))
-        reason = (f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least wasted work with "
+        reason = (f"no chunking within FLOP ratio {FALLBACK_FLOP_RATIO}: least wasted work with "
                   "step temporaries <= resident tensors")
     elif fitting:
         chosen = min(fitting, key=lambda c: (c.flop_ratio, c.seconds))
