@@ -258,8 +258,7 @@ def _dispatch(graphs, ids, *inputs):
 
 
 def _select(graphs, ids, inputs, branch):
-    if len(graphs) == 1:
-        return ops.call(graphs[0], *inputs)
+    """``conditional(branch == ids[0], graphs[0], <the rest>)`` for two or more graphs."""
     then_graph, else_graph = graphs[0], graphs[1]
     else_inputs = list(inputs)
     if len(graphs) > 2:  # the else branch dispatches among the rest
