@@ -167,7 +167,8 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         q: ``[G, Lq, D]`` float16 or float32 (G = batch x heads).
         k, v: ``[G, Lkv, D]``, same dtype as q.
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
-            ``ceil(L / 128)``. Lengths need not be divisible (the tail chunk is padded).
+            the cost model's choice (:func:`popxl_flash.explain`). Lengths need not be
+            divisible (the tail chunk is padded).
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
             True, as the PopART op; :func:`popxl_flash.flash_attn_func` defaults to False.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``. ``1.0`` matches the PopART op.
