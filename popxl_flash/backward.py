@@ -24,7 +24,7 @@ Per visited block (5 matmuls; statistics and accumulators float32)::
     dq_i += scale * dS k_j
     dk_j += scale * dS^T q_i
 """
-from popxl_flash import blocks
+from popxl_flash import blocks, segments
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
@@ -102,29 +102,35 @@ def loop_spec(cfg, dtype):
 
 
 def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
-                k: ByRef, v: ByRef, dq: ByRef, dk: ByRef, dv: ByRef):
+                k: ByRef, v: ByRef, dq: ByRef, dk: ByRef, dv: ByRef, *seg: ByRef):
     """Repeat body: one visited block of the kv-major block list.
 
     Carried: step ``t [1]`` and the running ``dk_j, dv_j [G, ckv, D]`` (float32; fresh after a
     kv chunk's last block). Invariant, by reference: padded ``q, do``, ``lse, dvec
     [G, Lq_pad, 1]``, ``k, v`` (read-only) and the float32 accumulators ``dq [G, Lq_pad, D]``
     (chunk i read and written back every step) and ``dk, dv [G, Lkv_pad, D]`` (chunk j written
-    every step: zeros until the kv chunk's last block writes the result).
+    every step: zeros until the kv chunk's last block writes the result). With segment ids,
+    ``seg`` holds the padded ids (and positions) and the steps' runtime branches (by
+    reference, read-only).
     """
     cq, ckv = cfg.chunk_q, cfg.chunk_kv
-    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
+    *seg, branches = seg or (None,)
+    i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
     q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
     k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [G, ckv, D]
+    seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
     dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
-        t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j))
+        t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, *seg_operands))
     blocks.write_rows_(dq, i0, dq_i)
     blocks.write_rows_(dk, j0, dk_done)
     blocks.write_rows_(dv, j0, dv_done)
     return t + 1, dk_j, dv_j
 
 
-def _build_loop_graph(cfg, q, do, lse, dvec, k, v):
+def _build_loop_graph(cfg, q, do, lse, dvec, k, v, seg=()):
     """Create the branch graphs and the repeat body over the kv-major block list (from specs).
+
+    ``seg``: with segment ids, the padded ids (and positions) and the runtime branches.
 
     Returns:
         The body graph (inputs ``t, dk_j, dv_j, q, do, lse, dvec, k, v, dq, dk, dv``).
@@ -137,7 +143,7 @@ def _build_loop_graph(cfg, q, do, lse, dvec, k, v):
     dkv_spec = popxl.TensorSpec((G, cfg.padded_kv_len, D), f32)
     return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
                            *spec.block_specs[1:], q.spec, do.spec, lse.spec, dvec.spec, k.spec,
-                           v.spec, dq_spec, dkv_spec, dkv_spec)
+                           v.spec, dq_spec, dkv_spec, dkv_spec, *(t.spec for t in seg))
 
 
 class FlashAttentionGrad(popxl.Module):
@@ -149,6 +155,7 @@ class FlashAttentionGrad(popxl.Module):
     ``build`` args:
         dout, q, out: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (one float dtype);
         lse: float32 ``[G, Lq]`` from :class:`popxl_flash.FlashAttention`.
+        q_segment_ids, kv_segment_ids, q_positions, kv_positions: optional, the forward's.
 
     Returns:
         dq, dk, dv with the shapes and dtype of q, k, v.
@@ -159,18 +166,22 @@ class FlashAttentionGrad(popxl.Module):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window)
 
-    def config(self, dout, q, k, v, out, lse) -> AttentionConfig:
-        """Validate all six specs against the options."""
+    def config(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
+               q_positions=None, kv_positions=None) -> AttentionConfig:
+        """Validate all specs against the options."""
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **self.options)
+        cfg = cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
         for name, t in (("dout", dout), ("out", out)):
             cfg.check_like(name, t.shape, t.dtype.name, q.shape, cfg.dtype)
         cfg.check_like("lse", lse.shape, lse.dtype.name, (cfg.groups, cfg.q_len), "float32")
         return cfg
 
-    def build(self, dout, q, k, v, out, lse):
-        cfg = self.config(dout, q, k, v, out, lse)
+    def build(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
+              q_positions=None, kv_positions=None):
+        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        cfg = self.config(dout, q, k, v, out, lse, *segment_inputs)
         f32 = blocks.float32()
         G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
         with popxl.in_sequence():  # the loops write dq/dk/dv in place: read them after
@@ -183,9 +194,13 @@ class FlashAttentionGrad(popxl.Module):
             grads = [ops.init((G, n, D), f32, init_type="zero")
                      for n in (cfg.padded_q_len, cfg.padded_kv_len, cfg.padded_kv_len)]
             steps = cfg.schedule.visited_blocks
+            seg = []
+            if cfg.segments is not None and steps:
+                seg, classes = segments.prepare(cfg, *segment_inputs)
+                seg.append(blocks.runtime_branches(cfg, "kv_major", classes))
             if steps:
-                body = _build_loop_graph(cfg, *padded, k_pad, v_pad)
+                body = _build_loop_graph(cfg, *padded, k_pad, v_pad, seg)
                 ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), *padded, k_pad,
-                           v_pad, *grads)
+                           v_pad, *grads, *seg)
             return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
                          for t, n in zip(grads, (Lq, cfg.kv_len, cfg.kv_len)))

@@ -7,13 +7,14 @@ code: it runs inside the graph context of the module being built and uses only t
 PopXL API.
 """
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Tuple
 
 import numpy as np
 
+from popxl_flash import segments
 from popxl_flash.backend import popxl
-from popxl_flash.schedule import LOWER, PARTIAL, UPPER
+from popxl_flash.schedule import FULL, LOWER, PARTIAL, SKIP, UPPER, WHOLE
 
 ops = popxl.ops
 
@@ -74,10 +75,12 @@ class StepTables:
             the loop has a single branch.
     """
 
-    def __init__(self, cfg, block_list, branch_ids):
+    def __init__(self, cfg, block_list, branch_ids, branch_table=None):
         self.q_offset = _table(block_list.q_chunk.astype(np.int64) * cfg.chunk_q)
         self.kv_offset = _table(block_list.kv_chunk.astype(np.int64) * cfg.chunk_kv)
-        self.branch = None if branch_ids is None else _table(branch_ids)
+        self.branch = branch_table
+        if branch_table is None and branch_ids is not None:
+            self.branch = _table(branch_ids)
 
     def lookup(self, t):
         """Entries of step ``t`` (int32 ``[1]``).
@@ -115,17 +118,36 @@ def write_rows_(t, offset, value):
                                no_overlap=True)
 
 
-def block_mask(schedule, pattern_id):
+def pattern_table(cfg):
+    """The schedule's ``patterns [P, cq, ckv]``; with segment ids one more, all visible, at
+    index ``P`` (the static pattern of a statically full block that runs masked)."""
+    patterns = cfg.schedule.patterns
+    if cfg.segments is not None:
+        patterns = np.concatenate([patterns, np.ones((1, cfg.chunk_q, cfg.chunk_kv), bool)])
+    return np.ascontiguousarray(patterns)
+
+
+def pattern_ids(cfg, order):
+    """Per-step pattern ids of a block list (``int32[V]``); with segment ids, statically full
+    steps get the all-visible pattern ``P``."""
+    blist = cfg.schedule.block_list(order)
+    if cfg.segments is None:
+        return blist.pattern_id
+    return np.where(blist.kind == PARTIAL, blist.pattern_id, cfg.schedule.num_patterns)
+
+
+def block_mask(cfg, pattern_id):
     """The visibility pattern of a partial block, from a pattern table made a constant here.
 
     Args:
-        schedule: the block schedule (its ``patterns [P, cq, ckv]`` become a constant).
+        cfg: the config (its schedule's pattern table, :func:`pattern_table`, becomes a
+            constant).
         pattern_id: int32 ``[1]``.
 
     Returns:
         bool ``[1, cq, ckv]`` (True = visible), broadcasting over groups.
     """
-    patterns = popxl.constant(np.ascontiguousarray(schedule.patterns))  # [P, cq, ckv]
+    patterns = popxl.constant(pattern_table(cfg))  # [P(+1), cq, ckv]
     return ops.dynamic_slice(patterns, pattern_id, axes=[0], sizes=[1], no_overlap=True)
 
 
@@ -196,21 +218,28 @@ def run_block(spec, cfg, split, tensors, visible):
         spec: the :class:`LoopSpec`.
         cfg: the :class:`AttentionConfig`.
         split: ``WHOLE``, ``LOWER`` or ``UPPER`` (static).
-        tensors: block tensors then operands (``[G, cq or ckv, ...]`` by role).
-        visible: bool ``[1, cq, ckv]`` mask or ``None`` (full block).
+        tensors: block tensors then operands (``[G, cq or ckv, ...]`` by role); with segment
+            ids the last operands are the step's segment operands
+            (:func:`popxl_flash.segments.step_operands`), which only build the mask.
+        visible: bool ``[1, cq, ckv]`` mask or ``None`` (full block); with segment ids it is
+            ANDed with the block's runtime mask.
 
     Returns:
         The updated block tensors (list).
     """
     n = len(spec.block_specs)
+    n_seg = len(segments.operand_specs(cfg)) if cfg.segments is not None else 0
     lengths = {"q": cfg.chunk_q, "kv": cfg.chunk_kv}
     block, operands = list(tensors[:n]), list(tensors[n:])
     for row_span, col_span in _sub_blocks(cfg, split):
         spans = {"q": row_span, "kv": col_span}
         parts = [_part(t, spans[r], lengths[r]) for t, r in zip(block + operands, spec.roles)]
+        parts, seg_parts = parts[:len(parts) - n_seg], parts[len(parts) - n_seg:]
         mask = visible
         if mask is not None:
             mask = _part(_part(mask, row_span, cfg.chunk_q), col_span, cfg.chunk_kv, axis=2)
+            if n_seg:  # the runtime mask of the segment ids (masked branches only)
+                mask = ops.logical_and(mask, segments.block_mask(cfg, seg_parts))
         new = spec.update(cfg, *parts, visible=mask)
         block = [_put(t, u, spans[r], lengths[r]) for t, u, r in zip(block, new, spec.roles)]
     return block
@@ -221,7 +250,8 @@ def _zeros(specs):
 
 
 def _branch(spec, cfg, key, *inputs):
-    """One block step of a fixed ``key = (kind, split, last)``.
+    """One block step of a fixed ``key = (kind, split, last)`` (``kind`` ``SKIP`` only with
+    segment ids: the block tensors pass through, the outer chunk's bookkeeping still runs).
 
     Args:
         inputs: block tensors, operands, then the step counter ``t [1]`` when the loop has
@@ -237,9 +267,12 @@ def _branch(spec, cfg, key, *inputs):
     n = len(spec.block_specs) + len(spec.operand_specs)
     visible = None
     if kind == PARTIAL:
-        pattern_ids = _table(cfg.schedule.block_list(spec.order).pattern_id)  # [V]
-        visible = block_mask(cfg.schedule, entry(pattern_ids, inputs[n]))
-    block = run_block(spec, cfg, split, inputs[:n], visible)
+        ids = _table(pattern_ids(cfg, spec.order))  # [V]
+        visible = block_mask(cfg, entry(ids, inputs[n]))
+    if kind == SKIP:  # segment ids: nothing visible at run time, no matmul
+        block = list(inputs[:len(spec.block_specs)])
+    else:
+        block = run_block(spec, cfg, split, inputs[:n], visible)
     carried = [block[i] for i in spec.carried]
     written = [t for i, t in enumerate(block) if i not in spec.carried]
     if last:
@@ -284,14 +317,22 @@ class BlockStep:
     """
 
     def __init__(self, spec, cfg):
+        if cfg.segments is not None:
+            spec = with_segment_operands(spec, cfg)
         self.spec, self.cfg = spec, cfg
         blist = cfg.schedule.block_list(spec.order)
-        keys = [(int(k), int(s), bool(f)) for k, s, f in zip(blist.kind, blist.split, blist.last)]
-        counts = Counter(keys)
-        self.keys = sorted(counts, key=lambda key: (-counts[key], key))
-        index = {key: b for b, key in enumerate(self.keys)}
-        self.branch_ids = np.array([index[key] for key in keys], dtype=INDEX_DTYPE)
-        self.has_partial = bool((blist.kind == PARTIAL).any())
+        if cfg.segments is None:
+            keys = [(int(k), int(s), bool(f))
+                    for k, s, f in zip(blist.kind, blist.split, blist.last)]
+            counts = Counter(keys)
+            self.keys = sorted(counts, key=lambda key: (-counts[key], key))
+            index = {key: b for b, key in enumerate(self.keys)}
+            self.branch_ids = np.array([index[key] for key in keys], dtype=INDEX_DTYPE)
+            self.has_partial = bool((blist.kind == PARTIAL).any())
+        else:
+            self.keys, self.candidates = segment_branches(cfg, spec.order)
+            self.branch_ids = self.candidates[0]
+            self.has_partial = True
         self.graphs = []
         if len(self.keys) > 1:
             ir = popxl.gcg().ir
@@ -300,10 +341,16 @@ class BlockStep:
                 specs.append(popxl.TensorSpec((1,), popxl.int32))  # the step counter
             self.graphs = [ir.create_graph(_branch, spec, cfg, key, *specs) for key in self.keys]
 
-    def tables(self):
-        """The block list as :class:`StepTables` constants of the current (loop body) graph."""
+    def tables(self, branch_table=None):
+        """The block list as :class:`StepTables` constants of the current (loop body) graph.
+
+        Args:
+            branch_table: with segment ids, the int32 ``[V]`` runtime branch of every step
+                (:func:`runtime_branches`, an input of the loop body).
+        """
         blist = self.cfg.schedule.block_list(self.spec.order)
-        return StepTables(self.cfg, blist, self.branch_ids if self.graphs else None)
+        return StepTables(self.cfg, blist, self.branch_ids if self.graphs else None,
+                          branch_table)
 
     def run(self, t, branch, tensors):
         """One step: dispatch to the step's branch.
@@ -320,6 +367,62 @@ class BlockStep:
         if not self.graphs:
             return _branch(self.spec, self.cfg, self.keys[0], *inputs)
         return tuple(_select(self.graphs, list(range(len(self.keys))), inputs, branch))
+
+
+def with_segment_operands(spec, cfg):
+    """``spec`` with the segment operands (:func:`popxl_flash.segments.operand_specs`) after
+    its own operands."""
+    seg_specs = tuple(segments.operand_specs(cfg))
+    roles = segments.OPERAND_ROLES[:len(seg_specs)]
+    return replace(spec, roles=spec.roles + roles, operand_specs=spec.operand_specs + seg_specs)
+
+
+def segment_branches(cfg, order):
+    """The branch keys of a block list with segment ids, and each step's candidates.
+
+    At run time a step is skipped (``SKIP``: its chunks share no segment, or the positional
+    band misses it), runs unmasked (``FULL``: statically full and inside one segment) or runs
+    masked (``PARTIAL``: its static pattern, all-visible for a statically full block, and the
+    runtime mask). The split and the outer chunk's ``last`` flag stay static.
+
+    Returns:
+        ``(keys, candidates)``: the branch keys, most frequent static candidate first, and
+        int32 ``[3, V]`` branch indices of each step if skipped, full, masked (a statically
+        partial step has its masked branch in the full row).
+    """
+    blist = cfg.schedule.block_list(order)
+    steps = list(zip(blist.kind, blist.split, blist.last))
+    rows = []
+    for kind, split, last in steps:
+        masked = (PARTIAL, int(split), bool(last))
+        full = (FULL, WHOLE, bool(last)) if kind == FULL else masked
+        rows.append([(SKIP, WHOLE, bool(last)), full, masked])
+    counts = Counter(key for row in rows for key in row)
+    keys = sorted(counts, key=lambda key: (-counts[key], key))
+    index = {key: b for b, key in enumerate(keys)}
+    candidates = np.array([[index[key] for key in row] for row in rows], INDEX_DTYPE).T
+    return keys, np.ascontiguousarray(candidates)
+
+
+def runtime_branches(cfg, order, classes):
+    """Each step's branch from the runtime block classes, once per call (outside the loop).
+
+    Args:
+        cfg: the config (with segment ids); order: the block list's order.
+        classes: int32 ``[nq, nkv]`` from :func:`popxl_flash.segments.classify_blocks`.
+
+    Returns:
+        int32 ``[V]``: the branch index of every step (see :func:`segment_branches`).
+    """
+    blist = cfg.schedule.block_list(order)
+    _, candidates = segment_branches(cfg, order)
+    cls = segments.step_classes(classes, blist.q_chunk, blist.kv_chunk)  # [V]
+    skip, full, masked = (popxl.constant(c) for c in candidates)
+
+    def is_(value):
+        return ops.equal(cls, popxl.constant(np.array(value, dtype=INDEX_DTYPE)))
+    return ops.where(is_(segments.RT_SKIP), skip,
+                     ops.where(is_(segments.RT_FULL), full, masked))
 
 
 def scores(cfg, q_i, k_j):

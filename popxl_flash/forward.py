@@ -24,7 +24,7 @@ Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
 """
 import numpy as np
 
-from popxl_flash import blocks
+from popxl_flash import blocks, segments
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
@@ -113,19 +113,23 @@ def loop_spec(cfg, dtype):
 
 
 def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: ByRef,
-                lse: ByRef):
+                lse: ByRef, *seg: ByRef):
     """Repeat body: one visited block of the q-major block list.
 
     Carried: step ``t [1]`` and the running state ``m_i, l_i [G, cq, 1]``, ``acc [G, cq, D]``
     (float32; fresh after a q chunk's last block). Invariant, by reference: padded q, k, v
     (read-only) and the results ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
     its q chunk of out and lse (zeros until the chunk's last block writes the result: the
-    chunk's blocks are consecutive, so the last write wins).
+    chunk's blocks are consecutive, so the last write wins). With segment ids, ``seg`` holds
+    the padded ids (and positions) and the steps' runtime branches (by reference, read-only).
     """
-    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
+    *seg, branches = seg or (None,)
+    i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
     q_i = blocks.rows(q, i0, cfg.chunk_q)  # [G, cq, D]
     k_j, v_j = blocks.rows(k, j0, cfg.chunk_kv), blocks.rows(v, j0, cfg.chunk_kv)
-    m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j))
+    seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
+    m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j,
+                                                       *seg_operands))
     blocks.write_rows_(out, i0, out_i)
     blocks.write_rows_(lse, i0, lse_i)
     return t + 1, m_i, l_i, acc
@@ -139,6 +143,10 @@ class FlashAttention(popxl.Module):
 
     ``build`` args:
         q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``; float16 or float32.
+        q_segment_ids, kv_segment_ids: optional int32 ``[G or 1, Lq]``, ``[G or 1, Lkv]``
+            (packed sequences, -1 = padding; see :mod:`popxl_flash.segments`).
+        q_positions, kv_positions: optional int32, the ids' shapes (the varlen API's
+            bottom-right positions: causal and window compare them).
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
@@ -149,14 +157,18 @@ class FlashAttention(popxl.Module):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window)
 
-    def config(self, q, k, v) -> AttentionConfig:
+    def config(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+               kv_positions=None) -> AttentionConfig:
         """Validate the inputs' specs against the options."""
-        return AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
-                                           (q.dtype.name, k.dtype.name, v.dtype.name),
-                                           **self.options)
+        cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
+                                          (q.dtype.name, k.dtype.name, v.dtype.name),
+                                          **self.options)
+        return cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
 
-    def build(self, q, k, v):
-        cfg = self.config(q, k, v)
+    def build(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+              kv_positions=None):
+        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        cfg = self.config(q, k, v, *segment_inputs)
         G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
         with popxl.in_sequence():  # the q loop writes out/lse in place: read them after it
             q_pad = blocks.pad_rows(q, cfg.padded_q_len)
@@ -167,19 +179,25 @@ class FlashAttention(popxl.Module):
             if (cfg.schedule.visited_per_q == 0).any():  # chunks no step writes: lse -inf
                 lse = blocks.fill(lse, float("-inf"))
             steps = cfg.schedule.visited_blocks
+            seg = []
+            if cfg.segments is not None and steps:
+                seg, classes = segments.prepare(cfg, *segment_inputs)
+                seg.append(blocks.runtime_branches(cfg, "q_major", classes))
             if steps:
-                body = build_loop_graph(cfg, q_pad, k_pad, v_pad)
+                body = build_loop_graph(cfg, q_pad, k_pad, v_pad, seg)
                 ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), q_pad, k_pad,
-                           v_pad, out, lse)
+                           v_pad, out, lse, *seg)
             return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
 
 
-def build_loop_graph(cfg, q_pad, k_pad, v_pad):
+def build_loop_graph(cfg, q_pad, k_pad, v_pad, seg=()):
     """Create the branch graphs and the repeat body over the q-major block list.
 
     Args:
         cfg: the :class:`AttentionConfig`.
         q_pad, k_pad, v_pad: padded inputs (only their specs are used).
+        seg: with segment ids, the padded ids (and positions) and the runtime branches
+            (specs used).
 
     Returns:
         The body graph (inputs ``t, m_i, l_i, acc, q, k, v, out, lse``).
@@ -191,4 +209,5 @@ def build_loop_graph(cfg, q_pad, k_pad, v_pad):
     return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
                            *spec.block_specs, q_pad.spec, k_pad.spec, v_pad.spec,
                            popxl.TensorSpec((G, cfg.padded_q_len, D), q_pad.dtype),
-                           popxl.TensorSpec((G, cfg.padded_q_len), f32))
+                           popxl.TensorSpec((G, cfg.padded_q_len), f32),
+                           *(t.spec for t in seg))

@@ -11,7 +11,7 @@ planner cannot see them. This module turns them into what the block step needs:
 * :func:`classify_blocks`: from the chunks' statistics, once per call and vectorised over all
   blocks, whether a block shares no segment (``skip``: no matmul), lies inside one segment
   with its whole positional band visible (``full``: unmasked update) or neither (masked); the
-  loops read one int32 entry per block (:func:`block_class`);
+  loop reads one int32 entry per step (:func:`step_classes`, gathered once per call);
 * :func:`runtime_mask`: for every other visited block, the bool mask ``[G or 1, cq, ckv]``
   (segment equality, not padding, positional band).
 
@@ -201,18 +201,6 @@ def classify_blocks(q_stats, kv_stats, *, positions, causal, window):
         _i32(RT_MASKED)
 
 
-def block_class(classes, i, j):
-    """Entry ``(i, j)`` of :func:`classify_blocks`' table (int32 ``[1]`` counters).
-
-    Returns:
-        ``(skip, full)``: rank-0 bools.
-    """
-    idx = ops.concat([i, j], axis=0)  # [2]
-    cls = ops.dynamic_slice(classes, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
-    cls = cls.reshape(())
-    return ops.equal(cls, _i32(RT_SKIP)), ops.equal(cls, _i32(RT_FULL))
-
-
 def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window=(-1, -1)):
     """Visibility of a block from its chunks' ids (and positions).
 
@@ -244,7 +232,7 @@ def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window
 
 
 def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
-    """Pad the segment inputs to whole chunks and compute the per-chunk statistics, once.
+    """Pad the segment inputs to whole chunks and classify every block, once per call.
 
     Args:
         cfg: the :class:`~popxl_flash.config.AttentionConfig` (with ``segments`` set).
@@ -252,9 +240,9 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
             the same shapes, or ``None``.
 
     Returns:
-        The list the loops carry by reference: ``[q_ids, kv_ids, classes]``, the ids padded
-        with -1 and the int32 ``[nq, nkv]`` block classes of :func:`classify_blocks`, plus
-        ``[q_pos, kv_pos]`` with positions.
+        ``(tensors, classes)``: the padded ``[q_ids, kv_ids]`` (-1 on padding), plus
+        ``[q_pos, kv_pos]`` with positions, which the loop reads by reference; and the int32
+        ``[nq, nkv]`` block classes of :func:`classify_blocks`.
     """
     q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
     kv_ids = pad_ids(kv_ids, cfg.padded_kv_len, -1)
@@ -265,45 +253,55 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
                               chunk_stats(kv_ids, kv_pos, cfg.chunk_kv),
                               positions=cfg.segments.positions, causal=cfg.causal,
                               window=cfg.window)
-    return [q_ids, kv_ids, classes] + ([q_pos, kv_pos] if q_pos is not None else [])
+    tensors = [q_ids, kv_ids] + ([q_pos, kv_pos] if q_pos is not None else [])
+    return tensors, classes
 
 
-def _ids_chunk(ids, index, chunk_len):
-    """``ids[:, index*chunk_len : (index+1)*chunk_len]`` for a counter ``index [1]``."""
-    return ops.dynamic_slice(ids, index * chunk_len, axes=[1], sizes=[chunk_len],
-                             no_overlap=True)
-
-
-def block_inputs(cfg, tensors, i, j):
-    """Runtime class and mask operands of block (q chunk ``i``, kv chunk ``j``).
+def step_classes(classes, q_chunk, kv_chunk):
+    """The runtime class of every step of a block list, once per call.
 
     Args:
-        cfg: the :class:`~popxl_flash.config.AttentionConfig`.
-        tensors: the list from :func:`prepare` (inside the loop graph).
-        i, j: int32 ``[1]`` chunk indices.
+        classes: int32 ``[nq, nkv]`` from :func:`classify_blocks`.
+        q_chunk, kv_chunk: the block list's ``int[V]`` chunk indices (static).
 
     Returns:
-        ``(skip, full, operands)``: rank-0 bools from :func:`block_class` and the
-        :func:`runtime_mask` operands ``[q_ids_i [Gs, cq], kv_ids_j [Gsk, ckv]]`` (plus the
-        positions' chunks).
+        int32 ``[V]``.
     """
-    q_ids, kv_ids, classes, *pos = tensors
-    skip, full = block_class(classes, i, j)
-    operands = [_ids_chunk(q_ids, i, cfg.chunk_q), _ids_chunk(kv_ids, j, cfg.chunk_kv)]
-    if pos:
-        operands += [_ids_chunk(pos[0], i, cfg.chunk_q), _ids_chunk(pos[1], j, cfg.chunk_kv)]
-    return skip, full, operands
+    nq, nkv = classes.shape
+    flat = classes.reshape((nq * nkv,))
+    index = (np.asarray(q_chunk, np.int64) * nkv + np.asarray(kv_chunk, np.int64))
+    return ops.gather(flat, popxl.constant(index.astype(np.int32)))
 
 
 def operand_specs(cfg):
-    """Specs of the :func:`runtime_mask` operands a masked block branch receives."""
+    """Specs of the segment operands a block step receives: ids (and positions) of its q and
+    kv chunks, ``[Gs, cq]``, ``[Gsk, ckv]``."""
     seg, spec, i32 = cfg.segments, popxl.TensorSpec, popxl.int32
     specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((seg.kv_groups, cfg.chunk_kv), i32)]
     return specs * 2 if seg.positions else specs
 
 
+#: Whether each segment operand runs over the block's q rows or its kv columns (axis 1).
+OPERAND_ROLES = ("q", "kv", "q", "kv")
+
+
+def step_operands(cfg, tensors, q_offset, kv_offset):
+    """The segment operands of one step: the chunks of the padded ids (and positions).
+
+    Args:
+        cfg: the config; tensors: the padded tensors of :func:`prepare`.
+        q_offset, kv_offset: int32 ``[1]`` first rows of the step's chunks.
+
+    Returns:
+        ``[q_ids_i [Gs, cq], kv_ids_j [Gsk, ckv]]`` (then the positions' chunks).
+    """
+    lengths = (cfg.chunk_q, cfg.chunk_kv)
+    return [ops.dynamic_slice(t, offset, axes=[1], sizes=[lengths[n % 2]], no_overlap=True)
+            for n, (t, offset) in enumerate(zip(tensors, (q_offset, kv_offset) * 2))]
+
+
 def block_mask(cfg, operands):
-    """:func:`runtime_mask` of a block from its operands (see :func:`block_inputs`)."""
+    """:func:`runtime_mask` of a (sub-)block from its segment operands."""
     q_ids, kv_ids, *pos = operands
     return runtime_mask(q_ids, kv_ids, *(pos or (None, None)), causal=cfg.causal,
                         window=cfg.window)

@@ -26,13 +26,17 @@ Layouts::
     lse [Hq, total_q]                                     (flash-attn's varlen softmax_lse)
 """
 from popxl_flash.backend import popxl
-from popxl_flash.config import (DEFAULT_CHUNK_LEN, AttentionConfig, _check_int, check_bool,
-                                check_scale, check_window)
+from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
+                                check_window)
 from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, _check_heads
 from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
 from popxl_flash.segments import varlen_segments
 
 ops = popxl.ops
+
+#: Longest automatic chunk: chunks no longer than the typical sequence keep the blocks that
+#: straddle two sequences (which runtime skipping cannot drop) few.
+VARLEN_CHUNK_LEN = 128
 
 #: Keywords of ``flash_attn_func`` or PyTorch that the varlen function spells differently.
 VARLEN_KEYWORD_HINTS = {
@@ -87,7 +91,7 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
 
 def _auto_chunks(total, max_seqlen):
     """Default chunk count: chunks of ``min(128, max_seqlen, total)`` rows."""
-    chunk = min(DEFAULT_CHUNK_LEN, max_seqlen, total)
+    chunk = min(VARLEN_CHUNK_LEN, max_seqlen, total)
     return -(-total // chunk)
 
 

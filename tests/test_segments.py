@@ -108,18 +108,17 @@ def test_classify_and_runtime_mask_are_exact_where_they_decide(packing, chunk_q,
         qs = segments.chunk_stats(qi, qp if positions else None, chunk_q)
         ks = segments.chunk_stats(ki, kp if positions else None, chunk_kv)
         classes = segments.classify_blocks(qs, ks, **opts)
-        idx = [pf.popxl.constant(np.array([n], np.int32)) for n in (min(1, nq - 1), nk - 1)]
         pos = (qp, kp) if positions else (None, None)
-        return [classes, *segments.block_class(classes, *idx),
+        return [classes, segments.step_classes(classes, steps_q, steps_kv),
                 segments.runtime_mask(qi, ki, *pos, **mask)]
-    (classes, skip_1, full_1, visible), _ = run_graph(build, [qi, qp, ki, kp])
+    steps_q, steps_kv = [0, nq - 1, nq // 2], [nk - 1, 0, nk // 2]
+    (classes, per_step, visible), _ = run_graph(build, [qi, qp, ki, kp])
     dense = dense_mask(qi, ki, qp if positions else None, kp if positions else None, **mask)[0]
     if not positions:  # without positions the band is the static schedule's job
         dense = dense_mask(qi, ki, None, None, causal=False, window=None)[0]
     np.testing.assert_array_equal(visible[0], dense)
     assert classes.shape == (nq, nk)
-    entry = classes[min(1, nq - 1), nk - 1]  # block_class reads the table
-    assert (bool(skip_1), bool(full_1)) == (entry == segments.RT_SKIP, entry == segments.RT_FULL)
+    np.testing.assert_array_equal(per_step, classes[steps_q, steps_kv])
     for (i, j), cls in np.ndenumerate(classes):
         block = dense[i * chunk_q:(i + 1) * chunk_q, j * chunk_kv:(j + 1) * chunk_kv]
         skip = cls == segments.RT_SKIP
