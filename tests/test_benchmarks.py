@@ -135,3 +135,24 @@ def test_cli_explain_and_new_columns(tmp_path, capsys):
     assert "iters" in out and "ops/block" in out
     flash, planner = rows[0]["flash"], rows[0]["planner"]
     assert flash["loop_iterations"] == planner["visited_blocks"]
+
+
+def test_packed_benchmark_row(tmp_path, capsys):
+    """The packed-row benchmark: segment ids and varlen run at most 1.5x the work of the blocks
+    that hold a visible pair (chunks of 16 over 4 sequences of about 21), less than one causal
+    sequence over the row (which runs the planner's count), and the Markdown names the
+    command."""
+    from benchmarks import packed
+    out = tmp_path / "packed.md"
+    assert packed.main(["--seq-len", "96", "--num-seqs", "4", "--chunks", "6", "--head-dim",
+                        "8", "--markdown", str(out)]) == 0
+    text = out.read_text()
+    assert "python -m benchmarks.packed --seq-len 96" in text
+    _, cfg, rows = packed.measure(packed.parse_args(["--seq-len", "96", "--num-seqs", "4",
+                                                     "--chunks", "6", "--head-dim", "8"]))
+    if pf.BACKEND == "emulator":
+        seg, varlen, whole = rows
+        assert seg["blocks"] <= 1.5 * seg["needed_blocks"]
+        assert varlen["blocks"] <= 1.5 * varlen["needed_blocks"]
+        assert whole["matmul_flops"] == cfg.schedule.forward_flops(8, 2).executed  # H = 2
+        assert seg["matmul_flops"] < whole["matmul_flops"]

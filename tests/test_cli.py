@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import attention as bench
+from benchmarks import packed as packed_bench
 from popxl_flash import demo
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "train_causal_self_attention.py"
@@ -14,7 +15,8 @@ _spec = importlib.util.spec_from_file_location("train_example_cli", _PATH)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
-MAINS = {"demo": demo.main, "example": example.main, "benchmarks": bench.parse_args}
+MAINS = {"demo": demo.main, "example": example.main, "benchmarks": bench.parse_args,
+         "packed": packed_bench.parse_args}
 
 
 def _parser_of(main, monkeypatch):
@@ -49,6 +51,8 @@ BAD = [
     ("example", ["--num-chunks-kv", "30"]), ("example", ["--device", "gpu"]),
     ("example", ["--attention", "sdpa"]),
     ("benchmarks", ["--warmup", "-1"]), ("benchmarks", ["--repeats", "0"]),
+    ("packed", ["--num-seqs", "0"]), ("packed", ["--seq-len", "10", "--num-seqs", "8"]),
+    ("packed", ["--chunks", "0"]), ("packed", ["--dtype", "bfloat16"]),
 ]
 
 

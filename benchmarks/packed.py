@@ -1,0 +1,166 @@
+"""Benchmark: a packed row of sequences vs the same row as one causal sequence.
+
+Run from the repository root::
+
+    python -m benchmarks.packed --seq-len 1024 --num-seqs 8 --markdown docs/packed.md
+
+The row of ``L`` tokens holds ``num_seqs`` sequences of random lengths (fixed seed) and some
+padding. Three graphs run on the same data: ``flash_attention`` with segment ids (equal q/kv
+packing, causal), ``flash_attn_varlen_func`` with the same packing (``cu_seqlens``, runtime
+positions), and plain causal ``flash_attention`` over the whole row, which is what a packed row
+costs without segment masks (and what it computes wrongly: sequences see each other). On the
+emulator the table gives exact counts: executed matmul FLOPs, the blocks that hold a visible
+pair (the block-granular per-sequence work), ops executed, peak live bytes and IR ops. On the
+Poplar SDK it gives the time per run.
+"""
+import argparse
+import sys
+
+import numpy as np
+
+import popxl_flash as pf
+from popxl_flash import devices
+from popxl_flash.harness import run_graph
+
+
+def packing(seq_len, num_seqs, seed):
+    """Random sequence lengths filling about 90% of ``seq_len``; the rest is padding.
+
+    Returns:
+        ``(lengths, cu_seqlens int32 [num_seqs + 1])``.
+    """
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(0.5, 1.5, num_seqs)
+    lengths = np.maximum(1, (0.9 * seq_len * weights / weights.sum()).astype(int))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return lengths, cu
+
+
+def segment_ids(cu, seq_len):
+    """Host segment ids ``[1, L]`` int32 (-1 on padding)."""
+    ids, _ = pf.reference.varlen_segments(cu, seq_len)
+    return ids.astype(np.int32)
+
+
+def _graphs(args):
+    """``{label: (build, arrays)}`` of the three graphs."""
+    L, D, H, chunks = args.seq_len, args.head_dim, args.heads, args.chunks
+    lengths, cu = packing(L, args.num_seqs, args.seed)
+    rng = np.random.default_rng(args.seed)
+    q, k, v = (rng.standard_normal((H, L, D)).astype(args.dtype) for _ in range(3))
+    thd = [np.ascontiguousarray(x.transpose(1, 0, 2)) for x in (q, k, v)]
+    ids = segment_ids(cu, L)
+    opts = dict(num_chunks_q=chunks, num_chunks_kv=chunks, causal=True)
+    max_len = int(lengths.max())
+    return lengths, cu, {
+        "segment ids": (lambda q, k, v, i: [pf.flash_attention(
+            q, k, v, q_segment_ids=i, kv_segment_ids=i, **opts)], [q, k, v, ids]),
+        "varlen": (lambda q, k, v, c: [pf.flash_attn_varlen_func(
+            q, k, v, c, c, max_len, max_len, **opts)], [*thd, cu]),
+        "one causal sequence": (lambda q, k, v: [pf.flash_attention(q, k, v, **opts)],
+                                [q, k, v]),
+    }
+
+
+def needed_blocks(cu, L, chunk):
+    """Blocks of the chunk grid that hold a visible (query, key) pair of the packing."""
+    ids = segment_ids(cu, L)
+    visible = pf.reference.mask(L, L, causal=True, q_segment_ids=ids, kv_segment_ids=ids)[0]
+    n = -(-L // chunk)
+    grid = np.zeros((n * chunk, n * chunk), bool)
+    grid[:L, :L] = visible
+    return int(grid.reshape(n, chunk, n, chunk).any(axis=(1, 3)).sum())
+
+
+def measure(args):
+    """Run the three graphs; return ``(lengths, rows)``."""
+    lengths, cu, graphs = _graphs(args)
+    cfg = pf.AttentionConfig.from_shapes(*[(args.heads, args.seq_len, args.head_dim)] * 3,
+                                         (args.dtype,) * 3, num_chunks_q=args.chunks,
+                                         num_chunks_kv=args.chunks)
+    block_flops = 4 * args.head_dim * cfg.chunk_q * cfg.chunk_kv * args.heads
+    needed = needed_blocks(cu, args.seq_len, cfg.chunk_q)
+    rows = []
+    for label, (build, arrays) in graphs.items():
+        run = run_graph(build, arrays, device=args.device, warmup=args.warmup,
+                        repeats=args.repeats)
+        row = dict(graph=label, seconds=run.seconds, graph_ops=run.graph_ops)
+        if run.profile is not None:
+            row.update(matmul_flops=run.profile.matmul_flops,
+                       blocks=run.profile.matmul_flops / block_flops,
+                       needed_blocks=needed, ops_executed=run.profile.ops_executed,
+                       peak_live_bytes=run.profile.peak_live_bytes)
+        rows.append(row)
+    return lengths, cfg, rows
+
+
+COLUMNS = [("graph", "graph", "{}"), ("matmul FLOPs", "matmul_flops", "{:,}"),
+           ("blocks run (FLOPs / block)", "blocks", "{:g}"),
+           ("blocks with a visible pair", "needed_blocks", "{}"),
+           ("ops executed", "ops_executed", "{:,}"), ("peak live bytes", "peak_live_bytes", "{:,}"),
+           ("IR ops", "graph_ops", "{}"), ("run s", "seconds", "{:.3f}")]
+
+
+def markdown(argv, args, lengths, cfg, rows):
+    """The table as Markdown, with the command and the packing."""
+    head = [c for c in COLUMNS if any(c[1] in r for r in rows)]
+    lines = [f"# Packed sequences ({pf.BACKEND}, {args.device})", "",
+             "Generated by `python -m benchmarks.packed " + " ".join(argv) + "`; do not edit.",
+             "", f"Row of L = {args.seq_len} tokens, {args.num_seqs} sequences of lengths "
+             f"{', '.join(map(str, lengths))} ({args.seq_len - int(sum(lengths))} padding), "
+             f"H = {args.heads}, D = {args.head_dim}, {args.dtype}, causal, chunks of "
+             f"{cfg.chunk_q}. Diagonal blocks may run as two sub-blocks (the planner's split), "
+             "so the blocks run count in block FLOPs can be fractional or below the blocks "
+             "with a visible pair.", "",
+             "| " + " | ".join(c[0] for c in head) + " |",
+             "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "" for _, key, fmt
+                                       in head) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.packed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=1024, help="row length L (default: 1024)")
+    p.add_argument("--num-seqs", type=int, default=8, help="sequences in the row (default: 8)")
+    p.add_argument("--heads", type=int, default=2, help="heads H (default: 2)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension D (default: 64)")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
+                   help="input dtype (default: float16)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="chunk count each way, the same for the three graphs (default: "
+                        "ceil(L / 128))")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default: 0)")
+    p.add_argument("--device", choices=devices.NAMES, default=devices.default_device(),
+                   help="PopXL device (default: ipu_hw with the Poplar SDK, else ipu_model)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed runs first (default: 0)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs averaged (default: 1)")
+    p.add_argument("--markdown", metavar="FILE", help="write the table as Markdown")
+    args = p.parse_args(argv)
+    if args.num_seqs < 1 or args.seq_len < 2 * args.num_seqs or args.heads < 1 \
+            or args.head_dim < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error("need --num-seqs >= 1, --seq-len >= 2 * num-seqs, --heads, --head-dim, "
+                "--repeats >= 1 and --warmup >= 0")
+    if args.chunks is not None and not 1 <= args.chunks <= args.seq_len:
+        p.error(f"--chunks must be in [1, {args.seq_len}], got {args.chunks}")
+    if args.chunks is None:
+        args.chunks = -(-args.seq_len // 128)
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    lengths, cfg, rows = measure(args)
+    text = markdown(argv, args, lengths, cfg, rows)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
