@@ -101,8 +101,8 @@ def loop_spec(cfg, dtype):
         carried=(1, 2), init=_init_state, finish=_finish, finished_specs=(kv_acc, kv_acc))
 
 
-def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
-                k: ByRef, v: ByRef, dq: ByRef, dk: ByRef, dv: ByRef, *seg: ByRef):
+def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk: ByRef,
+                dv: ByRef, *seg):
     """Repeat body: one visited block of the kv-major block list.
 
     Carried: step ``t [1]`` and the running ``dk_j, dv_j [G, ckv, D]`` (float32; fresh after a
@@ -110,8 +110,8 @@ def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec:
     [G, Lq_pad, 1]``, ``k, v`` (read-only) and the float32 accumulators ``dq [G, Lq_pad, D]``
     (chunk i read and written back every step) and ``dk, dv [G, Lkv_pad, D]`` (chunk j written
     every step: zeros until the kv chunk's last block writes the result). With segment ids,
-    ``seg`` holds the padded ids (and positions) and the steps' runtime branches (by
-    reference, read-only).
+    ``seg`` holds the padded ids (and positions) and the steps' runtime branches (read-only,
+    by value).
     """
     cq, ckv = cfg.chunk_q, cfg.chunk_kv
     *seg, branches = seg or (None,)

@@ -112,8 +112,7 @@ def loop_spec(cfg, dtype):
         finished_specs=(spec((G, cq, D), dtype), spec((G, cq), f32)))
 
 
-def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: ByRef,
-                lse: ByRef, *seg: ByRef):
+def _block_body(cfg, step, t, m_i, l_i, acc, q, k, v, out: ByRef, lse: ByRef, *seg):
     """Repeat body: one visited block of the q-major block list.
 
     Carried: step ``t [1]`` and the running state ``m_i, l_i [G, cq, 1]``, ``acc [G, cq, D]``
@@ -121,7 +120,7 @@ def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: 
     (read-only) and the results ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
     its q chunk of out and lse (zeros until the chunk's last block writes the result: the
     chunk's blocks are consecutive, so the last write wins). With segment ids, ``seg`` holds
-    the padded ids (and positions) and the steps' runtime branches (by reference, read-only).
+    the padded ids (and positions) and the steps' runtime branches (read-only, by value).
     """
     *seg, branches = seg or (None,)
     i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
