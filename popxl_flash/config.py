@@ -161,7 +161,10 @@ class AttentionConfig:
     """Everything static about one attention call.
 
     Attributes:
-        groups: G = batch x heads.
+        groups: G = batch x heads of q.
+        kv_groups: Gk, the groups of k and v: ``G`` (multi-head attention) or a divisor of it
+            (grouped-query attention; 1 is multi-query): q group ``g`` reads kv group
+            ``g // (G // Gk)``.
         q_len, kv_len: Lq and Lkv.
         head_dim: D.
         dtype: ``"float16"`` or ``"float32"`` (q, k, v and out).
@@ -172,6 +175,7 @@ class AttentionConfig:
         window: ``(left, right)``, ``-1`` = unbounded.
     """
     groups: int
+    kv_groups: int
     q_len: int
     kv_len: int
     head_dim: int
@@ -191,7 +195,7 @@ class AttentionConfig:
         """Validate shapes, dtypes and options.
 
         Args:
-            q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[G, Lkv, D]``.
+            q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[Gk, Lkv, D]`` with ``G % Gk == 0``.
             dtypes: the dtype names of q, k, v (``str``).
             names: how the three tensors are named in error messages.
 
@@ -200,18 +204,23 @@ class AttentionConfig:
         """
         qn, kn, vn = names
         G, Lq, D = _check_shape(qn, q_shape, 3, "[G, Lq, D]")
-        Gk, Lkv, Dk = _check_shape(kn, k_shape, 3, "[G, Lkv, D]")
-        v_shape = _check_shape(vn, v_shape, 3, "[G, Lkv, D]")
-        if (Gk, Dk) != (G, D):
-            raise ValueError(f"{kn} must have shape [G={G}, Lkv, D={D}] to match {qn} "
-                             f"{(G, Lq, D)}, got {kn} shape {(Gk, Lkv, Dk)}")
+        Gk, Lkv, Dk = _check_shape(kn, k_shape, 3, "[Gk, Lkv, D]")
+        v_shape = _check_shape(vn, v_shape, 3, "[Gk, Lkv, D]")
+        if Dk != D:
+            raise ValueError(f"{kn} must have q's head dim D={D} ([Gk, Lkv, D={D}] to match "
+                             f"{qn} {(G, Lq, D)}), got {kn} shape {(Gk, Lkv, Dk)}")
+        if G % Gk:
+            raise ValueError(f"{kn} must have a group count Gk that divides q's G={G} (Gk = G "
+                             f"for multi-head attention; Gk < G is grouped-query attention, q "
+                             f"group g reading kv group g // (G // Gk)), got {kn} shape "
+                             f"{(Gk, Lkv, Dk)} for {qn} shape {(G, Lq, D)}")
         if v_shape != (Gk, Lkv, Dk):
             raise ValueError(f"{vn} must have the shape of {kn} {(Gk, Lkv, Dk)}, "
                              f"got {vn} shape {v_shape}")
         dtype = cls._check_dtypes(dict(zip(names, dtypes)))
         chunk_q, nq = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
         chunk_kv, nkv = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
-        return cls(groups=G, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
+        return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=nq, num_chunks_kv=nkv,
                    causal=check_bool("causal", causal), scale=check_scale(scale, D),
                    window=check_window(window))
@@ -248,6 +257,11 @@ class AttentionConfig:
         """The static block schedule (cached by the planner)."""
         return _schedule.plan(self.q_len, self.kv_len, self.chunk_q, self.chunk_kv,
                               causal=self.causal, window=self.window)
+
+    @property
+    def group_size(self) -> int:
+        """r = G // Gk: the q groups that share one kv group (1 for multi-head attention)."""
+        return self.groups // self.kv_groups
 
     @property
     def padded_q_len(self) -> int:

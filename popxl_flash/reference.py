@@ -2,16 +2,45 @@
 
 Same semantics as :func:`popxl_flash.flash_attention` (see ``docs/user-guide.md``):
 
-* shapes ``q [G, Lq, D]``, ``k, v [G, Lkv, D]``;
+* shapes ``q [G, Lq, D]``, ``k, v [Gk, Lkv, D]`` with ``G % Gk == 0`` (grouped-query attention
+  when ``Gk < G``: q group ``g`` reads kv group ``g // (G // Gk)``);
 * ``scale=None`` means ``1/sqrt(D)``;
 * bottom-right causal alignment: row ``i`` sees column ``j`` iff ``j <= i + (Lkv - Lq)``;
 * ``window=(left, right)`` (``None`` or ``-1`` = unbounded side) keeps
   ``i + (Lkv - Lq) - left <= j <= i + (Lkv - Lq) + right``, intersected with ``causal``;
 * a row that sees no key has output 0, lse ``-inf`` and zero gradient.
 
-Everything is computed in float64 whatever the input dtype.
+Everything is computed in float64 whatever the input dtype. Grouped-query attention is done the
+obvious way, in the oracle only: each kv group is repeated for the ``G // Gk`` q groups that read
+it, and the gradients of the copies are summed.
 """
 import numpy as np
+
+
+def repeat_kv(q, *kv):
+    """Repeat each kv group for the q groups that share it (grouped-query attention).
+
+    Args:
+        q: ``[G, Lq, D]``.
+        kv: arrays ``[Gk, Lkv, D]`` with ``G % Gk == 0``.
+
+    Returns:
+        The kv arrays as ``[G, Lkv, D]``: group ``g`` is kv group ``g // (G // Gk)``.
+    """
+    G = q.shape[0]
+    out = []
+    for x in kv:
+        if x.ndim != 3 or G % x.shape[0]:
+            raise ValueError(f"kv groups {x.shape[0]} must divide q's groups G={G}, "
+                             f"got shapes {q.shape} and {x.shape}")
+        out.append(np.repeat(x, G // x.shape[0], axis=0))
+    return out
+
+
+def sum_groups(x, kv_groups):
+    """Sum ``x [G, L, D]`` over the q groups that share each kv group -> ``[Gk, L, D]``."""
+    G = x.shape[0]
+    return x.reshape(kv_groups, G // kv_groups, *x.shape[1:]).sum(axis=1)
 
 
 def visibility(Lq, Lkv, *, causal=True, window=None):
@@ -45,7 +74,7 @@ def _probabilities(q, k, *, causal, scale, window):
         (``-inf`` for rows that see nothing), and the visibility ``[Lq, Lkv]``.
     """
     q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
+    k, = repeat_kv(q, np.asarray(k, dtype=np.float64))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     visible = visibility(q.shape[1], k.shape[1], causal=causal, window=window)
     s = np.where(visible, scale * (q @ k.transpose(0, 2, 1)), -np.inf)  # [G, Lq, Lkv]
@@ -63,14 +92,16 @@ def attention(q, k, v, *, causal=True, scale=None, window=None):
     """Reference attention.
 
     Args:
-        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (any float dtype; computed in float64).
+        q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (any float dtype;
+            computed in float64).
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
 
     Returns:
         ``(out, lse)``: out ``[G, Lq, D]`` float64, lse ``[G, Lq]`` float64.
     """
     p, lse, _ = _probabilities(q, k, causal=causal, scale=scale, window=window)
-    return p @ np.asarray(v, dtype=np.float64), lse
+    v, = repeat_kv(q, np.asarray(v, dtype=np.float64))
+    return p @ v, lse
 
 
 def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
@@ -78,16 +109,19 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
-    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; with ``Gk < G`` dK and dV of the repeated
+    kv groups are summed over the q groups that share them.
 
     Args:
-        dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``.
+        dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]``.
         causal, scale, window: as :func:`attention`.
 
     Returns:
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
     """
     q64, k64, v64, do64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
+    kv_groups = k64.shape[0]
+    k64, v64 = repeat_kv(q64, k64, v64)
     p, _, scale = _probabilities(q64, k64, causal=causal, scale=scale, window=window)
     out = p @ v64
     dv = p.transpose(0, 2, 1) @ do64
@@ -95,4 +129,4 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None):
     ds = p * (dp - (do64 * out).sum(axis=-1, keepdims=True))
     dq = scale * (ds @ k64)
     dk = scale * (ds.transpose(0, 2, 1) @ q64)
-    return dq, dk, dv
+    return dq, sum_groups(dk, kv_groups), sum_groups(dv, kv_groups)
