@@ -144,7 +144,9 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
 
     Args:
         q: ``[G, Lq, D]`` float16 or float32 (G = batch x heads).
-        k, v: ``[G, Lkv, D]``, same dtype as q.
+        k, v: ``[Gk, Lkv, D]``, same dtype as q, with ``G % Gk == 0``: ``Gk = G`` is
+            multi-head attention, ``Gk < G`` grouped-query attention (q group ``g`` reads kv
+            group ``g // (G // Gk)``; k and v are never repeated per q group).
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
             ``ceil(L / 128)``. Lengths need not be divisible (the tail chunk is padded).
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
@@ -205,12 +207,13 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
 
     Args:
         dout: ``[G, Lq, D]`` gradient of the output, q's dtype.
-        q, k, v: the forward's inputs.
+        q, k, v: the forward's inputs (q ``[G, Lq, D]``, k and v ``[Gk, Lkv, D]``).
         out, lse: the forward's outputs, or both ``None``.
         num_chunks_q, num_chunks_kv, causal, scale, window: the forward's options.
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
+        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (grouped-query: dk and dv
+        ``[Gk, Lkv, D]``, each summed over the ``G // Gk`` q groups that share it).
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     _check_rank3(dout=dout, q=q, k=k, v=v)

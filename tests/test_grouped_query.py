@@ -1,0 +1,93 @@
+"""Grouped-query / multi-query attention in the core: cost figures against multi-head attention.
+
+Correctness (forward and backward against the float64 reference, which repeats k/v groups in the
+oracle only) is covered by the properties of ``test_forward.py`` and ``test_backward.py``, whose
+cases draw ``Gk | G``, and by ``test_flash_attn_interface.py`` for ``(Hq, Hkv)`` pairs. Here: k/v
+are never materialised per q group (peak live bytes and bytes copied below MHA's for the same
+q), the executed matmul FLOPs are exactly MHA's, and grouped-query attention adds only reshapes
+to the graph.
+"""
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import popxl_flash as pf
+from popxl_flash import popxl
+from popxl_flash.config import AttentionConfig
+
+from attention_utils import random_qkv, run_flash, run_graph
+from test_forward import emulator_only
+
+G, L, D = 8, 512, 32
+CHUNKS = dict(num_chunks_q=4, num_chunks_kv=4)
+
+
+def _runs(kv_groups, dtype):
+    """Forward and stash-mode backward runs for q ``[G, L, D]`` and k/v ``[Gk, L, D]``."""
+    rng = np.random.default_rng(kv_groups)
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, kv_groups)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse, fwd = run_flash(q, k, v, **CHUNKS)
+    _, bwd = run_graph(lambda do, q, k, v, o, l: pf.flash_attention_grad(
+        do, q, k, v, o, l, **CHUNKS), [dout, q, k, v, out, lse])
+    return fwd.profile, bwd.profile
+
+
+@emulator_only
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_memory_below_multi_head_and_flops_equal(dtype):
+    """Gk in {2, 1} against Gk = G = 8, causal L = 512:
+
+    * executed matmul FLOPs equal MHA's, exactly the planner's count for G q groups (forward
+      and backward);
+    * peak live bytes are lower by at least one copy of the k and v bytes saved,
+      ``2 (G - Gk) L D itemsize``: k and v (and in the backward dk, dv) are held for the whole
+      loop, while folding adds only block-sized temporaries;
+    * bytes copied (when the profile counts them) are lower too: the per-block k/v operands
+      are ``[Gk, ckv, D]``.
+    """
+    cfg = AttentionConfig.from_shapes((G, L, D), (G, L, D), (G, L, D), (dtype,) * 3, **CHUNKS)
+    mha_fwd, mha_bwd = _runs(G, dtype)
+    assert mha_fwd.matmul_flops == cfg.schedule.forward_flops(D, G).executed
+    assert mha_bwd.matmul_flops == cfg.schedule.backward_flops(D, G, mode="stash").executed
+    itemsize = np.dtype(dtype).itemsize
+    for kv_groups in (2, 1):
+        fwd, bwd = _runs(kv_groups, dtype)
+        assert fwd.matmul_flops == mha_fwd.matmul_flops
+        assert bwd.matmul_flops == mha_bwd.matmul_flops
+        saved_kv = 2 * (G - kv_groups) * L * D * itemsize
+        assert fwd.peak_live_bytes + saved_kv <= mha_fwd.peak_live_bytes, (kv_groups, fwd, mha_fwd)
+        assert bwd.peak_live_bytes + saved_kv <= mha_bwd.peak_live_bytes, (kv_groups, bwd, mha_bwd)
+        if hasattr(fwd, "bytes_copied"):
+            assert fwd.bytes_copied < mha_fwd.bytes_copied
+            assert bwd.bytes_copied < mha_bwd.bytes_copied
+
+
+def _op_kinds(build):
+    """Op kinds of every graph of an Ir built by ``build()`` in its main graph (emulator
+    internals: the IR's op records)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        build()
+    return Counter(op.kind for graph in ir._graphs for op in graph._ops)
+
+
+@emulator_only
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_grouped_query_adds_only_reshapes(grad):
+    """Folding the q groups into the matmul rows is reshapes only: the graph for Gk < G has the
+    ops of Gk = G plus some reshapes, and nothing else (no per-head copies, tiles or concats
+    of k/v)."""
+    def build(kv_groups):
+        def fn():
+            q = popxl.variable(np.zeros((4, 40, 8), np.float32))
+            kv = popxl.variable(np.zeros((kv_groups, 40, 8), np.float32))
+            if grad:
+                pf.flash_attention_grad(q, q, kv, kv, **CHUNKS)
+            else:
+                pf.flash_attention(q, kv, kv, **CHUNKS)
+        return fn
+    mha, gqa = _op_kinds(build(4)), _op_kinds(build(1))
+    extra = gqa - mha
+    assert set(extra) == {"reshape"} and not mha - gqa, (extra, mha - gqa)
