@@ -22,11 +22,12 @@ import popxl_flash as pf
 from benchmarks import report
 from benchmarks.graphs import (Case, flash_graph, host_inputs, naive_flops, naive_graph,
                                naive_inputs)
+from popxl_flash import devices
 from popxl_flash.harness import run_graph
 
 PASSES = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}
 DTYPES = ("float16", "float32")
-DEVICES = ("ipu_model", "ipu_hw", "cpu")
+DEVICES = devices.NAMES
 #: Largest accepted max|flash - naive| / max|naive| per dtype (flash and naive round differently).
 VALUE_TOLERANCE = {"float16": 2e-2, "float32": 1e-4}
 _MASK = re.compile(r"causal|none|window:-?\d+,-?\d+")
@@ -89,9 +90,10 @@ def parse_args(argv):
                         "8x8 (default: %(default)s)")
     p.add_argument("--pass", dest="passes", choices=PASSES, default="both",
                    help="forward, stash-mode backward, or both (default: %(default)s)")
-    p.add_argument("--device", choices=DEVICES, default="ipu_model",
-                   help="popxl.Session device; the emulator's counts do not depend on it "
-                        "(default: %(default)s)")
+    p.add_argument("--device", choices=DEVICES, default=devices.default_device(),
+                   help="ipu_model is the full-size 1472-tile IPU model; the emulator's counts "
+                        "do not depend on the device (default: ipu_hw with the Poplar SDK, "
+                        "else ipu_model)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed runs first (default: 2 on the SDK, 0 on the emulator)")
     p.add_argument("--repeats", type=int, default=None,
@@ -135,7 +137,8 @@ def planner_numbers(case):
              else sched.backward_flops(D, G, mode="stash"))
     mem = sched.memory_bytes(D, G, itemsize=np.dtype(case.dtype).itemsize)
     return dict(num_chunks_q=cfg.num_chunks_q, num_chunks_kv=cfg.num_chunks_kv,
-                chunk_q=cfg.chunk_q, chunk_kv=cfg.chunk_kv, executed_flops=flops.executed,
+                chunk_q=cfg.chunk_q, chunk_kv=cfg.chunk_kv, visited_blocks=sched.visited_blocks,
+                executed_flops=flops.executed,
                 useful_flops=flops.useful, flop_ratio=flops.ratio,
                 est_flash_bytes=mem.flash, est_naive_bytes=mem.naive)
 
@@ -147,7 +150,9 @@ def _side(run, useful_flops):
     if run.profile is not None:
         side.update(ops_executed=run.profile.ops_executed,
                     matmul_flops=run.profile.matmul_flops,
-                    peak_live_bytes=run.profile.peak_live_bytes)
+                    peak_live_bytes=run.profile.peak_live_bytes,
+                    bytes_copied=run.profile.bytes_copied,
+                    fits_device=run.profile.fits_device)
     return side
 
 

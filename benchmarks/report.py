@@ -162,6 +162,10 @@ EMULATOR_COLUMNS = [
      lambda r: _fmt(_get(r, "ratios", "memory"), ".1f")),
     ("ops exec", "ops the flash graph executed (loop bodies counted per iteration)",
      lambda r: _fmt(_get(r, "flash", "ops_executed"), "d")),
+    ("KiB copied/block", "bytes the lowering copies at call/conditional/repeat boundaries "
+     "(session.profile.bytes_copied) per visited block, KiB",
+     lambda r: _fmt(_get(r, "flash", "bytes_copied") and
+                    r["flash"]["bytes_copied"] / r["planner"]["visited_blocks"] / 1024, ".1f")),
     ("graph ops flash/naive", "ops in the IR (count_ops): flash, naive",
      lambda r: "/".join(_fmt(_get(r, side, "graph_ops"), "d") for side in ("flash", "naive"))),
     ("t flash ms", "emulator wall time per flash session.run, mean of the timed runs "

@@ -48,7 +48,7 @@ from typing import Callable, Dict
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import devices, popxl
 from popxl_flash.naive import naive_attention, naive_attention_grad
 
 ops = popxl.ops
@@ -187,7 +187,7 @@ class LayerGraph:
         inputs: ``{"x": h2d stream [B, L, E], "target": h2d stream [B, L, E]}``.
         outputs: ``{"loss": d2h stream ()}``, plus ``"dx"`` and one ``"d<weight>"`` per weight
             when built with ``store_grads=True``.
-        variables: ``{"wq", "wk", "wv", "wo"}`` -> ``popxl.Variable`` ``[E, E]``.
+        variables: ``{"wq", "wk", "wv", "wo"}`` -> ``popxl.tensor.Variable`` ``[E, E]``.
     """
     ir: object
     inputs: Dict[str, object]
@@ -286,7 +286,7 @@ def _run(steps, *, attention, seed, device, store_grads, **sizes):
                               store_grads=store_grads, **sizes)
     feed = {layer.inputs[n]: data[n] for n in ("x", "target")}
     results = []
-    with popxl.Session(layer.ir, device) as session:
+    with popxl.Session(layer.ir, devices.session_device(device)) as session:
         for _ in range(steps):
             out = session.run(feed)
             results.append({n: out[s] for n, s in layer.outputs.items()})
@@ -302,7 +302,7 @@ def train(steps=8, *, attention="flash", seed=0, device="ipu_model", return_weig
         steps: number of ``session.run`` calls (one step each).
         attention: ``"flash"`` or ``"naive"``.
         seed: seeds the initial weights, the input and the target.
-        device: ``popxl.Session`` device.
+        device: a device name of ``popxl_flash.devices`` (``ipu_model``: the full-size model).
         return_weights: also return the weights after training.
         **sizes: overrides of :data:`DEFAULTS` (``batch``, ``seq_len``, ``hidden``, ``heads``,
             ``lr``, ``num_chunks_q``, ``num_chunks_kv``).
@@ -375,8 +375,8 @@ def parse_args(argv=None):
         help="flash query chunks, at most L (default: %(default)s)")
     add("--num-chunks-kv", type=_int_at_least(1), default=DEFAULTS["num_chunks_kv"],
         help="flash key/value chunks, at most L (default: %(default)s)")
-    add("--device", choices=["ipu_model", "ipu_hw", "cpu"], default="ipu_model",
-        help="popxl.Session device (default: %(default)s)")
+    add("--device", choices=devices.NAMES, default="ipu_model",
+        help="ipu_model (full-size 1472-tile model), ipu_hw or cpu (default: %(default)s)")
     args = parser.parse_args(argv)
     for flag in ("num_chunks_q", "num_chunks_kv"):
         if getattr(args, flag) > args.seq_len:

@@ -8,6 +8,7 @@ from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig
 from popxl_flash.flash_attn_interface import flash_attn_func
 from popxl_flash.forward import FlashAttention
+from popxl_flash.fpchecks import enable_floating_point_checks
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
 from popxl_flash.schedule import BlockSchedule, plan
@@ -16,5 +17,6 @@ __all__ = [
     "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
+    "enable_floating_point_checks",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 ``POPXL_FLASH_BACKEND`` selects it:
 
 * ``auto`` (default): the real ``popxl`` from the Poplar SDK when it imports, else the bundled
-  CPU emulator :mod:`popxl_flash.emulator`;
+  CPU emulator :mod:`popxl_flash.emulator.popxl`;
 * ``popxl``: the real SDK, or an ``ImportError`` saying how to get it;
 * ``emulator``: always the emulator, even where the SDK is installed.
 
@@ -31,7 +31,7 @@ def _select(choice):
                     "imported here. Enable the Poplar SDK (source its enable script and install "
                     f"its popxl wheel), or set {ENV_VAR}=emulator to use the bundled CPU emulator."
                 ) from err
-    return importlib.import_module("popxl_flash.emulator"), "emulator"
+    return importlib.import_module("popxl_flash.emulator.popxl"), "emulator"
 
 
 popxl, BACKEND = _select(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")

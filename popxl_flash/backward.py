@@ -53,9 +53,16 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
         Updated ``(dq_i, dk_j, dv_j)``.
     """
     f32 = blocks.float32()
-    p = ops.exp(blocks.scores(cfg, q_i, k_j) - lse_i)  # [G, cq, ckv]
-    if visible is not None:
-        p = ops.where(visible, p, blocks.scalar(0.0, f32))
+    s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    if visible is None:
+        p = ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
+    else:
+        # Rows that see nothing have lse_i = -inf: subtract 0 there (s + inf would trap under
+        # FP checks), and send masked cells to exp(MASKED_SCORE) = 0 exactly.
+        seen = ops.greater(lse_i, blocks.scalar(blocks.MASKED_SCORE, f32))  # [G, cq, 1]
+        lse_safe = ops.where(seen, lse_i, blocks.scalar(0.0, f32))
+        x = ops.where(visible, s - lse_safe, blocks.scalar(blocks.MASKED_SCORE, f32))
+        p = ops.exp(x)  # [G, cq, ckv]
     dv_j = dv_j + _mm(blocks.to_input_dtype(cfg, p).transpose((0, 2, 1)), do_i)  # [G, ckv, D]
     dp = _mm(do_i, v_j.transpose((0, 2, 1)))  # [G, cq, ckv]
     ds = blocks.to_input_dtype(cfg, p * (dp - dvec_i))  # [G, cq, ckv]
@@ -96,9 +103,12 @@ def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRe
     """
     ckv, f32 = cfg.chunk_kv, blocks.float32()
     k_j, v_j = blocks.chunk(k, j, ckv), blocks.chunk(v, j, ckv)  # [G, ckv, D]
-    zeros = ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
+    # One tensor per carried input: PopXL names repeat inputs after their parent tensor, so
+    # one tensor given twice is an IR error.
+    dk_0, dv_0 = (ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
+                  for _ in range(2))
     trips = cfg.schedule.inner_loop("q").trip_count
-    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), zeros, zeros, j, k_j, v_j, q,
+    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), dk_0, dv_0, j, k_j, v_j, q,
                                do, lse, dvec, dq)
     blocks.update_chunk_(dk, j, dk_j, ckv)
     blocks.update_chunk_(dv, j, dv_j, ckv)

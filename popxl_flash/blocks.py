@@ -133,8 +133,11 @@ def _partial_block(update, cfg, *tensors):
 
 
 def _pass_block(*state):
-    """Branch body: the block is not of this kind; the state passes through untouched."""
-    return state
+    """Branch body: the block is not of this kind; the state passes through unchanged.
+
+    One ``ops.identity`` per tensor: a branch graph without ops cannot be lowered by PopART.
+    """
+    return tuple(ops.identity(t) for t in state)
 
 
 class BlockGraphs:

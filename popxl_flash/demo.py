@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import devices, popxl
 from popxl_flash.harness import run_graph
 from popxl_flash.naive import naive_attention
 
@@ -37,8 +37,9 @@ def main(argv=None):
                         help="head dimension D (default: %(default)s)")
     parser.add_argument("--dtype", choices=["float16", "float32"], default="float16",
                         help="dtype of q, k, v and out (default: %(default)s)")
-    parser.add_argument("--device", default="ipu_model",
-                        help="Session device: ipu_model, ipu_hw or cpu")
+    parser.add_argument("--device", default="ipu_model", choices=devices.NAMES,
+                        help="ipu_model (full-size 1472-tile model), ipu_hw or cpu "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     G, L, D = args.groups, args.seq_len, args.head_dim
     rng = np.random.default_rng(0)
@@ -63,6 +64,10 @@ def main(argv=None):
         f_bytes, n_bytes, how = est.flash, est.naive, "planner estimate of activation bytes"
     print(f"memory: flash {f_bytes / 2**20:.2f} MiB vs naive {n_bytes / 2**20:.2f} MiB "
           f"-> {n_bytes / f_bytes:.1f}x less ({how})")
+    if pf.BACKEND == "emulator" and flash.profile.device_bytes is not None:
+        print(f"{args.device} tile memory {flash.profile.device_bytes / 2**20:.0f} MiB: flash "
+              f"fits: {flash.profile.fits_device}, naive fits: {naive.profile.fits_device} "
+              "(peak live bytes only; the IPU model itself never checks memory)")
     print(f"run time on this backend: flash {flash.seconds:.3f} s, naive {naive.seconds:.3f} s")
     return 0
 

@@ -50,14 +50,21 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    s_max = s
     if visible is not None:
-        s = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
-    m_new = ops.maximum(m_i, ops.max(s, axis=-1, keepdims=True))  # [G, cq, 1]
+        s_max = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
+    m_new = ops.maximum(m_i, ops.max(s_max, axis=-1, keepdims=True))  # [G, cq, 1]
+    if visible is not None:
+        # Masked cells enter the exp as m_new (exp(0), zeroed below): never MASKED_SCORE -
+        # m_new, which overflows for scores beyond 2^103 and would trap under FP checks.
+        s = ops.where(visible, s, m_new)
     p = ops.exp(s - m_new)  # [G, cq, ckv], <= 1
     if visible is not None:
-        # Rows with nothing visible yet have m_new == MASKED_SCORE: zero them explicitly.
         p = ops.where(visible, p, blocks.scalar(0.0, f32))
-    alpha = ops.exp(m_i - m_new)  # [G, cq, 1]
+    # A row that has seen nothing yet (l_i == 0) has m_i == MASKED_SCORE: its alpha multiplies
+    # zeros, so take exp(0) there instead of exp(MASKED_SCORE - m_new), which can overflow.
+    seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
+    alpha = ops.exp(ops.where(seen, m_i, m_new) - m_new)  # [G, cq, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
     p_in = blocks.to_input_dtype(cfg, p)
     pv = ops.matmul(p_in, v_j, output_type=f32, partials_type=f32)  # [G, cq, D]
@@ -88,8 +95,9 @@ def _finalise(cfg, m_i, l_i, acc):
     """
     f32 = blocks.float32()
     seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
-    out_i = blocks.to_input_dtype(cfg, acc / ops.where(seen, l_i, blocks.scalar(1.0, f32)))
-    lse_i = m_i + ops.log(l_i)  # log(0) = -inf, and MASKED_SCORE - inf = -inf
+    l_safe = ops.where(seen, l_i, blocks.scalar(1.0, f32))  # no x/0, no log(0)
+    out_i = blocks.to_input_dtype(cfg, acc / l_safe)
+    lse_i = ops.where(seen, m_i + ops.log(l_safe), blocks.scalar(-np.inf, f32))
     G, cq, _ = l_i.shape
     return out_i, lse_i.reshape((G, cq))
 

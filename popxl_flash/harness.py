@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from popxl_flash import devices
 from popxl_flash.backend import BACKEND, popxl
+from popxl_flash.fpchecks import enable_floating_point_checks
 
 ops = popxl.ops
 
@@ -18,7 +20,7 @@ class RunResult:
 
     Attributes:
         outputs: host arrays of the graph outputs (last run).
-        run_seconds: wall time of each timed ``session.run`` call.
+        run_seconds: wall time of each timed ``session.run_with_outputs`` call.
         graph_ops: op count of the IR (emulator) or ``None``.
         profile: the emulator's run profile of the last run, or ``None`` on the real SDK.
     """
@@ -33,22 +35,26 @@ class RunResult:
         return sum(self.run_seconds) / len(self.run_seconds)
 
 
-def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1):
+def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_checks=False):
     """Build a main graph ``host_load -> build(...) -> host_store``, compile and time it.
 
     Args:
         build: ``f(*tensors) -> list of tensors``, called in the main graph with one host-loaded
             tensor per array.
         arrays: numpy arrays (their dtypes name the stream dtypes).
-        device: ``popxl.Session`` device (``ipu_model``, ``ipu_hw``, ``cpu``).
+        device: a name of :data:`popxl_flash.devices.NAMES` (``ipu_model`` is the full-size
+            1472-tile model).
         warmup, repeats: untimed and timed runs.
+        fp_checks: turn on floating-point exception traps
+            (:func:`popxl_flash.enable_floating_point_checks`).
 
     Returns:
         :class:`RunResult`.
 
-    ``warmup`` untimed runs, then the mean of ``repeats`` timed ``session.run`` calls (as in
-    Graphcore's PopXL examples). Compilation errors (e.g. out of tile memory) propagate from
-    the ``popxl.Session`` constructor.
+    ``warmup`` untimed runs, then the mean of ``repeats`` timed ``session.run_with_outputs``
+    calls into host buffers allocated once (``session.run`` would allocate them every call).
+    Compilation errors (e.g. out of tile memory on ``ipu_hw``) propagate from the
+    ``popxl.Session`` constructor.
     """
     ir = popxl.Ir()
     with ir.main_graph:
@@ -61,15 +67,18 @@ def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1):
     if BACKEND == "emulator":
         from popxl_flash.emulator import count_ops
         graph_ops = count_ops(ir)
+    if fp_checks:
+        enable_floating_point_checks(ir)
     inputs = dict(zip(h2d, arrays))
-    session = popxl.Session(ir, device)
+    session = popxl.Session(ir, devices.session_device(device))
+    outputs = session.create_host_outputs()
     with session:
         for _ in range(warmup):
-            session.run(inputs)
+            session.run_with_outputs(inputs, outputs)
         run_seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            result = session.run(inputs)
+            session.run_with_outputs(inputs, outputs)
             run_seconds.append(time.perf_counter() - start)
-    return RunResult([result[s] for s in d2h], run_seconds, graph_ops,
+    return RunResult([outputs[s] for s in d2h], run_seconds, graph_ops,
                      getattr(session, "profile", None))

@@ -21,11 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import harness, tolerance
+from popxl_flash import devices, harness, tolerance
 from popxl_flash.config import AttentionConfig
-
-DEVICES = ("ipu_model", "ipu_hw", "cpu")
-
 
 @dataclass(frozen=True)
 class Case:
@@ -85,18 +82,22 @@ def _build(options):
     return build
 
 
-def check_case(case, device, seed=0):
+def check_case(case, device, seed=0, fp_checks=True):
     """Run one case (forward and stash-mode backward in one graph) and check it.
 
     Args:
-        case: a :class:`Case`. device: ``popxl.Session`` device name. seed: data seed.
+        case: a :class:`Case`. device: a name of :data:`popxl_flash.devices.NAMES`.
+        seed: data seed. fp_checks: run with floating-point traps on
+            (:func:`popxl_flash.enable_floating_point_checks`; they trap on ``ipu_hw`` and in
+            the emulator).
 
     Returns:
         ``(ok, ratios, seconds)``: ``ratios`` maps each checked quantity to error / bound (<= 1
         passes) or to a string naming a failed exact property.
     """
     q, k, v, dout = _inputs(case, seed)
-    result = harness.run_graph(_build(case.options), [q, k, v, dout], device=device)
+    result = harness.run_graph(_build(case.options), [q, k, v, dout], device=device,
+                               fp_checks=fp_checks)
     out, lse, dq, dk, dv = result.outputs
     mask = {key: case.options.get(key, default)
             for key, default in (("causal", True), ("scale", None), ("window", None))}
@@ -156,19 +157,25 @@ def _format(ratios):
                     for k, v in ratios.items())
 
 
-def run(cases, device, out=sys.stdout):
+def run(cases, device, out=sys.stdout, fp_checks=True):
     """Check ``cases`` on ``device``, printing one line each and a summary.
+
+    Args:
+        cases: :class:`Case` list. device: a device name. out: where to print.
+        fp_checks: as :func:`check_case`.
 
     Returns:
         The number of failed cases.
     """
-    print(f"popxl_flash selfcheck: backend {pf.BACKEND}, device {device}, {len(cases)} cases "
-          "(figures are error / allowed error; <= 1 passes)", file=out)
+    traps = "on" if fp_checks else "off"
+    print(f"popxl_flash selfcheck: backend {pf.BACKEND}, device {device}, {len(cases)} cases, "
+          f"floating-point traps {traps} (figures are error / allowed error; <= 1 passes)",
+          file=out)
     failed = 0
     for case in cases:
         start = time.perf_counter()
         try:
-            ok, ratios, _ = check_case(case, device)
+            ok, ratios, _ = check_case(case, device, fp_checks=fp_checks)
             detail = _format(ratios)
         except Exception as err:  # report and go on: every case is a finding on new hardware
             ok, detail = False, f"raised {type(err).__name__}: {err}"
@@ -185,13 +192,18 @@ def main(argv=None):
         prog="python -m popxl_flash.selfcheck",
         description="Check flash attention's forward and backward against the float64 "
                     "reference on the active PopXL backend.")
-    parser.add_argument("--device", choices=DEVICES, default="ipu_model",
-                        help="popxl.Session device (default: ipu_model)")
+    parser.add_argument("--device", choices=devices.NAMES, default=devices.default_device(),
+                        help="ipu_hw (a real IPU), ipu_model (the full-size 1472-tile IPU "
+                             "model) or cpu (default: ipu_hw with the Poplar SDK, else "
+                             "ipu_model)")
     parser.add_argument("--quick", action="store_true",
                         help="skip the long-sequence cases (seconds instead of minutes)")
+    parser.add_argument("--no-fp-checks", action="store_true",
+                        help="run without the floating-point traps (on by default: an "
+                             "overflow, division by zero or invalid operation fails the case)")
     args = parser.parse_args(argv)
     cases = [c for c in CASES if c.quick or not args.quick]
-    return 1 if run(cases, args.device) else 0
+    return 1 if run(cases, args.device, fp_checks=not args.no_fp_checks) else 0
 
 
 if __name__ == "__main__":

@@ -16,32 +16,45 @@ ops = popxl.ops
 
 DEVICE = "ipu_model"
 
+#: Every flash run of the tests (property tests included) runs with the IPU's floating-point
+#: traps on (``pf.enable_floating_point_checks``): on the emulator any overflow, division by
+#: zero or invalid value in the library's graphs raises ``FloatingPointError``. On the SDK the
+#: option only traps on ``ipu_hw``.
+FP_CHECKS = True
 
-def run_graph(build, inputs):
+
+def run_graph(build, inputs, *, fp_checks=False):
     """Build a main graph from host arrays and run it once on :data:`DEVICE`.
+
+    Args:
+        fp_checks: run with floating-point exception traps on.
 
     Returns:
         ``(outputs, run)``: the output arrays and the :class:`popxl_flash.harness.RunResult`, whose
         ``profile`` is the emulator's run profile.
     """
-    result = harness.run_graph(lambda *ts: list(build(*ts)), list(inputs), device=DEVICE)
+    result = harness.run_graph(lambda *ts: list(build(*ts)), list(inputs), device=DEVICE,
+                               fp_checks=fp_checks)
     return result.outputs, result
 
 
 def run_flash(q, k, v, **options):
-    """``pf.flash_attention(..., return_lse=True)`` on host arrays -> ``out, lse, run``."""
+    """``pf.flash_attention(..., return_lse=True)`` on host arrays -> ``out, lse, run``, with
+    floating-point traps on (:data:`FP_CHECKS`)."""
     (out, lse), session = run_graph(
-        lambda q, k, v: pf.flash_attention(q, k, v, return_lse=True, **options), [q, k, v])
+        lambda q, k, v: pf.flash_attention(q, k, v, return_lse=True, **options), [q, k, v],
+        fp_checks=FP_CHECKS)
     return out, lse, session
 
 
 def run_flash_grad(dout, q, k, v, *, stash=True, **options):
-    """Gradients by ``pf.flash_attention_grad`` (stash or recompute mode) on host arrays."""
+    """Gradients by ``pf.flash_attention_grad`` (stash or recompute mode) on host arrays, with
+    floating-point traps on (:data:`FP_CHECKS`)."""
     def build(do, q, k, v):
         out, lse = (pf.flash_attention(q, k, v, return_lse=True, **options) if stash
                     else (None, None))
         return pf.flash_attention_grad(do, q, k, v, out, lse, **options)
-    grads, session = run_graph(build, [dout, q, k, v])
+    grads, session = run_graph(build, [dout, q, k, v], fp_checks=FP_CHECKS)
     return grads, session
 
 

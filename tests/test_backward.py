@@ -7,7 +7,7 @@ import popxl_flash as pf
 from popxl_flash.config import AttentionConfig
 from popxl_flash.tolerance import grad_bounds
 
-from attention_utils import (assert_within_rule, naive_attention_grad, random_qkv,
+from attention_utils import (FP_CHECKS, assert_within_rule, naive_attention_grad, random_qkv,
                              run_flash_grad, run_graph, suite_case, suite_parametrize)
 from test_forward import attention_cases, emulator_only
 
@@ -102,11 +102,11 @@ def test_backward_flops_ratio(causal, window):
     dout = rng.standard_normal(q.shape).astype(np.float32)
     opts = dict(num_chunks_q=5, num_chunks_kv=4, causal=causal, window=window)
     (out, lse), fwd = run_graph(lambda q, k, v: pf.flash_attention(
-        q, k, v, return_lse=True, **opts), [q, k, v])
+        q, k, v, return_lse=True, **opts), [q, k, v], fp_checks=FP_CHECKS)
     _, stash = run_graph(lambda do, q, k, v, o, l: pf.flash_attention_grad(
-        do, q, k, v, o, l, **opts), [dout, q, k, v, out, lse])
+        do, q, k, v, o, l, **opts), [dout, q, k, v, out, lse], fp_checks=FP_CHECKS)
     _, recompute = run_graph(lambda do, q, k, v: pf.flash_attention_grad(
-        do, q, k, v, **opts), [dout, q, k, v])
+        do, q, k, v, **opts), [dout, q, k, v], fp_checks=FP_CHECKS)
     forward_flops = fwd.profile.matmul_flops
     cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float32",) * 3, **opts)
     assert forward_flops == cfg.schedule.forward_flops(D, G).executed
@@ -123,7 +123,7 @@ def test_packed_grad_matches_unpacked():
     dout = rng.standard_normal((2, 19, 8)).astype(np.float32)
     opts = dict(num_chunks_q=3, num_chunks_kv=2)
     (dqkv,), _ = run_graph(lambda do, t: (pf.flash_attention_qkv_packed_grad(do, t, **opts),),
-                           [dout, qkv])
+                           [dout, qkv], fp_checks=FP_CHECKS)
     unpacked, _ = run_flash_grad(dout, *qkv, stash=False, **opts)
     assert dqkv.shape == qkv.shape
     for g, u in zip(dqkv, unpacked):

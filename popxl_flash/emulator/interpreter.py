@@ -1,6 +1,7 @@
 """The evaluator: runs a graph's plan over a slot environment, recursing for subgraphs.
 
-It also keeps the run profile counters: ops executed, matmul FLOPs, live bytes and their peak.
+It also keeps the run profile counters: ops executed, matmul FLOPs, live bytes and their peak,
+bytes copied at subgraph boundaries.
 """
 import numpy as np
 
@@ -22,7 +23,7 @@ class Runtime:
         self.loads = dict.fromkeys(h2d, 0)
         self.stores = dict.fromkeys(d2h, 0)
         self.live = self.peak = base_bytes
-        self.ops = self.flops = 0
+        self.ops = self.flops = self.copied = 0
 
     def load(self, stream):
         """Returns: a copy of the stream's next buffer entry (wrapping)."""

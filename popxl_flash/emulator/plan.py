@@ -9,7 +9,8 @@ from collections import defaultdict
 
 from . import dtypes
 from .errors import PopartError
-from .registry import FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
+from .fpchecks import checking
+from .registry import COMPILE_CHECKS, FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
 from .tensor import Constant, Variable
 
 PLAIN, MULTI, CONTROL = 0, 1, 2
@@ -26,6 +27,11 @@ class Plan:
         self.in_bytes = self.entry_free_bytes = self.flops = 0
         self.n_ops, self.n_outputs, self.repeat_count = 0, len(graph.outputs), None
         self.const_bytes = 0
+        # Lowering-copy bytes (see call_copy_bytes and siblings below): inputs the graph modifies (copied in), by-ref
+        # inputs it modifies (copied back), outputs needing their own buffer, all inputs and
+        # outputs (IfOpx copies everything), carried outputs (LoopOpx clones).
+        self.modified_in_bytes = self.modified_by_ref_bytes = self.fresh_out_bytes = 0
+        self.all_in_bytes = self.all_out_bytes = 0
 
     def with_repeat(self, count):
         """Returns: a shallow copy carrying the repeat trip count."""
@@ -34,9 +40,11 @@ class Plan:
         return p
 
 
-def build_plans(ir):
+def build_plans(ir, fp_checks=False):
     """Check and plan every graph reachable from the main graph.
 
+    Args:
+        fp_checks: wrap every op so that floating-point exceptions raise (see fpchecks.py).
     Returns:
         (main plan, {id(graph): plan}).
     """
@@ -48,7 +56,7 @@ def build_plans(ir):
         if id(g) in building:
             raise PopartError(f"graph {g.name} calls itself (recursion is not allowed)")
         building.add(id(g))
-        plans[id(g)] = _build(g, plan_of)
+        plans[id(g)] = _build(g, plan_of, fp_checks)
         building.discard(id(g))
         return plans[id(g)]
 
@@ -79,9 +87,12 @@ def _check_device_dtypes(g):
                               "(device dtypes: bool, int32, uint32, float16, float32)")
 
 
-def _build(g, plan_of):
+def _build(g, plan_of, fp_checks):
     _check_device_dtypes(g)
     _check_call_specs(g)
+    for op in g._ops:
+        if op.kind in COMPILE_CHECKS:
+            COMPILE_CHECKS[op.kind](op)
     al = _Aliases(g)
     check_ambiguity(g, al)
     plan = Plan(g)
@@ -95,7 +106,10 @@ def _build(g, plan_of):
     _plan_inputs(g, plan, slot, modified, last, out_roots)
     _plan_outputs(g, plan, slot, al, pinned)
     for k, op in enumerate(g._ops):
-        plan.steps.append(_step(op, k, slot, al, pinned, last, members, out_roots, plan_of))
+        step = _step(op, k, slot, al, pinned, last, members, out_roots, plan_of)
+        if fp_checks and step[4] != CONTROL:  # a control op's callee ops check themselves
+            step = (checking(step[0], op),) + step[1:]
+        plan.steps.append(step)
     plan.n_ops = len(g._ops)
     plan.flops = sum(FLOPS[op.kind](op) for op in g._ops if op.kind in FLOPS)
     return plan
@@ -112,11 +126,23 @@ def _check_call_specs(g):
                                       f"{x.dtype.name}{list(x.shape)}")
         elif op.kind == "conditional":
             t, e = op.attrs["then"], op.attrs["else"]
+            _check_branch_has_ops(t, e)
             for i, (a, b) in enumerate(zip(t.outputs, e.outputs)):
                 if (a.shape, a.dtype) != (b.shape, b.dtype):
                     raise PopartError(f"conditional: else_branch output {i} {b.dtype.name}"
                                       f"{list(b.shape)} does not match then_branch output "
                                       f"{a.dtype.name}{list(a.shape)}")
+
+
+def _check_branch_has_ops(*branches):
+    """An op-less branch graph has no program fragments, and ``IfOpx`` calls the branch's
+    fragments directly (``willow/src/popx/op/ifx.cpp``, ``PopPrograms::scopeFragments`` in
+    ``willow/src/popx/popprograms.cpp``): lowering fails."""
+    for g in branches:
+        if not g._ops:
+            raise PopartError(f"There are no scope fragments for subgraph '{g.id}' (an "
+                              "ops.conditional branch needs at least one op; e.g. return "
+                              "ops.identity(x))")
 
 
 def _pinned(g, tensors, plan, slot):
@@ -162,7 +188,13 @@ def _plan_inputs(g, plan, slot, modified, last, out_roots):
         by_ref = t in g._by_ref_inputs
         plan.in_slots.append(slot[id(t)])
         plan.copy_in.append(not by_ref and id(t) in modified)
+        plan.all_in_bytes += t.nbytes
+        if id(t) in modified:
+            plan.modified_in_bytes += t.nbytes
         if by_ref:
+            if id(t) in modified:  # CallOpx copies it in and back: the callee holds a copy
+                plan.modified_by_ref_bytes += t.nbytes
+                plan.in_bytes += t.nbytes
             continue
         plan.in_bytes += t.nbytes
         if id(t) not in last and id(t) not in out_roots:
@@ -176,6 +208,9 @@ def _plan_outputs(g, plan, slot, al, pinned):
         root = id(al.find(o))
         plan.out_slots.append(slot[id(o)])
         plan.copy_out.append(root in pinned or root in inputs or root in seen)
+        plan.all_out_bytes += o.nbytes
+        if plan.copy_out[-1] and not (root in inputs and al.find(o) in g._by_ref_inputs):
+            plan.fresh_out_bytes += o.nbytes
         seen.add(root)
 
 
@@ -200,24 +235,30 @@ def _step(op, k, slot, al, pinned, last, members, out_roots, plan_of):
 def _entry_accounting(op, data, al, last, k, pinned, out_roots):
     """``(release, entry)`` bytes of a call/repeat/conditional step, for the run profile.
 
-    ``entry``: the callee frame's by-value input copies (the larger branch of a conditional),
-    counted on top of everything the caller holds at the moment of the copy. ``release``: the
-    caller's values that are passed by value and read for the last time by this op. They are
-    dead once copied in, so they do not count while the callee runs (liveness as on the IPU:
-    a tensor's memory is free after its last read, and a call reads its inputs when it copies
-    them). Values passed by reference stay: they are the callee's storage.
+    ``entry``: the callee frame's input copies (the larger branch of a conditional), counted on
+    top of everything the caller holds at the moment of the copy. ``release``: the caller's
+    values that are passed by value and read for the last time by this op. They are dead once
+    copied in, so they do not count while the callee runs (liveness as on the IPU: a tensor's
+    memory is free after its last read, and a call reads its inputs when it copies them).
+    Values passed by reference stay: they are the callee's storage. A call or repeat input the
+    callee does not modify and the caller reads for the last time shares one buffer with the
+    callee's input (AliasZeroCopy), so it is not counted twice at entry; a conditional copies
+    every input (IfOpx never aliases).
     """
     if op.kind not in ("call", "repeat", "conditional"):
         return 0, 0  # host IO and other runtime ops run no callee frame
     plans = data[:2] if op.kind == "conditional" else (data,)
     entry = max(p.in_bytes for p in plans)
     by_ref = {id(al.find(op.inputs[pos])) for pos in op.modifies}
-    release = {}
-    for t in op.inputs:
+    release, aliased = {}, 0
+    for pos, t in enumerate(op.inputs):
         rid = id(al.find(t))
-        if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref:
+        if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref \
+                and rid not in release:
             release[rid] = al.find(t).nbytes
-    return sum(release.values()), entry
+            if op.kind != "conditional" and not data.copy_in[pos]:
+                aliased += t.nbytes
+    return sum(release.values()), entry - aliased
 
 
 def check_ambiguity(g, al):
@@ -250,3 +291,27 @@ def check_ambiguity(g, al):
                         f"{names[root]} (or an alias of it) while "
                         f"{ops[k]} reads it, and nothing orders the two. Use popxl.in_sequence() "
                         "or a data dependency.")
+
+
+def call_copy_bytes(plan):
+    """Bytes CallOpx copies per call of ``plan``'s graph (AliasZeroCopy applied as PopART's
+    ``checkSubgraphInputCompatible`` allows: an input the callee does not modify shares its
+    parent's buffer; a modified one is copied in, and copied back when by reference; an output
+    gets its own copy only when it is a graph input or a constant)."""
+    return plan.modified_in_bytes + plan.modified_by_ref_bytes + plan.fresh_out_bytes
+
+
+def if_copy_bytes(plan):
+    """Bytes IfOpx copies when ``plan``'s branch is taken: all its inputs and outputs (never
+    aliased)."""
+    return plan.all_in_bytes + plan.all_out_bytes
+
+
+def repeat_copy_bytes(plan, count):
+    """Bytes LoopOpx copies for ``count`` iterations of ``plan``'s graph: carried values into
+    the clones once before, body outputs into the clones every iteration (never elided), the
+    clones out once after; the wrapper's CallOpx copies every iteration; modified implicit
+    inputs in once and by-ref ones back once."""
+    carried = plan.all_out_bytes
+    once = 2 * carried + plan.modified_in_bytes + plan.modified_by_ref_bytes
+    return once + count * (carried + call_copy_bytes(plan))

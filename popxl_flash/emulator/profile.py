@@ -1,5 +1,6 @@
 """The run profile recorded by ``Session.run`` and the ``count_ops`` helper."""
 from dataclasses import dataclass
+from typing import Optional
 
 from .ir import Graph, Ir
 
@@ -13,10 +14,16 @@ class RunProfile:
             conditional ops count once per execution themselves).
         matmul_flops: sum over executed matmuls of 2*M*N*K*batch.
         peak_live_bytes: largest total bytes of live tensor values (frame liveness; variables
-            and constants live for the whole run; by-value subgraph inputs count as copies,
-            and a caller value last read by the call is dead once copied in).
+            and constants live for the whole run; subgraph inputs the lowering copies count
+            as copies (by-value inputs, and by-ref inputs the callee modifies), repeat carries
+            hold a second buffer (LoopOpx's clones), and a caller value last read by the call
+            is dead once copied in).
         const_bytes: bytes of variables and constants (included in peak_live_bytes).
         wall_seconds: wall-clock time of the run.
+        bytes_copied: bytes moved by the copies Poplar's lowering makes at call, conditional
+            and repeat boundaries (CallOpx, IfOpx, LoopOpx; model in the emulator README).
+        device_bytes: tile memory of the session's device (tiles x bytes per tile), ``None``
+            for the ``cpu`` device.
     """
 
     ops_executed: int = 0
@@ -24,6 +31,20 @@ class RunProfile:
     peak_live_bytes: int = 0
     const_bytes: int = 0
     wall_seconds: float = 0.0
+    bytes_copied: int = 0
+    device_bytes: Optional[int] = None
+
+    @property
+    def fits_device(self):
+        """Whether ``peak_live_bytes <= device_bytes`` (``None`` on the ``cpu`` device).
+
+        A necessary condition only: Poplar also needs tile memory for code, exchange buffers
+        and uneven tile mappings. The IPU model never checks memory (an overrun goes unnoticed
+        there); on hardware an overrun fails at compilation.
+        """
+        if self.device_bytes is None:
+            return None
+        return self.peak_live_bytes <= self.device_bytes
 
 
 def count_ops(graph_or_ir):

@@ -69,4 +69,7 @@ def ir_error(msg):
     return PopartError(msg)
 
 FLOPS = {}  # kind -> fn(op) -> FLOPs of one execution (static)
+#: kind -> fn(op): raises PopartError for what PopART accepts when the op is created but the
+#: Session's compilation (Poplar lowering) rejects, or leaves unspecified.
+COMPILE_CHECKS = {}
 PREPARE = {}  # runtime kind -> fn(op, plan_of) -> static step data (built at Session compile)

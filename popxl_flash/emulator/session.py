@@ -8,6 +8,7 @@ from . import dtypes
 from .errors import PopartError
 from .interpreter import Runtime
 from .plan import build_plans
+from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
 from .tensor import Constant, Variable
 
@@ -19,19 +20,25 @@ class Session:
 
     Args:
         ir: the Ir (must not be modified afterwards).
-        device_desc: "cpu" (default), "ipu_model" or "ipu_hw".
+        device_desc: "cpu" (default), "ipu_model" (PopART's 4-tile model), "ipu_hw" (a Mk2
+            IPU, 1472 tiles) or a ``DeviceInfo`` from ``popxl_flash.emulator.popart``.
         weights_to_host_on_exit: copy variables to host when leaving the outermost context.
+
+    With ``ir._pb_ir.getSessionOptions().enableFloatingPointChecks`` set before construction,
+    every op that overflows, divides by zero or gives an invalid result raises
+    ``FloatingPointError`` (see the emulator README).
     """
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
-        _check_device(device_desc, ir)
+        self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
-        self._main, plans = build_plans(ir)
+        self._fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
+        self._main, plans = build_plans(ir, fp_checks=self._fp_checks)
         self._const_bytes = sum(p.const_bytes for p in plans.values())
         ir._prepared = True
         self._vars = list(ir.main_graph.variables)
         self._host = {v: np.array(v._data, copy=True) for v in self._vars}
-        self._device, self._depth, self._host_in_sync = {}, 0, True
+        self._on_device, self._depth, self._host_in_sync = {}, 0, True
         self.profile = None
 
     ir = property(lambda self: self._ir)
@@ -64,13 +71,13 @@ class Session:
     def weights_from_host(self):
         """Copy all host variable values to the device."""
         self._assert_attached()
-        self._device = {v: np.array(a, copy=True) for v, a in self._host.items()}
+        self._on_device = {v: np.array(a, copy=True) for v, a in self._host.items()}
         self._host_in_sync = True
 
     def weights_to_host(self):
         """Copy all device variable values to the host."""
         self._assert_attached()
-        self._host = {v: np.array(a, copy=True) for v, a in self._device.items()}
+        self._host = {v: np.array(a, copy=True) for v, a in self._on_device.items()}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -141,30 +148,33 @@ class Session:
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
         nht = self._ir.num_host_transfers
-        d2h = {s: np.empty((nht,) + s.shape, s.dtype.as_numpy()) for s in outputs}
+        d2h = {s: _d2h_buffer(s, outputs[s], nht) for s in outputs}
         t0 = time.perf_counter()
         rt = Runtime(h2d, d2h, self._const_bytes)
         env = self._main.template[:]
         for slot, var in self._main.var_slots:
-            env[slot] = self._device[var]
+            env[slot] = self._on_device[var]
         with np.errstate(all="ignore"):
             rt.run_env(self._main, env)
+        del env
         self._host_in_sync = False
         for s, n in rt.stores.items():
             if n < nht:
                 raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
                                    "never written by host_store this run (their contents are "
                                    "unspecified on the device)")
-            outputs[s][...] = d2h[s].reshape(outputs[s].shape)
+            if not np.may_share_memory(d2h[s], outputs[s]):
+                outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, rt.copied,
+                                  self._device.memory_bytes)
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers
         return ((nht,) if nht > 1 else ()) + stream.shape
 
     def _prepare_inputs(self, inputs, downcast):
-        arrays = {s: dtypes.to_numpy(a, downcast=downcast) for s, a in inputs.items()}
+        arrays = {s: _host_array(a, downcast) for s, a in inputs.items()}
         _check_keys(arrays, self._ir.get_all_h2d_streams(), "input")
         nht = self._ir.num_host_transfers
         out = {}
@@ -189,6 +199,25 @@ class Session:
         return out
 
 
+def _host_array(data, downcast):
+    """The input as a numpy array: the caller's own array when no conversion is needed (it is
+    only read: ``host_load`` copies each entry it loads), else a converted copy."""
+    if isinstance(data, np.ndarray) and data.dtype.kind in "biuf" and \
+            not (downcast and data.dtype in dtypes._DOWNCAST):
+        return data
+    return dtypes.to_numpy(data, downcast=downcast)
+
+
+def _d2h_buffer(stream, out, nht):
+    """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
+    array of the stream's dtype and size (no staging copy), else a new buffer."""
+    shape = (nht,) + stream.shape
+    if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
+            out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
+        return out.reshape(shape)
+    return np.empty(shape, stream.dtype.as_numpy())
+
+
 def _check_keys(given, expected, what):
     if set(given) != set(expected):
         unexpected = {str(s) for s in set(given) - set(expected)}
@@ -197,14 +226,22 @@ def _check_keys(given, expected, what):
                          f"Missing: {missing}")
 
 
-def _check_device(device_desc, ir):
-    if not isinstance(device_desc, str):
+def _device_info(device_desc, ir):
+    """The DeviceInfo ``device_desc`` names (PopXL's ``_to_device_info``)."""
+    if not isinstance(device_desc, (str, DeviceInfo)):
         raise NotImplementedError(f"device_desc {device_desc!r} is not supported by the emulator "
-                                  f"(use one of {DEVICES})")
-    if device_desc not in DEVICES:
+                                  f"(use one of {DEVICES} or a popart DeviceInfo)")
+    if isinstance(device_desc, str) and device_desc not in DEVICES:
         raise ValueError(f"device_desc must be one of {DEVICES}, got {device_desc!r}")
     if ir.replication_factor > 1:
         if device_desc == "cpu":
             raise ValueError("The 'cpu' device supports a single IPU; replication_factor "
                              f"{ir.replication_factor} needs an IPU device")
         raise NotImplementedError("replication is not supported by the emulator")
+    if isinstance(device_desc, DeviceInfo):
+        return device_desc
+    if device_desc == "cpu":
+        return DeviceManager().createCpuDevice()
+    if device_desc == "ipu_model":
+        return DeviceManager().createIpuModelDevice({"numIPUs": 1})
+    return ipu_hw_device(1)

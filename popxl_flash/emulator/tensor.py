@@ -129,6 +129,17 @@ class Tensor:
     def copy_to_ipu(self, *args, **kwargs):
         raise NotImplementedError("Tensor.copy_to_ipu is not implemented by the emulator")
 
+    def strides(self, shape=None):
+        raise NotImplementedError("Tensor.strides is not implemented by the emulator")
+
+    @property
+    def location_info(self):
+        raise NotImplementedError("Tensor.location_info is not implemented by the emulator")
+
+    @property
+    def in_sync_with_ipu(self):
+        raise NotImplementedError("Tensor.in_sync_with_ipu is not implemented by the emulator")
+
     def _ensure_tensor(self, value, dtype=None, raise_on_empty=True):
         if isinstance(value, Tensor):
             return value
@@ -270,6 +281,11 @@ class Variable(Tensor):
     @property
     def shape_on_host(self):
         return self.shape
+
+    @property
+    def shape_on_replica(self):
+        raise NotImplementedError("Variable.shape_on_replica is not implemented by the "
+                                  "emulator")
 
     @property
     def replica_grouping(self):

@@ -278,14 +278,18 @@ def test_conditional_with_inputs_dict():
     "cond_value", [np.int32(1), np.float32(1.0), np.array([True, False]), np.ones((1, 2), np.bool_)]
 )
 def test_conditional_needs_one_element_bool(cond_value):
-    """§11.12: not auto-cast; exactly one element."""
+    """§11.12: not auto-cast; exactly one element. IfOp::setup (willow/src/op/if.cpp) does not
+    check `cond`; IfOpx reshapes it to a scalar predicate (willow/src/popx/op/ifx.cpp), so it
+    fails when the Session compiles."""
     ir = popxl.Ir()
     with ir.main_graph:
         x = popxl.constant(X0)
         g = ir.create_graph(lambda a: a + 1.0, x)
         cond = popxl.constant(cond_value)
-        with pytest.raises(Exception):
-            ops.conditional(cond, g, g, then_inputs=[x], else_inputs=[x])
+        (y,) = ops.conditional(cond, g, g, then_inputs=[x], else_inputs=[x])
+        store(y)
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
 
 
 def test_conditional_output_count_mismatch_is_value_error():

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import emulator_only, load, run, store
+from conftest import COMPILE_ERRORS, emulator_only, load, run, store
 from popxl_flash import popxl
 
 ops = popxl.ops
@@ -66,11 +66,15 @@ def test_dynamic_slice_index_shape_is_flattened():
 
 @pytest.mark.parametrize("n_elems", [1, 3])
 def test_dynamic_slice_index_needs_len_axes_elements(n_elems):
+    """DynamicSliceBaseOp::setup (willow/src/op/dynamic/dynamicbase.cpp) does not look at the
+    index; DynamicSliceOpx reshapes it to [len(axes)] (popx/op/dynamic/dynamicslicex.cpp), so
+    the mismatch fails when the Session compiles."""
     ir = popxl.Ir()
     with ir.main_graph:
         idx = popxl.constant(np.zeros(n_elems, np.uint32))
-        with pytest.raises(Exception):
-            ops.dynamic_slice(popxl.constant(T), idx, [0, 1], [1, 1], False)
+        store(ops.dynamic_slice(popxl.constant(T), idx, [0, 1], [1, 1], False))
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
 
 
 def test_dynamic_slice_needs_all_five_arguments():
@@ -153,12 +157,29 @@ def test_dynamic_update_in_place_modifies_input():
 
 @pytest.mark.parametrize("upd_shape", [(2, 5, 2), (2, 5), (1, 5, 3)])
 def test_dynamic_update_shape_mismatch_is_error(upd_shape):
+    """DynamicBinaryBaseOp::setup takes t's info unchecked; popops::dynamicUpdate refuses the
+    mismatched slice when the Session compiles (popx/op/dynamic/dynamicupdatex.cpp)."""
     ir = popxl.Ir()
     with ir.main_graph:
         t = popxl.constant(T)
         idx = popxl.constant(np.array([1, 2], np.uint32))
-        with pytest.raises(Exception):
-            ops.dynamic_update(t, idx, popxl.constant(np.zeros(upd_shape, np.float32)), [0, 2], [2, 3], False)
+        upd = popxl.constant(np.zeros(upd_shape, np.float32))
+        store(ops.dynamic_update(t, idx, upd, [0, 2], [2, 3], False))
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+
+
+def test_dynamic_update_accepts_update_without_the_leading_unit_axis():
+    """DynamicUpdateOpx prepends a 1 to a t_update of rank one less than t
+    (popx/op/dynamic/dynamicupdatex.cpp): [5, 3] updates a [1, 5, 3] slice."""
+    upd = np.full((5, 3), -1.0, np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx = popxl.constant(np.array([1, 2], np.uint32))
+        y = ops.dynamic_update(popxl.constant(T), idx, popxl.constant(upd), [0, 2], [1, 3], False)
+    expected = T.copy()
+    expected[1:2, :, 2:5] = upd
+    np.testing.assert_array_equal(run(ir, None, y), expected)
 
 
 # popart willow/src/op/dynamic/dynamicbase.cpp + python/popxl/python_files/ops/dynamic_slice.py:

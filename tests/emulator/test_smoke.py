@@ -7,7 +7,7 @@ import popxl_flash
 if popxl_flash.BACKEND != "emulator":
     pytest.skip("emulator smoke tests", allow_module_level=True)
 
-from popxl_flash import emulator as popxl  # noqa: E402
+from popxl_flash.emulator import count_ops, popxl  # noqa: E402
 
 ops = popxl.ops
 
@@ -78,7 +78,7 @@ def test_profile_numbers_are_exact():
         (y,) = ops.call(sub, x * w)  # +16 (mul), frame: +16 copy, +16 out
         z = y + 1.0  # 4 B constant
         z_s = _store(z, "z")
-    assert popxl.count_ops(ir.main_graph) == 5 and popxl.count_ops(ir) == 6
+    assert count_ops(ir.main_graph) == 5 and count_ops(ir) == 6
     with popxl.Session(ir) as session:
         out = session.run({x_s: np.arange(4, dtype=np.float32)})
     np.testing.assert_array_equal(out[z_s], np.arange(4, dtype=np.float32) * 2 + 1)

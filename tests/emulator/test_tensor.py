@@ -32,7 +32,7 @@ def test_attributes():
     assert t.spec == popxl.TensorSpec((2, 3, 4), f32)
     assert len(t) == 2
     assert isinstance(t, popxl.Tensor)
-    assert isinstance(t, popxl.Constant)
+    assert isinstance(t, popxl.tensor.Constant)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_variable_attributes_and_type():
     ir = popxl.Ir()
     with ir.main_graph:
         v = popxl.variable(np.ones((2, 2)), name="w")
-    assert isinstance(v, popxl.Variable)
+    assert isinstance(v, popxl.tensor.Variable)
     assert v.dtype == f32  # float64 data downcast
     assert v.name == "w"
 

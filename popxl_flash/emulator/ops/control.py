@@ -6,7 +6,8 @@ from .. import dtypes
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import Graph, check_in_graph
-from ..registry import PREPARE, emit, register
+from ..plan import call_copy_bytes, if_copy_bytes, repeat_copy_bytes
+from ..registry import COMPILE_CHECKS, PREPARE, emit, register
 from ..tensor import Tensor
 
 
@@ -89,6 +90,33 @@ def _out_rule(graph, count=None):
 
 def _by_ref_positions(graph):
     return [i for i, t in enumerate(graph.inputs) if t in graph._by_ref_inputs]
+
+
+def _check_by_ref_unique(kind, parents, by_ref):
+    """PopXL marks each by-ref input's parent modified by looking up *one* op input index for
+    that parent tensor (``CallSiteInfo.set_parent_input_modified`` -> ``Op::inIndex``,
+    ``willow/src/op.cpp``): a parent bound to a by-ref input and to any other input raises."""
+    for i in by_ref:
+        if sum(p is parents[i] for p in parents) > 1:
+            raise PopartError(f"Tensor {parents[i].id} is an input of {kind} at more than one "
+                              "index (it feeds a by-ref graph input)")
+
+
+#: Inputs PopXL adds to the repeat wrapper graph before the user's (``ops/repeat.py``).
+_WRAPPER_INPUTS = ("Iterator___", "LoopCond___")
+
+
+def _check_repeat_wrapper_ids(graph, parents):
+    """``ops.repeat`` adds one wrapper-graph input per bound input, named after the parent
+    tensor (``ops/repeat.py`` ``_setup_inputs``); a second input with the same id fails in
+    ``Tensors::insert`` (``willow/src/tensors.cpp``): one parent tensor for two inputs raises."""
+    seen = set(_WRAPPER_INPUTS)
+    for p in parents:
+        if p.name in seen:
+            raise PopartError(f"tensor {graph.id}__loop_wrapper/{p.name} already in M (repeat: "
+                              f"parent tensor {p.id} is given for more than one input; pass "
+                              "distinct tensors)")
+        seen.add(p.name)
 
 
 # -- CallSiteInfo ------------------------------------------------------------------------------
@@ -178,6 +206,7 @@ def _call_rule(*parents, graph):
 
 
 def _run_call(rt, plan, args):
+    rt.copied += call_copy_bytes(plan)
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(args, plan.copy_in)])
 
 
@@ -194,6 +223,7 @@ def call_with_info(graph, *inputs, inputs_dict=None, check_inputs=True):
     parents = _bind_inputs(check_inputs, parent, graph, "called", inputs, inputs_dict)
     if graph is parent:
         raise PopartError(f"call: graph {graph} cannot call itself")
+    _check_by_ref_unique("call", parents, _by_ref_positions(graph))
     tensors = {f"input_{i}": t for i, t in enumerate(parents)}
     emit("call", tensors, {"graph": graph}, names=[o.name for o in graph.outputs],
                 modifies=_by_ref_positions(graph), subgraphs=(graph,))
@@ -214,11 +244,14 @@ def _repeat_rule(*parents, graph, count):
 def _run_repeat(rt, plan, args):
     n = plan.n_outputs
     count = plan.repeat_count
+    rt.copied += repeat_copy_bytes(plan, count)
     if count == 0:
         return [a.copy() for a in args[:n]]
     vals = list(args)
+    rt.live += plan.all_out_bytes  # LoopOpx's clones of the carried values
     for _ in range(count):
         vals[:n] = rt.run_graph(plan, [a.copy() if c else a for a, c in zip(vals, plan.copy_in)])
+    rt.live -= plan.all_out_bytes
     return vals[:n]
 
 
@@ -250,6 +283,7 @@ def repeat_with_info(graph, repeat_count, *inputs, inputs_dict=None, check_input
     parents = _bind_inputs(check_inputs, parent, graph, "called", inputs, inputs_dict)
     if graph is parent:
         raise PopartError(f"repeat: graph {graph} cannot call itself")
+    _check_repeat_wrapper_ids(graph, parents)
     by_ref = _by_ref_positions(graph)
     carried = [graph.inputs[i].id for i in by_ref if i < n_out]
     if carried:
@@ -269,9 +303,6 @@ def repeat(graph, repeat_count, *inputs, inputs_dict=None):
 # -- conditional ----------------------------------------------------------------------------
 def _cond_rule(cond, *parents, then, n_then, **kw):
     g_else = kw["else"]
-    if cond.dtype != dtypes.bool or cond.nelms != 1:
-        raise PopartError(f"conditional: cond {cond.id} must be a bool tensor with one element, "
-                          f"got {cond.dtype.name}{list(cond.shape)}")
     _check_specs("conditional then_branch", then, parents[:n_then])
     _check_specs("conditional else_branch", g_else, parents[n_then:])
     return _out_rule(then)
@@ -283,10 +314,22 @@ def _run_cond(rt, data, args):
         plan, ins = then_plan, args[1:1 + n_then]
     else:
         plan, ins = else_plan, args[1 + n_then:]
+    rt.copied += if_copy_bytes(plan)
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(ins, plan.copy_in)])
 
 
+def _check_cond(op):
+    # IfOp::setup (willow/src/op/if.cpp) does not look at `cond`; IfOpx reshapes it to a scalar
+    # for poplar::program::If (willow/src/popx/op/ifx.cpp): more than one element fails there,
+    # and a non-bool predicate is not what PopXL documents: both refused at compile time.
+    cond = op.inputs[0]
+    if cond.dtype != dtypes.bool or cond.nelms != 1:
+        raise PopartError(f"conditional: cond {cond.id} must be a bool tensor with one element, "
+                          f"got {cond.dtype.name}{list(cond.shape)}")
+
+
 register("conditional", _cond_rule, _run_cond, runtime=True)
+COMPILE_CHECKS["conditional"] = _check_cond
 PREPARE["conditional"] = lambda op, plan_of: (plan_of(op.attrs["then"]),
                                               plan_of(op.attrs["else"]), op.attrs["n_then"])
 

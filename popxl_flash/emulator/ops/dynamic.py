@@ -1,46 +1,69 @@
 """Dynamic slicing: dynamic_slice, dynamic_update, dynamic_update_.
 
 Out-of-range starts (start < 0 or start + size > dim) are unspecified on the device; the
-emulator raises ``IndexError`` when the op executes.
+emulator raises ``IndexError`` when the op executes. PopART's setup checks almost nothing
+(``willow/src/op/dynamic/dynamicbase.cpp``); what the lowering needs (integer index with one
+element per axis, sizes in range, a matching update) is checked when the Session compiles.
 """
 import numbers
 
 import numpy as np
 
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ._common import INTS, int_vector
 
 
-def _check(t, index, axes, sizes):
-    if index.dtype not in INTS:
-        raise PopartError(f"dynamic slice: index {index.id} must be an integer tensor, got "
-                          f"{index.dtype.name}")
-    if index.nelms != len(axes):
-        raise PopartError(f"dynamic slice: index {index.id} has {index.nelms} elements but "
-                          f"{len(axes)} axes were given")
+def _slice_shape(t, axes, sizes):
+    """``DynamicSliceBaseOp::createOutInfo`` (willow/src/op/dynamic/dynamicbase.cpp): ``t``'s
+    shape with ``shape[axes[i]] = sizes[i]``. Axes out of range index the shape unchecked
+    (undefined) and sizes shorter than axes are read past their end: refused here."""
     if len(sizes) != len(axes):
         raise PopartError(f"dynamic slice: {len(axes)} axes but {len(sizes)} sizes")
-    if len(set(axes)) != len(axes) or any(a < 0 or a >= t.rank for a in axes):
+    if any(a < 0 or a >= t.rank for a in axes):
         raise PopartError(f"dynamic slice: invalid axes {axes} for rank {t.rank}")
     shape = list(t.shape)
     for a, s in zip(axes, sizes):
-        if not 1 <= s <= t.shape[a]:
-            raise PopartError(f"dynamic slice: size {s} invalid for axis {a} of {t.shape}")
         shape[a] = s
     return tuple(shape)
 
 
 def _ds_rule(t, index, axes, sizes):
-    return [(_check(t, index, axes, sizes), t.dtype)]
+    return [(_slice_shape(t, axes, sizes), t.dtype)]
 
 
 def _du_rule(t, index, upd, axes, sizes):
-    shape = _check(t, index, axes, sizes)
-    if upd.shape != shape or upd.dtype != t.dtype:
+    _slice_shape(t, axes, sizes)
+    return [(t.shape, t.dtype)]  # DynamicBinaryBaseOp::setup: the output is t's info
+
+
+def _check_slice(op):
+    """What the lowering (dynamicslicex.cpp / dynamicupdatex.cpp, popops::dynamicSlice and
+    dynamicUpdate) rejects or leaves unspecified; raised when the Session compiles."""
+    t, index = op.inputs[:2]
+    axes, sizes = op.attrs["axes"], op.attrs["sizes"]
+    if index.dtype not in INTS:
+        raise PopartError(f"dynamic slice: index {index.id} must be an integer tensor, got "
+                          f"{index.dtype.name} (the lowering casts it to unsigned)")
+    if index.nelms != len(axes):
+        raise PopartError(f"dynamic slice: index {index.id} has {index.nelms} elements but "
+                          f"{len(axes)} axes were given (reshaped to [{len(axes)}])")
+    if len(set(axes)) != len(axes):
+        raise PopartError(f"dynamic slice: repeated axes {axes}")
+    for a, s in zip(axes, sizes):
+        if not 1 <= s <= t.shape[a]:
+            raise PopartError(f"dynamic slice: size {s} invalid for axis {a} of {t.shape}")
+
+
+def _check_update(op):
+    _check_slice(op)
+    t, upd = op.inputs[0], op.inputs[2]
+    shape = _slice_shape(t, op.attrs["axes"], op.attrs["sizes"])
+    # DynamicUpdateOpx prepends a 1 to a t_update of lower rank than t
+    fits = upd.shape == shape or (upd.rank + 1 == t.rank and (1,) + upd.shape == shape)
+    if not fits or upd.dtype != t.dtype:
         raise PopartError(f"dynamic_update: t_update {upd.id} {upd.shape} {upd.dtype.name} must "
                           f"equal the slice {shape} {t.dtype.name}")
-    return [(t.shape, t.dtype)]
 
 
 def _key(a, index, axes, sizes):
@@ -60,18 +83,22 @@ def _ds(a, index, axes, sizes):
 
 def _du(a, index, upd, axes, sizes):
     out = a.copy()
-    out[_key(a, index, axes, sizes)] = upd
+    key = _key(a, index, axes, sizes)
+    out[key] = upd.reshape(out[key].shape)
     return out
 
 
 def _du_(a, index, upd, axes, sizes):
-    a[_key(a, index, axes, sizes)] = upd
+    key = _key(a, index, axes, sizes)
+    a[key] = upd.reshape(a[key].shape)
     return a
 
 
 register("dynamic_slice", _ds_rule, _ds)
 register("dynamic_update", _du_rule, _du)
 register("dynamic_update_", _du_rule, _du_, alias="modify")
+COMPILE_CHECKS["dynamic_slice"] = _check_slice
+COMPILE_CHECKS["dynamic_update"] = COMPILE_CHECKS["dynamic_update_"] = _check_update
 
 
 def _attrs(axes, sizes, no_overlap):

@@ -3,7 +3,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor, constant
 from ._common import FLOATS, INTS, NUMERIC, broadcast, require, same_dtype
 
@@ -17,14 +17,13 @@ def _binary_rule(kind):
     return rule
 
 
-def _inplace_rule(kind, base_rule):
-    def rule(a, b):
-        (shape, dt), = base_rule(a, b)
-        if shape != a.shape:
-            raise PopartError(f"{kind}: in-place lhs {a.id} has shape {a.shape} but the broadcast "
-                              f"result has shape {shape}")
-        return [(shape, dt)]
-    return rule
+def _check_inplace_lhs(op):
+    # AddLhsInplaceOp's setup gives the broadcast shape (ElementWiseBinaryBaseOp::setup); the
+    # in-place lowering writes into lhs (popx/op/elementwisex.cpp), which must already have it.
+    a, shape = op.inputs[0], op.outputs[0].shape
+    if shape != a.shape:
+        raise PopartError(f"{op.kind}: in-place lhs {a.id} has shape {a.shape} but the "
+                          f"broadcast result has shape {shape}")
 
 
 def _is_f32_scalar(t):
@@ -72,7 +71,8 @@ def _add_(a, b):
 
 
 register("add", _binary_rule("add"), np.add)
-register("add_", _inplace_rule("add_", _binary_rule("add")), _add_, alias="modify")
+register("add_", _binary_rule("add"), _add_, alias="modify")
+COMPILE_CHECKS["add_"] = _check_inplace_lhs
 register("sub", _binary_rule("sub"), np.subtract)
 register("mul", _mul_rule, _mul)
 register("div", _binary_rule("div"), _div)
@@ -185,9 +185,13 @@ isnan, isinf, isfinite, exp_, relu_ = map(_unary_op, ("isnan", "isinf", "isfinit
 # -- comparison / logic / selection ----------------------------------------------------------
 def _compare_rule(kind):
     def rule(a, b):
-        same_dtype(kind, a, b)
+        # BinaryComparisonOp::setup (willow/src/op/elementwise.cpp) broadcasts the shapes only
         return [(broadcast(kind, a, b), dtypes.bool)]
     return rule
+
+
+def _check_compare_dtypes(op):
+    same_dtype(f"{op.kind} (Poplar lowering)", *op.inputs)
 
 
 def _logic_rule(kind):
@@ -201,6 +205,7 @@ def _logic_rule(kind):
 
 register("greater", _compare_rule("greater"), np.greater)
 register("equal", _compare_rule("equal"), np.equal)
+COMPILE_CHECKS["greater"] = COMPILE_CHECKS["equal"] = _check_compare_dtypes
 register("logical_and", _logic_rule("logical_and"), np.logical_and)
 register("logical_or", _logic_rule("logical_or"), np.logical_or)
 register("logical_not", _logic_rule("logical_not"), np.logical_not)

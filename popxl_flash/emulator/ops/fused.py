@@ -3,7 +3,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor
 from ._common import F32, FLOATS, NUMERIC, require, scalar_value
 
@@ -11,14 +11,21 @@ from ._common import F32, FLOATS, NUMERIC, require, scalar_value
 def _scaled_add_rule(x, y, *scales, a, b):
     require("scaled_add", x, FLOATS)
     require("scaled_add", y, FLOATS)
+    for s in scales:
+        require("scaled_add", s, FLOATS)
+    return [(x.shape, x.dtype)]  # ScaledAddOp::setup: the output is X's info, nothing checked
+
+
+def _check_scaled_add(op):
+    # popops::scaledAddTo (willow/src/popx/op/scaledaddx.cpp) needs equal shapes and scalar
+    # scale tensors: refused when the Session compiles.
+    x, y, *scales = op.inputs
     if x.shape != y.shape:
-        raise PopartError(f"scaled_add: X {x.id} {x.shape} and Y {y.id} {y.shape} must have the "
-                          "same shape (no broadcasting)")
+        raise PopartError(f"{op.kind}: X {x.id} {x.shape} and Y {y.id} {y.shape} must have "
+                          "the same shape (no broadcasting in popops::scaledAddTo)")
     for s in scales:
         if s.nelms != 1:
-            raise PopartError(f"scaled_add: scale tensor {s.id} must have one element")
-        require("scaled_add", s, FLOATS)
-    return [(x.shape, x.dtype)]
+            raise PopartError(f"{op.kind}: scale tensor {s.id} must have one element")
 
 
 def _scaled_value(x, y, scales, a, b):
@@ -41,6 +48,7 @@ def _scaled_add_(x, y, *scales, a, b):
 
 register("scaled_add", _scaled_add_rule, _scaled_add)
 register("scaled_add_", _scaled_add_rule, _scaled_add_, alias="modify")
+COMPILE_CHECKS["scaled_add"] = COMPILE_CHECKS["scaled_add_"] = _check_scaled_add
 
 
 def _scaled(kind, X, Y, a, b):
@@ -67,9 +75,13 @@ def scaled_add_(X, Y, a=1.0, b=1.0):  # noqa: N803
 
 def _incmod_rule(t, increment, modulus):
     require("increment_mod", t, NUMERIC)
-    if modulus == 0:
-        raise ValueError(f"increment_mod: modulus converted to {t.dtype.name} is 0")
-    return [(t.shape, t.dtype)]
+    return [(t.shape, t.dtype)]  # IncrementModOp::setup checks nothing (op/incrementmod.cpp)
+
+
+def _check_modulus(op):
+    if op.attrs["modulus"] == 0:
+        raise PopartError(f"{op.kind}: modulus converted to {op.inputs[0].dtype.name} is 0 "
+                          "(remainder by zero is unspecified on the device)")
 
 
 def _incmod(a, increment, modulus):
@@ -84,6 +96,7 @@ def _incmod_(a, increment, modulus):
 
 register("increment_mod", _incmod_rule, _incmod)
 register("increment_mod_", _incmod_rule, _incmod_, alias="modify")
+COMPILE_CHECKS["increment_mod"] = COMPILE_CHECKS["increment_mod_"] = _check_modulus
 
 
 def _incmod_op(kind, t, increment, modulus):

@@ -3,13 +3,19 @@
 float16 inputs with float32 partials (the default) compute in float32 and round once to the
 output dtype; float16 partials compute with numpy's float16 matmul; float32 inputs compute in
 float32.
+
+``MatMulOp::setup`` (``willow/src/op/matmul.cpp``) checks only ranks and the contracting
+dimension; it takes the output dtype from ``output_type`` or the lhs and never compares the
+operand dtypes. Mixed or non-float operand dtypes and non-float ``output_type`` are therefore
+refused when the Session compiles (Poplar's matmul takes float16/float32 of one type), not when
+the op is created.
 """
 import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import FLOPS, emit, register
-from ._common import FLOATS, require
+from ..registry import COMPILE_CHECKS, FLOPS, emit, register
+from ._common import FLOATS
 
 
 def _padded(a, b):
@@ -22,10 +28,6 @@ def _matmul_rule(a, b, output_type, partials_f32):
     if a.rank == 0 or b.rank == 0:
         raise PopartError(f"matmul: operands must have rank >= 1 ({a.id} {a.shape}, "
                           f"{b.id} {b.shape})")
-    if a.dtype != b.dtype:
-        raise PopartError(f"matmul: lhs {a.id} ({a.dtype.name}) and rhs {b.id} "
-                          f"({b.dtype.name}) must have the same dtype")
-    require("matmul", a, FLOATS)
     sa, sb = _padded(a, b)
     if sa[-1] != sb[-2]:
         raise PopartError(f"matmul: contracting dims differ: lhs {a.shape} rhs {b.shape}")
@@ -35,6 +37,17 @@ def _matmul_rule(a, b, output_type, partials_f32):
         raise PopartError(f"matmul: group dims do not broadcast: {a.shape} {b.shape}") from None
     out = batch + ((sa[-2],) if a.rank > 1 else ()) + ((sb[-1],) if b.rank > 1 else ())
     return [(out, output_type or a.dtype)]
+
+
+def _check_matmul_dtypes(op):
+    a, b = op.inputs
+    out = op.outputs[0].dtype
+    if a.dtype != b.dtype:
+        raise PopartError(f"matmul: lhs {a.id} ({a.dtype.name}) and rhs {b.id} "
+                          f"({b.dtype.name}) must have the same dtype (Poplar matmul)")
+    if a.dtype not in FLOATS or out not in FLOATS:
+        raise PopartError(f"matmul: operands {a.dtype.name} -> output {out.name}: Poplar's "
+                          "matmul takes float16/float32 only")
 
 
 def _matmul(a, b, output_type, partials_f32):
@@ -53,6 +66,7 @@ def _matmul_flops(op):
 
 
 register("matmul", _matmul_rule, _matmul)
+COMPILE_CHECKS["matmul"] = _check_matmul_dtypes
 FLOPS["matmul"] = _matmul_flops
 
 
@@ -66,8 +80,9 @@ def matmul(lhs, rhs, available_memory_proportion=None, output_type=None, partial
         partials_f32 = partials_type == dtypes.float32
     else:
         raise ValueError(f"dtype {partials_type} is not valid, must be float16 or float32")
-    if output_type is not None and output_type not in FLOATS:
-        raise NotImplementedError(f"matmul output_type {output_type} is not supported by the "
-                                  "emulator (float16 or float32)")
+    if output_type is not None and not isinstance(output_type, dtypes.dtype):
+        # PopXL reads ``output_type._pb_dtype``
+        raise AttributeError(f"'{type(output_type).__name__}' object has no attribute "
+                             "'_pb_dtype' (matmul output_type must be a popxl dtype)")
     return emit("matmul", {"lhs": lhs, "rhs": rhs},
                 {"output_type": output_type, "partials_f32": partials_f32})[0]

@@ -1,5 +1,11 @@
 """Reductions (sum, mean, max, min, prod) and softmax.
 
+Axes follow PopART's ``ReduceOp::setup`` (``willow/src/op/reduce.cpp``): out-of-range axes are an
+IR error; duplicate axes pass setup (the output drops the axis once) and are refused when the
+Session compiles, as their lowering is unspecified. ``softmax`` is ONNX-11 style
+(``SoftmaxComputex`` coerces the input to 2-D at ``axis``, ``willow/src/popx/op/softmaxx.cpp``
+and ``elementwisex.cpp``): it normalises over all axes from ``axis`` on, flattened.
+
 float16 sums/means/products/softmax accumulate in float32 and round once to float16 (the IPU
 reduces half tensors with float partials); float32 inputs compute in float32.
 """
@@ -7,7 +13,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ._common import F32, FLOATS, NUMERIC, norm_axis, require
 
 
@@ -21,9 +27,21 @@ def _axes(kind, axis, rank):
     except TypeError:
         raise TypeError(f"{kind}: axis must be None, an int or an iterable of ints; "
                         f"got {axis!r}") from None
-    if len(set(axes)) != len(axes):
-        raise PopartError(f"{kind}: duplicate axes {list(axis)}")
     return tuple(sorted(axes))
+
+
+def _check_duplicate_axes(op):
+    axes = op.attrs["axes"]
+    if len(set(axes)) != len(axes):
+        raise PopartError(f"{op.kind}: duplicate axes {list(axes)} (PopART's setup accepts them; "
+                          "their lowering is unspecified)")
+
+
+def _keepdims(kind, keepdims):
+    # PopXL passes keepdims to an int64_t parameter through pybind11: bools and ints only.
+    if not isinstance(keepdims, (int, np.integer)):
+        raise TypeError(f"{kind}: keepdims must be a bool, got {keepdims!r}")
+    return bool(keepdims)
 
 
 def _reduce_rule(kind, allowed):
@@ -63,13 +81,14 @@ _REDUCE = {"sum": (_sum, NUMERIC), "mean": (_mean, FLOATS), "max": (_max, NUMERI
            "min": (_min, NUMERIC), "prod": (_prod, NUMERIC)}
 for _kind, (_impl, _allowed) in _REDUCE.items():
     register(_kind, _reduce_rule(_kind, _allowed), _impl)
+    COMPILE_CHECKS[_kind] = _check_duplicate_axes
 
 
 def _reduce_op(kind):
     def op(t, axis=None, keepdims=False):
         rank = t.rank if hasattr(t, "rank") else 0
         return emit(kind, {"t": t}, {"axes": _axes(kind, axis, rank),
-                                     "keepdims": bool(keepdims)})[0]
+                                     "keepdims": _keepdims(kind, keepdims)})[0]
     op.__name__ = kind
     op.__doc__ = (f"Reduce ``{kind}`` over ``axis``.\n\nArgs:\n    t: Tensor.\n    axis: int, "
                   "iterable of ints (negative ok) or None (all axes).\n    keepdims: keep "
@@ -85,19 +104,48 @@ def _softmax_rule(t, axis):
     return [(t.shape, t.dtype)]
 
 
+def _softmax_axis(t, axis):
+    """PopXL's ``handle_negative_axis`` then ``SoftmaxOp::getAxis`` (each adds the rank to a
+    negative axis). Returns: the axis ``coerceTo2D`` splits at (valid when in [0, rank])."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"softmax: axis must be an int, got {axis!r}")
+    axis = int(axis)
+    for _ in range(2):
+        if axis < 0:
+            axis += t.rank
+    return axis
+
+
+def _check_softmax_axis(op):
+    axis, rank = op.attrs["axis"], op.inputs[0].rank
+    if not 0 <= axis <= rank:
+        raise PopartError(f"softmax: axis {axis} is outside [0, {rank}] after PopART's "
+                          "normalisation (the lowering's coerceTo2D is undefined there)")
+
+
 def _softmax(a, axis):
-    x = a.astype(F32, copy=False)
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return (e / np.sum(e, axis=axis, keepdims=True)).astype(a.dtype, copy=False)
+    n = int(np.prod(a.shape[:axis], dtype=np.int64))
+    x = a.reshape(n, -1).astype(F32, copy=False)  # [outer, product of axes axis..]
+    e = np.exp(x - np.max(x, axis=1, keepdims=True))
+    return (e / np.sum(e, axis=1, keepdims=True)).astype(a.dtype, copy=False).reshape(a.shape)
 
 
 register("softmax", _softmax_rule, _softmax)
+COMPILE_CHECKS["softmax"] = _check_softmax_axis
 
 
 def softmax(t, axis):
-    """Args: t: float tensor. axis: int (required; negative ok). Returns: softmax along axis."""
-    rank = t.rank if hasattr(t, "rank") else 0
-    return emit("softmax", {"t": t}, {"axis": norm_axis("softmax", axis, rank)})[0]
+    """Softmax over all axes from ``axis`` on, flattened (ONNX-11 ``Softmax``, as PopART).
+
+    Args:
+        t: float tensor. axis: int (required; negative counts from the end).
+    Returns:
+        Tensor of t's shape and dtype; for ``axis = -1`` (or rank - 1) the usual last-axis
+        softmax.
+    """
+    if not hasattr(t, "rank"):
+        raise TypeError(f"The input `t` is not a Tensor. Type: {type(t)}. Value: {t}.")
+    return emit("softmax", {"t": t}, {"axis": _softmax_axis(t, axis)})[0]
 
 
 _ = dtypes

@@ -3,12 +3,13 @@
 Out-of-place results are fresh arrays; ``*_`` variants are views aliasing their input.
 """
 import builtins
+from collections.abc import Iterable
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor
 from ._common import INTS, int_vector, norm_axis
 
@@ -55,7 +56,11 @@ _register_pair("reshape", _reshape_rule, lambda a, shape: a.reshape(shape))
 
 def _reshape_shape(t, shape):
     if not isinstance(shape, (tuple, list)):
-        raise TypeError(f"reshape: shape must be a tuple or list of ints, got {shape!r}")
+        # PopXL's ops/reshape.py iterates the shape, then calls `shape.count(0)`
+        if not isinstance(shape, Iterable):
+            raise TypeError(f"reshape: shape must be a tuple or list of ints, got {shape!r}")
+        raise AttributeError(f"'{type(shape).__name__}' object has no attribute 'count' "
+                             "(reshape: shape must be a tuple or list of ints)")
     shape = list(int_vector("reshape", "shape", shape))
     if any(s < -1 for s in shape) or shape.count(0) > 0:
         raise ValueError(f"Invalid shape value in reshape. Must be '>0' or '-1'. Provided {shape}.")
@@ -110,12 +115,26 @@ def squeeze(t, axes=None):
 
 # -- transpose -------------------------------------------------------------------------------
 def _transpose_rule(t, permutation):
-    if sorted(permutation) != list(range(t.rank)):
-        raise PopartError(f"transpose: {permutation} is not a permutation of rank {t.rank}")
+    # TransposeBaseOp::setup (willow/src/op/transpose.cpp): the length must equal the rank;
+    # entries index the shape unchecked (a negative one is undefined: refused here).
+    if len(permutation) != t.rank:
+        raise PopartError(f"transpose: permutation {permutation} has length {len(permutation)},"
+                          f" the input rank is {t.rank}")
+    if any(p < 0 for p in permutation):
+        raise PopartError(f"transpose: negative entries in {permutation} are undefined in "
+                          "PopART (use non-negative axes)")
     return [(tuple(t.shape[p] for p in permutation), t.dtype)]
 
 
+def _check_permutation(op):
+    perm = op.attrs["permutation"]
+    if sorted(perm) != list(range(len(perm))):
+        raise PopartError(f"transpose: {perm} is not a permutation (PopART's setup accepts "
+                          "it; Poplar's dimShuffle does not)")
+
+
 _register_pair("transpose", _transpose_rule, lambda a, permutation: a.transpose(permutation))
+COMPILE_CHECKS["transpose"] = COMPILE_CHECKS["transpose_"] = _check_permutation
 
 
 def _perm(t, permutation):
@@ -123,6 +142,8 @@ def _perm(t, permutation):
     if permutation is None:
         permutation = tuple(reversed(range(t.rank)))
     permutation = int_vector("transpose", "permutation", permutation)
+    if not permutation:  # an empty permutation is PopART's default: reverse (setDefaultPerm)
+        permutation = tuple(reversed(range(t.rank)))
     if any(p >= t.rank for p in permutation):
         raise ValueError(f"Values in permutation must be less than the tensor's rank {t.rank}. "
                          f"Found {tuple(p for p in permutation if p >= t.rank)}")
@@ -159,6 +180,9 @@ def identity(t, output_name=None):
     return emit("identity", {"t": t}, names=[output_name] if output_name else None)[0]
 
 
+rename = identity  # PopXL's ops/identity.py
+
+
 # -- concat / split ----------------------------------------------------------------------------
 def _concat_rule(*ts, axis):
     if not ts:
@@ -191,9 +215,18 @@ def concat(ts, axis=0):
 
 
 def _split_rule(t, axis, splits):
-    if sum(splits) != t.shape[axis] or any(s < 1 for s in splits):
+    # SplitOp::setup (willow/src/op/split.cpp): axis in [0, rank), sizes summing to the axis
+    if not 0 <= axis < t.rank:
+        raise PopartError(f"split: axis {axis} is out of range for tensor with {t.rank} dims")
+    if sum(splits) != t.shape[axis] or any(s < 0 for s in splits):
         raise PopartError(f"split: sizes {splits} do not partition axis {axis} of {t.shape}")
     return [(t.shape[:axis] + (s,) + t.shape[axis + 1:], t.dtype) for s in splits]
+
+
+def _check_split_sizes(op):
+    if any(s == 0 for s in op.attrs["splits"]):
+        raise PopartError(f"split: zero-size parts {list(op.attrs['splits'])} (accepted by "
+                          "SplitOp::setup; empty tensors on the device are not specified)")
 
 
 def _split(a, axis, splits):
@@ -201,14 +234,17 @@ def _split(a, axis, splits):
 
 
 register("split", _split_rule, _split, multi=True)
+COMPILE_CHECKS["split"] = _check_split_sizes
 
 
 def split(t, splits, axis=0):
     """Args: t: Tensor. splits: number of equal parts or list of sizes. axis: split axis.
     Returns: list of Tensors."""
     _tensor_arg("t", t)
-    axis = norm_axis("split", axis, t.rank)
-    if isinstance(splits, int):
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"split: axis must be an int, got {axis!r}")
+    axis = int(axis) + t.rank if axis < 0 else int(axis)  # PopXL's handle_negative_axis
+    if isinstance(splits, int):  # PopXL indexes the Python shape tuple (IndexError, wrapping)
         if t.shape[axis] % splits != 0:
             raise ValueError(f"Split {splits} does not equally divide tensor axis {axis} of "
                              f"length {t.shape[axis]}.")
@@ -230,9 +266,8 @@ def _slices(t, start, stop, step, axis):
     for s, e, st, ax in zip(start, stop, step, axis):
         if ax < 0 or ax >= t.rank:
             raise PopartError(f"slice: axis {ax} invalid for rank {t.rank}")
-        if abs(st) != 1:
-            raise PopartError(f"slice: only steps of 1 or -1 are supported, got {st} "
-                              "(use subsample)")
+        if st == 0:
+            raise PopartError(f"slice: step 0 on axis {ax}")
         dim, flip = t.shape[ax], st < 0
         b, en = _norm_index(s, dim, flip), _norm_index(e, dim, flip)
         if flip:
@@ -245,14 +280,24 @@ def _slices(t, start, stop, step, axis):
     return tuple(out)
 
 
-def _slice_rule(t, slices):
+def _slice_rule(t, slices, steps):
+    # BaseSliceOp::createOutInfo (willow/src/op/slice.cpp): ceil(len / |step|)
     shape = list(t.shape)
-    for ax, b, e, _ in slices:
-        shape[ax] = e - b
+    for (ax, b, e, _), st in zip(slices, steps):
+        shape[ax] = -(-(e - b) // abs(st))
     return [(tuple(shape), t.dtype)]
 
 
-def _slice_view(a, slices):
+def _check_unit_steps(op):
+    # BaseSliceOp::growAliasModel refuses |step| != 1 ("Please enable pattern
+    # Slice2SliceSubsample first"); the alias model is built when the Session prepares the Ir.
+    bad = [st for st in op.attrs["steps"] if abs(st) != 1]
+    if bad:
+        raise PopartError(f"{op.kind}: only steps of 1 or -1 are supported, got {bad} "
+                          "(use subsample)")
+
+
+def _slice_view(a, slices, steps):
     key = [_pyslice(None)] * a.ndim
     for ax, b, e, _ in slices:
         key[ax] = _pyslice(b, e)
@@ -262,6 +307,7 @@ def _slice_view(a, slices):
 
 
 _register_pair("slice", _slice_rule, _slice_view)
+COMPILE_CHECKS["slice"] = COMPILE_CHECKS["slice_"] = _check_unit_steps
 
 
 def _process_slice_args(start, stop, step, axis):
@@ -289,7 +335,7 @@ def _slice_op(kind, t, start, stop, step, axis):
         return t
     args = [int_vector(kind, name, v) for name, v in
             zip(("start", "stop", "step", "axis"), _process_slice_args(start, stop, step, axis))]
-    return emit(kind, {"t": t}, {"slices": _slices(t, *args)})[0]
+    return emit(kind, {"t": t}, {"slices": _slices(t, *args), "steps": args[2]})[0]
 
 
 def slice(t, start=None, stop=None, step=None, axis=None):  # noqa: A001 - PopXL name
@@ -316,6 +362,10 @@ register("subsample", _subsample_rule,
 def subsample(t, strides):
     """Args: t: Tensor. strides: int or list (padded with 1s). Returns: every k-th element."""
     _tensor_arg("t", t)
+    if isinstance(strides, tuple) and len(strides) < t.rank:
+        # PopXL pads with ``strides += [1] * k``, which a tuple refuses
+        raise TypeError('can only concatenate tuple (not "list") to tuple (subsample strides '
+                        "shorter than the rank must be a list)")
     strides = list(int_vector("subsample", "strides",
                               [strides] if isinstance(strides, int) else strides))
     if len(strides) < t.rank:
@@ -328,9 +378,6 @@ def subsample(t, strides):
 
 # -- gather ----------------------------------------------------------------------------------
 def _gather_rule(t, indices, axis, zero_OOR):  # noqa: N803
-    if indices.dtype not in INTS:
-        raise PopartError(f"gather: indices {indices.id} must be int32 or uint32, got "
-                          f"{indices.dtype.name}")
     ax = norm_axis("gather", axis, t.rank)
     return [(t.shape[:ax] + indices.shape + t.shape[ax + 1:], t.dtype)]
 
@@ -349,7 +396,17 @@ def _gather(a, idx, axis, zero_OOR):  # noqa: N803
     return np.where(mask, np.zeros((), a.dtype), out)
 
 
+def _check_gather_indices(op):
+    # GatherOp::setup does not look at the index dtype; GatherOpx reinterprets the indices as
+    # unsigned ints (willow/src/popx/op/gatherx.cpp): non-integer indices give garbage.
+    indices = op.inputs[1]
+    if indices.dtype not in INTS:
+        raise PopartError(f"gather: indices {indices.id} must be int32 or uint32, got "
+                          f"{indices.dtype.name} (reinterpreted as unsigned by the lowering)")
+
+
 register("gather", _gather_rule, _gather)
+COMPILE_CHECKS["gather"] = _check_gather_indices
 
 
 def gather(t, indices, axis=0, available_memory_proportion=None, zero_OOR=False):  # noqa: N803

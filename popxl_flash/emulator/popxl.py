@@ -1,0 +1,37 @@
+"""The emulator's ``popxl`` module: exactly the public names of PopXL 3.4 (SDK 3.3/3.4 subset).
+
+``from popxl_flash.emulator import popxl`` behaves like ``import popxl``. Names PopXL has but the
+emulator does not implement are present and raise ``NotImplementedError`` when used; names
+PopXL lacks are absent (``AttributeError``). Emulator-only helpers (``count_ops``,
+``RunProfile``, ``PopartError``) live in :mod:`popxl_flash.emulator`, not here. The name lists
+are in ``popxl_names.py``.
+"""
+from . import dtypes, ops as _ops, popxl_names as _names, tensor as _tensor
+from .context import (gcg, get_current_graph, get_ir, get_main_graph, gir, gmg, in_sequence,
+                      io_tiles, ipu, name_scope)
+from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_143, float8_152,
+                     float16, float32, float64, half, int8, int16, int32, int64, uint8, uint16,
+                     uint32, uint64)
+from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_stream,
+                 graph_input, graph_output, h2d_stream)
+from .session import Session
+from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable
+from .unsupported import stub as _stub, stub_module as _stub_module, surface as _surface
+
+ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
+    "var_updates": _surface("popxl.ops.var_updates", _names.VAR_UPDATES, _ops.var_updates),
+    "collectives": _surface("popxl.ops.collectives", _names.COLLECTIVES),
+    "CallSiteInfo": _ops.CallSiteInfo,
+})
+tensor = _surface("popxl.tensor", _names.TENSOR, _tensor,
+                  children={"graph_input": graph_input, "graph_output": graph_output})
+# The autodiff slot: a module with PopXL's transforms names (stubs until implemented).
+transforms = _surface("popxl.transforms", _names.TRANSFORMS)
+
+for _name in _names.TOP:
+    if _name not in globals():
+        globals()[_name] = _stub(f"popxl.{_name}")
+for _name in _names.SUBMODULES:
+    if _name not in globals():
+        globals()[_name] = _stub_module(f"popxl.{_name}")
+del _name

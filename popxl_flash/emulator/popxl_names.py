@@ -1,0 +1,82 @@
+"""The public names of PopXL 3.4, namespace by namespace: what ``popxl_flash.emulator.popxl``
+exposes (implemented, or a stub raising ``NotImplementedError``) and nothing more.
+
+Taken from graphcore/popart sdk-release-3.4: ``python/popxl/__init__.py.in`` (``__all__`` plus
+the submodules its imports bind), ``python/popxl/python_files/ops/__init__.py`` (every name it
+imports, including ``floor``, ``log2`` and ``remote_code_load``, which are missing from its
+``__all__``), ``ops/var_updates/__init__.py``, ``ops/collectives/__init__.py`` and
+``transforms/__init__.py``. ``popxl.Variable`` and ``popxl.Constant`` are *not* top-level
+names (PopXL's own docs write ``popxl.tensor.Variable``).
+"""
+
+TOP = (
+    # context.py
+    "get_current_graph", "get_main_graph", "get_ir", "gcg", "gmg", "gir", "in_sequence",
+    "name_scope", "ipu", "io_tiles",
+    # dtypes.py
+    "dtype", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "half", "float8_143", "float8_152", "float16", "float", "float32", "double", "float64",
+    "complex64", "complex128",
+    # graph.py, ir.py, module.py, random_seed.py, remote_buffer.py, replica_grouping.py
+    "Graph", "Ir", "Module", "create_seeds", "RemoteBuffer", "remote_buffer", "ReplicaGrouping",
+    # streams.py
+    "HostToDeviceStream", "DeviceToHostStream", "h2d_stream", "d2h_stream",
+    # tensor.py
+    "Tensor", "variable", "remote_variable", "remote_replica_sharded_variable",
+    "replica_sharded_variable", "replica_sharded_buffer", "constant", "graph_input",
+    "graph_output", "TensorByRef", "TensorSpec",
+    # tensorlocation.py
+    "TensorStorage", "TensorLocation", "ReplicatedTensorSharding", "TileSet", "ExecutionContext",
+    # session.py
+    "Session",
+)
+
+#: Submodules bound as attributes of ``popxl`` by its imports (``remote_buffer`` is rebound to
+#: the function of that name).
+SUBMODULES = ("context", "dtypes", "graph", "ir", "module", "ops", "random_seed",
+              "replica_grouping", "session", "streams", "tensor", "tensorlocation",
+              "transforms", "utils", "errors", "typing_")
+
+#: ``popxl.tensor`` names the emulator provides (the module holds more; the rest are stubs).
+TENSOR = ("Tensor", "Variable", "Constant", "TensorSpec", "TensorByRef", "constant", "variable",
+          "graph_input", "graph_output", "remote_variable", "remote_replica_sharded_variable",
+          "replica_sharded_variable", "replica_sharded_buffer")
+
+OPS = (
+    "CallSiteInfo", "PadType", "abs", "add", "add_", "argmax", "argmin", "average_pool",
+    "batch_norm_inference", "call", "call_with_info", "cast", "ceil", "clamp", "clip",
+    "collectives", "concat", "concat_", "conditional", "conditional_with_info", "conv",
+    "conv_pow2scaled", "conv_transpose", "conv_transpose_pow2scaled", "cos", "cumsum",
+    "detach", "detach_", "div", "dropout", "dynamic_slice", "dynamic_update", "dynamic_update_",
+    "equal", "exp", "exp_", "flatten", "flatten_", "floor", "fmod", "gather", "gelu", "gelu_",
+    "geluerf", "geluerf_", "greater", "group_norm", "groupedgather", "histogram", "host_load",
+    "host_store", "identity", "increment_mod", "increment_mod_", "init", "interpolate",
+    "io_tile_copy", "ipu_copy", "isfinite", "isinf", "isnan", "l1", "l2", "lamb_square",
+    "layer_norm", "log", "log2", "logical_and", "logical_not", "logical_or", "logsum",
+    "logsumexp", "matmul", "matmul_pow2scaled", "max", "max_pool", "maximum", "mean", "median",
+    "min", "mul", "negate", "nll_loss", "nll_loss_with_softmax_grad", "onehot", "pow",
+    "pow2scale_cast_from_fp8", "pow2scale_cast_to_fp8", "print_tensor", "prod",
+    "random_normal", "random_uniform", "relu", "relu_", "remote_code_load", "remote_load",
+    "remote_load_", "remote_store", "rename", "repeat", "repeat_with_info", "reshape",
+    "reshape_", "roi_align", "scaled_add", "scaled_add_", "scatter", "scatter_reduce",
+    "shaped_dropout", "sign", "sin", "slice", "slice_", "softmax", "split", "split_random_seed",
+    "sqrt", "squeeze", "sub", "subsample", "sum", "sumsquare", "swish", "swish_", "tanh",
+    "tied_gather", "topk", "transpose", "transpose_", "var_updates", "where",
+)
+
+VAR_UPDATES = (
+    "accumulate_", "accumulate_mean_", "accumulate_moving_average_",
+    "accumulate_moving_average_square_", "accumulate_square_", "accumulator_scale_",
+    "accumulator_zero_", "adam_updater", "adam_var_update", "adamax_updater", "copy_var_update_",
+    "lamb_updater", "sparse_accumulate_",
+)
+
+COLLECTIVES = (
+    "CommGroup", "CommGroupType", "all_reduce", "all_reduce_identical_grad_inputs",
+    "all_reduce_identical_inputs", "replica_sharded_slice", "replicated_all_gather",
+    "replicated_all_reduce", "replicated_all_reduce_", "replicated_reduce_scatter",
+    "replicated_slice",
+)
+
+TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "autodiff",
+              "merge_exchange", "io_tile_exchange", "decompose_sum")
