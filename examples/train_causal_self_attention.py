@@ -1,8 +1,9 @@
 """Train a causal self-attention layer with FlashAttention in PopXL, backward written by hand.
 
-This is how a PopXL transformer script is meant to use ``popxl_flash``. PopART cannot
-differentiate ``ops.repeat``, so ``popxl.transforms.autodiff`` cannot differentiate a graph that
-contains :func:`popxl_flash.flash_attention`. The script composes forward and backward itself:
+The usual way to train with ``popxl_flash`` is autodiff of the layer graph with flash's
+backward plugged in (:func:`popxl_flash.autodiff`, see ``examples/train_gpt_block.py``). This
+script shows the other way, with full control over what is stashed: it composes forward and
+backward itself:
 
 1. **Forward graph** (``layer_forward``): ``x [B, L, E]`` -> q, k, v projections -> split heads
    to ``[G = B*H, L, Dh]`` -> ``pf.flash_attention(q, k, v, return_lse=True)`` -> merge heads ->

@@ -3,6 +3,7 @@
 Public names only; see ``docs/`` for the user guide.
 """
 from popxl_flash import reference
+from popxl_flash.autodiff import autodiff, called_graphs_grad_info
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig
@@ -17,6 +18,6 @@ __all__ = [
     "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
-    "enable_floating_point_checks",
+    "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",
 ]
 __version__ = "0.1.0"

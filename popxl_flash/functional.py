@@ -24,6 +24,7 @@ and with ``Lq = 5, Lkv = 2`` (the first three rows see nothing: output 0, lse -i
 """
 import functools
 
+from popxl_flash import provenance
 from popxl_flash.backend import popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig, check_bool
@@ -165,8 +166,11 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
     return_lse = check_bool("return_lse", return_lse)
     module = FlashAttention(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window)
-    module.config(q, k, v)  # validate before any graph is created
-    out, lse = _call_module("flash_attention", module, q, k, v)
+    cfg = module.config(q, k, v)  # validate before any graph is created
+    with popxl.name_scope("flash_attention"):
+        graph = _cached_graph(module, (q, k, v))
+        out, lse = ops.call(graph, q, k, v)
+    provenance.record_forward(graph, module.options, cfg, (out, lse))  # for autodiff and grad
     return (out, lse) if return_lse else out
 
 
@@ -228,8 +232,29 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         cfg.check_like("dout", dout.shape, dout.dtype.name, q.shape, cfg.dtype)
         out, lse = flash_attention(q, k, v, return_lse=True, **options)
     check_tensors(out=out, lse=lse)
-    module.config(dout, q, k, v, out, lse)
+    cfg = module.config(dout, q, k, v, out, lse)
+    _check_stash_options(cfg, out=out, lse=lse)
     return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse)
+
+
+def _check_stash_options(cfg, **stash):
+    """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
+    window options returned (its gradients would be silently wrong), or a pair from two calls.
+
+    Only the very tensors ``flash_attention`` returned in this Ir are known (see
+    :mod:`popxl_flash.provenance`); chunk counts may differ, they do not change the result.
+    """
+    wanted = dict(causal=cfg.causal, scale=cfg.scale, window=cfg.window)
+    records = {name: provenance.output_record(t) for name, t in stash.items()}
+    for name, rec in records.items():
+        if rec is not None and rec.attention_options() != wanted:
+            raise ValueError(f"{name} was produced by flash_attention with options "
+                             f"{rec.attention_options()}, but flash_attention_grad was given "
+                             f"{wanted}; pass the forward's causal, scale and window")
+    calls = {rec.call for rec in records.values() if rec is not None}
+    if len(calls) > 1:
+        raise ValueError("out and lse come from two different flash_attention calls; pass the "
+                         "pair one call returned")
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)

@@ -42,7 +42,8 @@ def test_doc_example_runs(code):
 
 PUBLIC_FUNCTIONS = [pf.flash_attention, pf.flash_attention_qkv_packed, pf.flash_attention_grad,
                     pf.flash_attention_qkv_packed_grad, pf.flash_attn_func, pf.reference.attention,
-                    pf.reference.attention_grad, pf.plan]
+                    pf.reference.attention_grad, pf.plan, pf.called_graphs_grad_info,
+                    pf.autodiff]
 
 
 @pytest.mark.parametrize("fn", PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)

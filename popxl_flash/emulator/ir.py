@@ -42,8 +42,20 @@ class Graph:
         self._inputs, self._outputs, self._ops = [], [], []
         self._tensors = {}
         self._by_ref_inputs = set()
+        self._can_be_recursively_autodiffed = True
         ir._graphs.append(self)
         return self
+
+    @classmethod
+    def _from_pb(cls, pb_graph):
+        """Returns: the Graph of an ``_internal_ir.PbGraph`` wrapper (as ``popxl.Graph``)."""
+        return pb_graph._graph
+
+    @property
+    def _pb_graph(self):
+        """Emulator stand-in of PopXL's ``Graph._pb_graph`` (see ``_internal_ir``)."""
+        from ._internal_ir import PbGraph
+        return PbGraph(self)
 
     name = property(lambda self: self._name)
     id = property(lambda self: self._name)
@@ -160,8 +172,12 @@ class Ir:
         self._pb = _PbIr()
 
     main_graph = property(lambda self: self._main)
-    #: PopXL's private handle to the PopART IR; the emulator offers ``getSessionOptions()`` only.
-    _pb_ir = property(lambda self: self._pb)
+    @property
+    def _pb_ir(self):
+        """Emulator stand-in of PopXL's private handle to the PopART IR: ``getGraph(id)`` (see
+        ``_internal_ir``) and ``getSessionOptions()`` (read when a Session compiles the Ir)."""
+        from ._internal_ir import PbIr
+        return PbIr(self)
 
     @property
     def num_host_transfers(self):

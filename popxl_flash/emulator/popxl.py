@@ -7,6 +7,7 @@ PopXL lacks are absent (``AttributeError``). Emulator-only helpers (``count_ops`
 are in ``popxl_names.py``.
 """
 from . import dtypes, ops as _ops, popxl_names as _names, tensor as _tensor
+from . import transforms as _transforms
 from .context import (gcg, get_current_graph, get_ir, get_main_graph, gir, gmg, in_sequence,
                       io_tiles, ipu, name_scope)
 from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_143, float8_152,
@@ -25,8 +26,8 @@ ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
 })
 tensor = _surface("popxl.tensor", _names.TENSOR, _tensor,
                   children={"graph_input": graph_input, "graph_output": graph_output})
-# The autodiff slot: a module with PopXL's transforms names (stubs until implemented).
-transforms = _surface("popxl.transforms", _names.TRANSFORMS)
+# popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
+transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)
 
 for _name in _names.TOP:
     if _name not in globals():

@@ -12,6 +12,7 @@ from .fused import increment_mod, increment_mod_, scaled_add, scaled_add_
 from .io import host_load, host_store
 from .matmul import matmul
 from .misc import init
+from .nn import gelu, gelu_, group_norm, layer_norm
 from .reduce import max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
                     reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,

@@ -1,0 +1,193 @@
+"""Flash attention inside autodiff-built layers: gradient-graph entries for PopXL's autodiff.
+
+PopART cannot differentiate ``ops.repeat``, and flash's loop bodies modify tensors in place, so
+``popxl.transforms.autodiff`` cannot differentiate a graph that calls a flash forward graph. It
+can use a hand-written gradient for a called graph instead (``called_graphs_grad_info``). This
+module builds those entries:
+
+* every flash forward graph the layer calls (directly or through nested ``ops.call``) gets
+  ``FlashAttentionGrad`` in stash mode with the forward's options. Its gradient graph takes
+  ``FwdGrad(out)``, ``Fwd(q)``, ``Fwd(k)``, ``Fwd(v)``, ``Fwd(out)``, ``Fwd(lse)`` and returns
+  ``FwdGrad(q)``, ``FwdGrad(k)``, ``FwdGrad(v)``; ``out`` and ``lse`` are forward outputs, so
+  nothing needs stitching and every call site is unchanged;
+* every graph below a flash forward graph (loop bodies, branches and, on the SDK, the repeat
+  wrapper graphs) gets an entry too. Autodiff visits every graph reachable from the target and
+  would try (and fail) to differentiate those; an entry makes it skip them, and only its graph
+  id is ever looked at: such an entry is used only by a call site in a graph autodiff
+  differentiates, and the flash forward graph that calls them is not differentiated. So they
+  all share one empty gradient graph.
+
+Flash forward graphs are recognised by the record the functional API keeps
+(:mod:`popxl_flash.provenance`), so only graphs made by :func:`popxl_flash.flash_attention` (or
+its packed form) are found; a hand-made ``ir.create_graph(FlashAttention(...), ...)`` is not.
+
+Gradients through ``lse``: the hand-written backward takes no gradient of ``lse``. If ``lse`` (or
+anything computed from it) reaches a tensor whose gradient is provided, PopART would silently
+drop that part of the gradient; :func:`called_graphs_grad_info` raises ``ValueError`` instead.
+It follows ``ops.call`` boundaries; a path through ``ops.repeat`` or ``ops.conditional`` is not
+followed (autodiff cannot differentiate those anyway).
+
+The entries are built the way popxl-addons builds them (``GradGraphInfo._from_pb`` with
+``popart._internal.ir``); the emulator offers the same private names, so this code is the same
+on both backends except for where ``_ir`` is imported from.
+"""
+from popxl_flash import provenance
+from popxl_flash.backend import BACKEND, popxl
+from popxl_flash.backward import FlashAttentionGrad
+
+if BACKEND == "popxl":  # pragma: no cover - SDK only
+    import popart._internal.ir as _ir
+else:
+    from popxl_flash.emulator import _internal_ir as _ir
+
+_LSE_OUTPUT = 1  # FlashAttention.build returns (out, lse)
+
+
+def called_graphs_grad_info(graph, grads_provided=None):
+    """Gradient-graph entries for the flash attention graphs ``graph`` calls.
+
+    Args:
+        graph: the graph you will differentiate (e.g. a transformer layer).
+        grads_provided: the tensors whose gradients you will provide to autodiff (default:
+            ``graph.outputs``, as autodiff's default); used to refuse a gradient through lse.
+
+    Returns:
+        ``{popxl.Graph: GradGraphInfo}``: one entry per flash forward graph below ``graph``
+        (``graph`` itself included if it is one) and one per graph below those. Pass it as
+        ``popxl.transforms.autodiff(graph, called_graphs_grad_info=...)``.
+
+    Raises:
+        ValueError: a gradient would flow into a flash call's ``lse``.
+    """
+    if not isinstance(graph, popxl.Graph):
+        raise TypeError(f"graph must be a popxl.Graph, got {type(graph).__name__}")
+    provided = list(graph.outputs if grads_provided is None else grads_provided)
+    flash = {}
+    _find_flash_graphs(graph, flash, set())
+    _check_no_lse_gradient(graph, {t.id for t in provided}, set())
+    entries = {}
+    for g in flash.values():
+        entries[g] = _flash_grad_info(g)
+        for d in _descendants(g):
+            entries.setdefault(d, _no_grad_info(d))
+    return entries
+
+
+def autodiff(graph, **kwargs):
+    """``popxl.transforms.autodiff`` with :func:`called_graphs_grad_info` merged in.
+
+    Args:
+        graph: the graph to differentiate.
+        **kwargs: ``popxl.transforms.autodiff`` arguments (``grads_provided``,
+            ``grads_required``, ``called_graphs_grad_info``, ``return_all_grad_graphs``);
+            entries you pass in ``called_graphs_grad_info`` win over the generated ones.
+
+    Returns:
+        What ``popxl.transforms.autodiff`` returns.
+    """
+    given = dict(kwargs.pop("called_graphs_grad_info", None) or {})
+    entries = called_graphs_grad_info(graph, kwargs.get("grads_provided"))
+    entries.update(given)
+    return popxl.transforms.autodiff(graph, called_graphs_grad_info=entries, **kwargs)
+
+
+def _find_flash_graphs(graph, found, seen):
+    """Collect flash forward graphs at or below ``graph`` (not below a flash graph)."""
+    if graph.id in seen:
+        return
+    seen.add(graph.id)
+    if provenance.forward_record(graph) is not None:
+        found[graph.id] = graph
+        return
+    for g in graph.called_graphs:
+        _find_flash_graphs(g, found, seen)
+
+
+def _descendants(graph):
+    """All graphs reachable from ``graph`` through called graphs (``graph`` excluded)."""
+    out, stack, seen = [], list(graph.called_graphs), {graph.id}
+    while stack:
+        g = stack.pop()
+        if g.id in seen:
+            continue
+        seen.add(g.id)
+        out.append(g)
+        stack.extend(g.called_graphs)
+    return out
+
+
+def _check_no_lse_gradient(graph, loss_ids, seen):
+    """Raise if a flash call's lse output reaches a tensor in ``loss_ids`` (tensor ids).
+
+    Walks ``graph``'s ops backwards from the loss tensors, then into ``ops.call`` callees with
+    the callee outputs whose call outputs were reached.
+    """
+    key = (graph.id, frozenset(loss_ids))
+    if key in seen:
+        return
+    seen.add(key)
+    pb_ops = graph._pb_graph.getOps()
+    reach = _reaching(pb_ops, set(loss_ids))
+    for op in pb_ops:
+        if op.opType() != "Call":
+            continue
+        callee = popxl.Graph._from_pb(op.getCalledGraphs()[0])
+        outs = [t.id for t in op.getOutputTensors()]
+        record = provenance.forward_record(callee)
+        if record is not None:
+            if len(outs) > _LSE_OUTPUT and outs[_LSE_OUTPUT] in reach:
+                raise ValueError(
+                    f"a gradient flows into lse ({outs[_LSE_OUTPUT]}) of the flash_attention call "
+                    f"of {callee.id} in {graph.id}: the flash backward takes no lse gradient, "
+                    "so it would be dropped. Keep lse off the loss path (or use "
+                    "popxl.ops.detach), or leave the tensors it reaches out of grads_provided")
+            continue
+        callee_outs = [t.id for t in callee.outputs]
+        sub = {callee_outs[i] for i, t in enumerate(outs) if t in reach and i < len(callee_outs)}
+        if sub:
+            _check_no_lse_gradient(callee, sub, seen)
+
+
+def _reaching(pb_ops, targets):
+    """Tensor ids with a path to ``targets`` (reverse passes until nothing changes, so the
+    order ``getOps`` returns does not matter)."""
+    reach, changed = set(targets), True
+    while changed:
+        changed = False
+        for op in reversed(pb_ops):
+            ins = {t.id for t in op.getInputTensors()}
+            if not ins <= reach and any(t.id in reach for t in op.getOutputTensors()):
+                reach |= ins
+                changed = True
+    return reach
+
+
+def _flash_grad_info(fwd):
+    """The ``FlashAttentionGrad`` (stash mode) entry of a flash forward graph (cached)."""
+    rec = provenance.ir_record(fwd.ir)
+    if fwd.id not in rec.grad_infos:
+        ir = fwd.ir
+        q, k, v = fwd.inputs
+        out, lse = fwd.outputs[:2]
+        module = FlashAttentionGrad(**provenance.forward_record(fwd).options)
+        with ir.main_graph:
+            grad = ir.create_graph(module, out.spec, q.spec, k.spec, v.spec, out.spec, lse.spec)
+        Fwd, FwdGrad = _ir.ExpectedConnectionType.Fwd, _ir.ExpectedConnectionType.FwdGrad
+        ins = [_ir.ExpectedConnection(out.id, FwdGrad)] + [
+            _ir.ExpectedConnection(t.id, Fwd) for t in (q, k, v, out, lse)]
+        outs = [_ir.ExpectedConnection(t.id, FwdGrad) for t in (q, k, v)]
+        rec.grad_infos[fwd.id] = _grad_graph_info(ir, fwd, grad, ins, outs)
+    return rec.grad_infos[fwd.id]
+
+
+def _no_grad_info(graph):
+    """An entry that only marks ``graph`` as handled (see the module docstring)."""
+    rec = provenance.ir_record(graph.ir)
+    if rec.no_grad_graph is None:
+        rec.no_grad_graph = graph.ir.create_empty_graph("flash_attention_descendant")
+    return _grad_graph_info(graph.ir, graph, rec.no_grad_graph, [], [])
+
+
+def _grad_graph_info(ir, fwd, grad, ins, outs):
+    bwd_info = _ir.BwdGraphInfo(grad._pb_graph.id, ins, outs)
+    return popxl.transforms.GradGraphInfo._from_pb(ir._pb_ir, fwd._pb_graph, bwd_info)

@@ -1,0 +1,83 @@
+"""What the functional API created, per Ir: flash forward graphs and the tensors they produced.
+
+The autodiff glue (:mod:`popxl_flash.autodiff`) recognises a flash forward graph by this record,
+never by its name; :func:`popxl_flash.flash_attention_grad` uses the output record to refuse an
+``out``/``lse`` produced with other options. Records are keyed by the Ir (weakly: they go away
+with it) and by graph / tensor id, which works the same on the SDK and on the emulator.
+
+What cannot be recorded: a tensor is only known as the very tensor ``flash_attention``
+returned, in the graph that called it. A tensor that went through another op, a graph boundary
+(e.g. passed as an input to a separately built backward graph) or came from the host or another
+Ir is unknown here, and no option check happens for it.
+"""
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from popxl_flash.config import AttentionConfig
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One flash forward graph or one call of it.
+
+    Attributes:
+        options: the ``FlashAttention`` constructor options (to build the matching backward).
+        config: the validated configuration of the call.
+        call: a per-Ir call counter (tells two calls of one cached graph apart).
+    """
+    options: dict
+    config: AttentionConfig
+    call: int = -1
+
+    def attention_options(self):
+        """The options that change the result: ``causal``, ``scale`` and ``window``."""
+        return dict(causal=self.config.causal, scale=self.config.scale,
+                    window=self.config.window)
+
+
+@dataclass
+class _IrRecord:
+    graphs: Dict[str, ForwardRecord] = field(default_factory=dict)
+    outputs: Dict[str, ForwardRecord] = field(default_factory=dict)
+    grad_infos: Dict[str, object] = field(default_factory=dict)
+    calls: int = 0
+    no_grad_graph: object = None
+
+
+_RECORDS = weakref.WeakKeyDictionary()
+
+
+def ir_record(ir) -> _IrRecord:
+    """Returns: the (mutable) record of ``ir``, created on first use."""
+    rec = _RECORDS.get(ir)
+    if rec is None:
+        rec = _RECORDS[ir] = _IrRecord()
+    return rec
+
+
+def record_forward(graph, options, config, outputs):
+    """Record a call of the flash forward graph ``graph`` and the tensors it returned.
+
+    Args:
+        graph: the ``FlashAttention`` module graph. options: its constructor options.
+        config: the call's ``AttentionConfig``. outputs: the call's ``(out, lse)``.
+    """
+    rec = ir_record(graph.ir)
+    rec.calls += 1
+    call = ForwardRecord(dict(options), config, rec.calls)
+    rec.graphs.setdefault(graph.id, ForwardRecord(dict(options), config))
+    for t in outputs:
+        rec.outputs[t.id] = call
+
+
+def forward_record(graph) -> Optional[ForwardRecord]:
+    """Returns: the record of ``graph`` if it is a flash forward graph, else ``None``."""
+    rec = _RECORDS.get(graph.ir)
+    return None if rec is None else rec.graphs.get(graph.id)
+
+
+def output_record(tensor) -> Optional[ForwardRecord]:
+    """Returns: the record of the ``flash_attention`` call that returned ``tensor``, or None."""
+    rec = _RECORDS.get(tensor.ir)
+    return None if rec is None else rec.outputs.get(tensor.id)
