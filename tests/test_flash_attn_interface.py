@@ -12,6 +12,8 @@ from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
 from popxl_flash.tolerance import grad_bounds
 
+ops = popxl.ops
+
 MASKS = {
     "causal": dict(causal=True),
     "full": dict(causal=False),
@@ -94,10 +96,9 @@ def _blhd_graph(t, B):
     return t.reshape((B, G // B, L, D)).transpose((0, 2, 1, 3))
 
 
-def check_grads_against_reference(q, k, v, dout, mask, dtype):
-    """Gradients of flash_attn_func's attention, composed from flash_attention and
-    flash_attention_grad (stash mode) through the [B, L, H, D] layout, under the 3x rule;
-    dk/dv come back with Hkv heads, summed over the q heads sharing each."""
+def _composed_grads(mask):
+    """Build function: dq, dk, dv from flash_attention and flash_attention_grad (stash mode)
+    composed by hand through the [B, L, H, D] layout."""
     opts = core_options(mask)
 
     def build(q, k, v, do):
@@ -105,6 +106,27 @@ def check_grads_against_reference(q, k, v, dout, mask, dtype):
         out, lse = pf.flash_attention(*groups[:3], return_lse=True, **CHUNKS, **opts)
         grads = pf.flash_attention_grad(groups[3], *groups[:3], out, lse, **CHUNKS, **opts)
         return [_blhd_graph(g, q.shape[0]) for g in grads]
+    return build
+
+
+def _autodiff_grads(mask):
+    """Build function: dq, dk, dv of a graph that calls flash_attn_func, by pf.autodiff (flash's
+    backward plugged into PopXL's autodiff; the layout ops differentiated by autodiff)."""
+    def build(q, k, v, do):
+        ir = popxl.gcg().ir
+        graph = ir.create_graph(lambda q, k, v: pf.flash_attn_func(q, k, v, **CHUNKS, **mask),
+                                q, k, v)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v)
+        return ops.call(info.graph, do, inputs_dict=info.inputs_dict(call))
+    return build
+
+
+def check_grads_against_reference(q, k, v, dout, mask, dtype, route="composed"):
+    """Gradients of flash_attn_func's attention (``route``: "composed" by hand or "autodiff")
+    under the 3x rule; dk/dv come back with Hkv heads, summed over the q heads sharing each."""
+    opts = core_options(mask)
+    build = {"composed": _composed_grads, "autodiff": _autodiff_grads}[route](mask)
     grads, _ = run_graph(build, [q, k, v, dout])
     qg, kg, vg, dog = (to_groups(x) for x in (q, k, v, dout))
     refs = pf.reference.attention_grad(dog, qg, kg, vg, **opts)
@@ -126,15 +148,17 @@ GRAD_CASES = list(itertools.product([1, 2, 3], HEADS, ["causal", "full", "causal
                                     ["float16", "float32"]))
 
 
+@pytest.mark.parametrize("route", ["composed", "autodiff"])
 @pytest.mark.parametrize("B,heads,mask,dtype", GRAD_CASES,
                          ids=[f"B{b}-H{hq}x{hkv}-{m}-{d}" for b, (hq, hkv), m, d in GRAD_CASES])
-def test_grads_match_reference(B, heads, mask, dtype):
-    """dq [B, Lq, Hq, D] and dk, dv [B, Lkv, Hkv, D] under the 3x rule, Lq != Lkv."""
+def test_grads_match_reference(B, heads, mask, dtype, route):
+    """dq [B, Lq, Hq, D] and dk, dv [B, Lkv, Hkv, D] under the 3x rule, Lq != Lkv: composed by
+    hand from flash_attention_grad, and through pf.autodiff on a graph calling flash_attn_func."""
     Hq, Hkv = heads
     rng = np.random.default_rng(1000 + 100 * B + 10 * Hq + Hkv)
     q, k, v = random_blhd(rng, B, *_lengths(B, Hkv), Hq, Hkv, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
-    check_grads_against_reference(q, k, v, dout, MASKS[mask], dtype)
+    check_grads_against_reference(q, k, v, dout, MASKS[mask], dtype, route)
 
 
 def test_grouped_query_reads_kv_head_h_over_r():
