@@ -13,6 +13,7 @@ reports the mean time per ``session.run`` and achieved TFLOP/s, and whether naiv
 """
 import argparse
 import itertools
+import os
 import re
 import sys
 
@@ -86,8 +87,8 @@ def parse_args(argv):
                    help="causal, none, window:LEFT,RIGHT (a non-causal local window; -1 = "
                         "unbounded side) (default: %(default)s)")
     p.add_argument("--chunks", type=_chunks_list, default="auto", metavar="CHUNKS,...",
-                   help="'auto' (ceil(L/128) chunks each way) or NQxNKV chunk counts, e.g. "
-                        "8x8 (default: %(default)s)")
+                   help="'auto' (the cost model's choice, see --explain) or NQxNKV chunk "
+                        "counts, e.g. 8x8 (default: %(default)s)")
     p.add_argument("--pass", dest="passes", choices=PASSES, default="both",
                    help="forward, stash-mode backward, or both (default: %(default)s)")
     p.add_argument("--device", choices=DEVICES, default=devices.default_device(),
@@ -104,7 +105,11 @@ def parse_args(argv):
                    help="write the table as Markdown, with the command that produced it")
     p.add_argument("--plot", metavar="FILE", help="PNG: memory and FLOPs vs L (needs matplotlib)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive attention graphs")
+    p.add_argument("--explain", action="store_true",
+                   help="print the cost model's figures for every chunking it weighs, per case")
     args = p.parse_args(argv)
+    for option in ("json", "markdown", "plot"):
+        _check_output_path(p, option, getattr(args, option))
     emulator = pf.BACKEND == "emulator"
     args.warmup = (0 if emulator else 2) if args.warmup is None else args.warmup
     args.repeats = (1 if emulator else 10) if args.repeats is None else args.repeats
@@ -114,6 +119,20 @@ def parse_args(argv):
         p.error("--plot needs matplotlib, an optional extra: pip install -e .[plot]")
     args.cases = _cases(args, p)
     return args
+
+
+def _check_output_path(parser, option, path):
+    """Fail before the sweep (not after it) if an output file cannot be written."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"--{option} {path!r} is a directory; expected a file path")
+    if not os.path.isdir(directory):
+        parser.error(f"--{option} {path!r}: directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path)
+                                             and not os.access(path, os.W_OK)):
+        parser.error(f"--{option} {path!r} is not writable")
 
 
 def _cases(args, parser):
@@ -143,6 +162,17 @@ def planner_numbers(case):
                 est_flash_bytes=mem.flash, est_naive_bytes=mem.naive)
 
 
+def explain(case):
+    """The cost model's table for a case's chunking (chunks fixed when the case gives them)."""
+    cfg = case.config()
+    nq, nkv = case.chunks or (None, None)
+    choice = pf.explain(case.seq_len, case.seq_len, head_dim=case.head_dim, groups=case.groups,
+                        dtype=case.dtype, causal=case.causal, window=case.window,
+                        num_chunks_q=nq, num_chunks_kv=nkv)
+    assert (choice.chosen.chunk_q, choice.chosen.chunk_kv) == (cfg.chunk_q, cfg.chunk_kv)
+    return choice.table()
+
+
 def _side(run, useful_flops):
     """Numbers of one graph (flash or naive) from its :class:`RunResult`."""
     side = dict(seconds=run.seconds, run_seconds=run.run_seconds,
@@ -151,6 +181,7 @@ def _side(run, useful_flops):
         side.update(ops_executed=run.profile.ops_executed,
                     matmul_flops=run.profile.matmul_flops,
                     peak_live_bytes=run.profile.peak_live_bytes,
+                    loop_iterations=run.profile.loop_iterations,
                     bytes_copied=run.profile.bytes_copied,
                     fits_device=run.profile.fits_device)
     return side
@@ -225,8 +256,11 @@ def main(argv=None):
     progress = report.Progress(len(args.cases))
     rows = []
     for case in args.cases:
-        progress.step(f"{case.pass_} {case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
-                      f" G={case.groups} chunks={report.chunks_label(case.chunks)}")
+        label = (f"{case.pass_} {case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
+                 f" G={case.groups} chunks={report.chunks_label(case.chunks)}")
+        if args.explain:
+            print(f"cost model: {label}\n{explain(case)}\n")
+        progress.step(label)
         rows.append(measure(case, args))
     progress.done()
     result = report.Result(argv, args.device, args.warmup, args.repeats, rows)

@@ -133,7 +133,9 @@ CASE_COLUMNS = [
     ("L", "sequence length, Lq = Lkv", lambda r: str(r["case"]["seq_len"])),
     ("D", "head dimension", lambda r: str(r["case"]["head_dim"])),
     ("G", "groups = batch x heads", lambda r: str(r["case"]["groups"])),
-    ("chunks", "q x kv chunk counts used (auto: ceil(L/128))", _chunks),
+    ("chunks", "q x kv chunk counts used (auto: the cost model's choice)", _chunks),
+    ("blocks", "visited blocks = loop iterations per pass (one repeat step per block)",
+     lambda r: _fmt(r["planner"].get("visited_blocks"), "d")),
     ("exec GFLOP", "matmul FLOPs flash executes (every visited block, whole)",
      lambda r: _fmt(r["planner"]["executed_flops"] / 1e9, ".4g")),
     ("useful GFLOP", "matmul FLOPs on visible (query, key) pairs only",
@@ -162,10 +164,10 @@ EMULATOR_COLUMNS = [
      lambda r: _fmt(_get(r, "ratios", "memory"), ".1f")),
     ("ops exec", "ops the flash graph executed (loop bodies counted per iteration)",
      lambda r: _fmt(_get(r, "flash", "ops_executed"), "d")),
-    ("KiB copied/block", "bytes the lowering copies at call/conditional/repeat boundaries "
-     "(session.profile.bytes_copied) per visited block, KiB",
-     lambda r: _fmt(_get(r, "flash", "bytes_copied") and
-                    r["flash"]["bytes_copied"] / r["planner"]["visited_blocks"] / 1024, ".1f")),
+    ("iters", "loop iterations the flash graph executed (emulator profile)",
+     lambda r: _fmt(_get(r, "flash", "loop_iterations"), "d")),
+    ("ops/block", "ops executed per visited block",
+     lambda r: _fmt(_per_block(r, "ops_executed"), ".1f")),
     ("graph ops flash/naive", "ops in the IR (count_ops): flash, naive",
      lambda r: "/".join(_fmt(_get(r, side, "graph_ops"), "d") for side in ("flash", "naive"))),
     ("t flash ms", "emulator wall time per flash session.run, mean of the timed runs "
@@ -192,13 +194,30 @@ SDK_COLUMNS = [
 ]
 
 
-def columns():
-    return CASE_COLUMNS + CHECK_COLUMNS + (EMULATOR_COLUMNS if pf.BACKEND == "emulator"
-                                           else SDK_COLUMNS)
+BYTES_COPIED_COLUMNS = [
+    ("KiB copied/block", "bytes copied at call/conditional/repeat boundaries (emulator "
+     "profile's bytes_copied) per visited block",
+     lambda r: _fmt(_per_block(r, "bytes_copied") and _per_block(r, "bytes_copied") / 1024,
+                    ".1f")),
+]
+
+
+def _per_block(row, key):
+    value, blocks = _get(row, "flash", key), row["planner"].get("visited_blocks")
+    return None if value is None or not blocks else value / blocks
+
+
+def columns(rows=()):
+    """The table's columns; the bytes-copied one only when some profile reports it."""
+    if pf.BACKEND != "emulator":
+        return CASE_COLUMNS + CHECK_COLUMNS + SDK_COLUMNS
+    copied = any(_get(r, "flash", "bytes_copied") is not None for r in rows)
+    return CASE_COLUMNS + CHECK_COLUMNS + EMULATOR_COLUMNS + (BYTES_COPIED_COLUMNS if copied
+                                                              else [])
 
 
 def _cells(result):
-    cols = columns()
+    cols = columns(result.rows)
     return [c[0] for c in cols], [[c[2](row) for c in cols] for row in result.rows]
 
 
@@ -254,7 +273,7 @@ def markdown(result):
             "",
         ]
     lines += ["Columns:", ""]
-    lines += [f"- **{name}**: {text}" for name, text, _ in columns()]
+    lines += [f"- **{name}**: {text}" for name, text, _ in columns(result.rows)]
     lines += ["", "| " + " | ".join(header) + " |",
               "|" + "|".join(":---" if i < 3 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(line) + " |" for line in body]
@@ -288,38 +307,69 @@ def _memory(row, side):
     return row["planner"]["est_flash_bytes" if side == "flash" else "est_naive_bytes"]
 
 
+_MARKERS = "osD^v<>ph*"
+
+
 def plot(result, path):
-    """Two log-log panels vs L: peak memory and executed matmul FLOPs, flash vs naive."""
+    """Three panels vs L (log 2): peak memory and executed matmul FLOPs, flash (solid) vs naive
+    (dashed), and the naive/flash ratios (memory solid, time dotted) on their own panel.
+
+    Series that coincide (e.g. the forward and backward memory of one mask) stay visible:
+    every series has its own marker, and markers are hollow.
+    """
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    fig, (ax_mem, ax_flops) = plt.subplots(1, 2, figsize=(12, 5))
+    fig, (ax_mem, ax_flops, ax_ratio) = plt.subplots(1, 3, figsize=(18, 5.5))
     emulator = pf.BACKEND == "emulator"
+    lengths = sorted({r["case"]["seq_len"] for r in result.rows})
     for index, (label, rows) in enumerate(_series(result.rows).items()):
-        color, L = f"C{index % 10}", [r["case"]["seq_len"] for r in rows]
-        ax_mem.plot(L, [_memory(r, "flash") / MiB for r in rows], "o-", color=color,
-                    label=f"flash {label}".strip())
-        ax_flops.plot(L, [r["planner"]["executed_flops"] for r in rows], "o-", color=color,
-                      label=f"flash {label}".strip())
-        ax_flops.plot(L, [r["naive_executed_flops"] for r in rows], "x--", color=color,
-                      label=f"naive {label}".strip())
+        style = dict(color=f"C{index % 10}", marker=_MARKERS[index % len(_MARKERS)],
+                     markerfacecolor="none", markersize=7)
+        L = [r["case"]["seq_len"] for r in rows]
+        name = f" {label}" if label else ""
+        ax_mem.plot(L, [_memory(r, "flash") / MiB for r in rows], "-", label=f"flash{name}",
+                    **style)
+        ax_flops.plot(L, [r["planner"]["executed_flops"] for r in rows], "-",
+                      label=f"flash{name}", **style)
+        ax_flops.plot(L, [r["naive_executed_flops"] for r in rows], "--", alpha=0.6,
+                      label=f"naive{name}", **style)
         if "naive" in rows[0] or not emulator:
-            ax_mem.plot(L, [_memory(r, "naive") / MiB for r in rows], "x--", color=color,
-                        label=f"naive {label}".strip())
+            ax_mem.plot(L, [_memory(r, "naive") / MiB for r in rows], "--", alpha=0.6,
+                        label=f"naive{name}", **style)
+        memory = [_get(r, "ratios", "memory") for r in rows]
+        if not emulator and any(m is None for m in memory):
+            memory = [r["planner"]["est_naive_bytes"] / r["planner"]["est_flash_bytes"]
+                      for r in rows]
+        if any(m is not None for m in memory):
+            ax_ratio.plot(L, [m if m is not None else float("nan") for m in memory], "-",
+                          label=f"memory{name}", **style)
+        times = [_get(r, "ratios", "time") for r in rows]
+        if any(t is not None for t in times):
+            ax_ratio.plot(L, [t if t is not None else float("nan") for t in times], ":",
+                          label=f"time{name}", **style)
     ax_mem.set_title("peak live memory" + (" (emulator)" if emulator else " (planner estimate)"))
     ax_mem.set_ylabel("MiB")
     ax_flops.set_title("executed matmul FLOPs")
     ax_flops.set_ylabel("FLOP")
-    for ax in (ax_mem, ax_flops):
+    ax_ratio.set_title("naive / flash" + (" (time: emulator wall time)" if emulator else ""))
+    ax_ratio.set_ylabel("ratio (> 1: flash better)")
+    ax_ratio.axhline(1.0, color="grey", linewidth=0.8)
+    for ax in (ax_mem, ax_flops, ax_ratio):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(lengths))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("sequence length L")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="x-small")
+        ax.legend(fontsize="small", ncol=1 + len(ax.get_lines()) // 12)
+    ax_ratio.yaxis.set_major_formatter(ScalarFormatter())
     fig.suptitle(f"popxl_flash vs naive attention ({pf.BACKEND})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -24,6 +24,20 @@ py::array toArray(std::vector<T>&& values, const py::dtype& dtype,
     return py::array(dtype, std::move(shape), {}, owned->data(), owner);
 }
 
+// The flat block list of one loop nest as a dict of 1-D arrays.
+py::dict listToDict(popxl_flash::BlockList&& list) {
+    const auto n = static_cast<py::ssize_t>(list.kind.size());
+    py::dict out;
+    out["q_chunk"] = toArray(std::move(list.q_chunk), py::dtype::of<int32_t>(), {n});
+    out["kv_chunk"] = toArray(std::move(list.kv_chunk), py::dtype::of<int32_t>(), {n});
+    out["kind"] = toArray(std::move(list.kind), py::dtype::of<int8_t>(), {n});
+    out["pattern_id"] = toArray(std::move(list.pattern_id), py::dtype::of<int32_t>(), {n});
+    out["split"] = toArray(std::move(list.split), py::dtype::of<int8_t>(), {n});
+    out["first"] = toArray(std::move(list.first), py::dtype("bool"), {n});
+    out["last"] = toArray(std::move(list.last), py::dtype("bool"), {n});
+    return out;
+}
+
 py::dict planBlocksPy(int64_t lq, int64_t lkv, int64_t chunk_q, int64_t chunk_kv, bool causal,
                       int64_t window_left, int64_t window_right) {
     const popxl_flash::PlanRequest request{lq, lkv, chunk_q, chunk_kv,
@@ -46,12 +60,16 @@ py::dict planBlocksPy(int64_t lq, int64_t lkv, int64_t chunk_q, int64_t chunk_kv
                               {static_cast<py::ssize_t>(plan.num_patterns),
                                static_cast<py::ssize_t>(chunk_q),
                                static_cast<py::ssize_t>(chunk_kv)});
+    out["split"] = toArray(std::move(plan.split), py::dtype::of<int8_t>(), {nq, nkv});
     out["visited_per_q"] = toArray(std::move(plan.visited_per_q), py::dtype::of<int32_t>(), {nq});
     out["empty_rows"] = toArray(std::move(plan.empty_rows), py::dtype::of<int32_t>(), {num_empty});
     out["visible_elements"] = plan.visible_elements;
     out["visited_blocks"] = plan.visited_blocks;
     out["full_blocks"] = plan.full_blocks;
     out["partial_blocks"] = plan.partial_blocks;
+    out["executed_elements"] = plan.executed_elements;
+    out["q_major"] = listToDict(std::move(plan.q_major));
+    out["kv_major"] = listToDict(std::move(plan.kv_major));
     return out;
 }
 

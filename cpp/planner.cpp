@@ -182,6 +182,38 @@ private:
     std::vector<uint8_t> cells_;
 };
 
+// ---- split ----------------------------------------------------------------------------------
+
+// True iff some valid cell of rows [r0, r1) x cols [c0, c1) of the block is visible. The
+// rectangle's local diagonals c - r form the contiguous range [c0 - (r1 - 1), (c1 - 1) - r0].
+bool anyVisible(const BlockExtent& e, const LocalSpan& span, int64_t r0, int64_t r1, int64_t c0,
+                int64_t c1) {
+    r1 = std::min(r1, e.rows);
+    c1 = std::min(c1, e.cols);
+    if (r0 >= r1 || c0 >= c1) return false;
+    return std::max(span.lo, c0 - (r1 - 1)) <= std::min(span.hi, (c1 - 1) - r0);
+}
+
+BlockSplit splitOf(const PlanRequest& req, const BlockExtent& e, const LocalSpan& span) {
+    const int64_t h = req.chunk_q / 2;
+    const int64_t w = req.chunk_kv / 2;
+    if (h < 1 || w < 1) return BlockSplit::Whole;
+    if (!anyVisible(e, span, 0, h, w, req.chunk_kv)) return BlockSplit::Lower;
+    if (!anyVisible(e, span, h, req.chunk_q, 0, w)) return BlockSplit::Upper;
+    return BlockSplit::Whole;
+}
+
+// Cells the block matmuls run on for one visited block.
+int64_t executedCells(const PlanRequest& req, BlockSplit split) {
+    const int64_t cq = req.chunk_q, ckv = req.chunk_kv, h = cq / 2, w = ckv / 2;
+    switch (split) {
+        case BlockSplit::Lower: return h * w + (cq - h) * ckv;
+        case BlockSplit::Upper: return h * ckv + (cq - h) * (ckv - w);
+        case BlockSplit::Whole: break;
+    }
+    return cq * ckv;
+}
+
 // ---- tables ----------------------------------------------------------------------------------
 
 void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
@@ -190,6 +222,7 @@ void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
     const auto num_blocks = static_cast<size_t>(plan.nq * plan.nkv);
     plan.kind.assign(num_blocks, static_cast<int8_t>(BlockKind::Skip));
     plan.pattern_id.assign(num_blocks, kNoPattern);
+    plan.split.assign(num_blocks, static_cast<int8_t>(BlockSplit::Whole));
     plan.visited_per_q.assign(static_cast<size_t>(plan.nq), 0);
 
     PatternTable table(req.chunk_q, req.chunk_kv);
@@ -202,17 +235,47 @@ void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
             plan.kind[flat] = static_cast<int8_t>(kind);
             if (kind == BlockKind::Skip) continue;
             plan.visited_per_q[static_cast<size_t>(bi)] += 1;
+            BlockSplit split = BlockSplit::Whole;
             if (kind == BlockKind::Full) {
                 plan.full_blocks += 1;
             } else {
                 plan.partial_blocks += 1;
                 plan.pattern_id[flat] = table.idFor(canonicalKey(e, span));
+                split = splitOf(req, e, span);
+                plan.split[flat] = static_cast<int8_t>(split);
             }
+            plan.executed_elements += executedCells(req, split);
         }
     }
     plan.visited_blocks = plan.full_blocks + plan.partial_blocks;
     plan.num_patterns = table.size();
     plan.patterns = table.release();
+}
+
+// Flattens the visited blocks, outer chunk by outer chunk (q chunks outer if q_outer), inner
+// chunks ascending, and flags each outer chunk's first and last visited step.
+BlockList flatten(const BlockPlan& plan, bool q_outer) {
+    BlockList list;
+    const int64_t n_outer = q_outer ? plan.nq : plan.nkv;
+    const int64_t n_inner = q_outer ? plan.nkv : plan.nq;
+    for (int64_t o = 0; o < n_outer; ++o) {
+        const size_t start = list.kind.size();
+        for (int64_t x = 0; x < n_inner; ++x) {
+            const int64_t bi = q_outer ? o : x;
+            const int64_t bj = q_outer ? x : o;
+            const auto flat = static_cast<size_t>(bi * plan.nkv + bj);
+            if (plan.kind[flat] == static_cast<int8_t>(BlockKind::Skip)) continue;
+            list.q_chunk.push_back(static_cast<int32_t>(bi));
+            list.kv_chunk.push_back(static_cast<int32_t>(bj));
+            list.kind.push_back(plan.kind[flat]);
+            list.pattern_id.push_back(plan.pattern_id[flat]);
+            list.split.push_back(plan.split[flat]);
+            list.first.push_back(list.kind.size() == start + 1 ? 1 : 0);
+            list.last.push_back(0);
+        }
+        if (list.kind.size() > start) list.last.back() = 1;
+    }
+    return list;
 }
 
 // Closed-form per row: row i sees [max(0, i + shift + low), min(Lkv - 1, i + shift + high)].
@@ -246,6 +309,8 @@ BlockPlan planBlocks(const PlanRequest& req) {
     }
     fillBlockTables(req, plan);
     fillRowCounts(req, plan);
+    plan.q_major = flatten(plan, true);
+    plan.kv_major = flatten(plan, false);
     return plan;
 }
 

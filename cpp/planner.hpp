@@ -24,6 +24,28 @@ enum class BlockKind : int8_t { Skip = 0, Full = 1, Partial = 2 };
 // Sentinel pattern id of blocks that are not partial.
 constexpr int32_t kNoPattern = -1;
 
+// How a partial block is executed. With h = chunk_q / 2 and w = chunk_kv / 2 (both >= 1):
+//   Whole: one masked chunk_q x chunk_kv block (also every full block).
+//   Lower: its top-right quadrant (rows < h, cols >= w) holds no visible cell; it runs as two
+//          sub-blocks, rows [0, h) x cols [0, w) and rows [h, chunk_q) x cols [0, chunk_kv)
+//          (a causal diagonal block).
+//   Upper: its bottom-left quadrant (rows >= h, cols < w) holds no visible cell; it runs as
+//          rows [0, h) x cols [0, chunk_kv) and rows [h, chunk_q) x cols [w, chunk_kv)
+//          (the left edge of a window).
+// Lower is preferred when both quadrants are empty.
+enum class BlockSplit : int8_t { Whole = 0, Lower = 1, Upper = 2 };
+
+// The visited blocks of one loop nest, flattened in execution order (one entry per block).
+struct BlockList {
+    std::vector<int32_t> q_chunk;     // q chunk of each step
+    std::vector<int32_t> kv_chunk;    // kv chunk of each step
+    std::vector<int8_t> kind;         // Full or Partial (never Skip)
+    std::vector<int32_t> pattern_id;  // kNoPattern unless partial
+    std::vector<int8_t> split;        // BlockSplit values
+    std::vector<uint8_t> first;       // 1 at the first step of an outer chunk
+    std::vector<uint8_t> last;        // 1 at the last step of an outer chunk
+};
+
 struct PlanRequest {
     int64_t lq = 0;
     int64_t lkv = 0;
@@ -41,12 +63,16 @@ struct BlockPlan {
     std::vector<int32_t> pattern_id;      // [nq * nkv] row-major, kNoPattern unless partial
     int64_t num_patterns = 0;             // P
     std::vector<uint8_t> patterns;        // [P * chunk_q * chunk_kv], 1 = visible
+    std::vector<int8_t> split;            // [nq * nkv] row-major, BlockSplit values
     std::vector<int32_t> visited_per_q;   // [nq] non-skip blocks per q chunk
     std::vector<int32_t> empty_rows;      // real query rows that see no key, ascending
     int64_t visible_elements = 0;
     int64_t visited_blocks = 0;
     int64_t full_blocks = 0;
     int64_t partial_blocks = 0;
+    int64_t executed_elements = 0;        // (q, k) cells the block matmuls run on
+    BlockList q_major;                    // forward order: q chunk outer, kv chunk inner
+    BlockList kv_major;                   // backward order: kv chunk outer, q chunk inner
 };
 
 // Plans the block schedule. Throws std::invalid_argument on an invalid request and

@@ -6,7 +6,8 @@ from popxl_flash import reference
 from popxl_flash.autodiff import autodiff, called_graphs_grad_info
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
-from popxl_flash.config import AttentionConfig
+from popxl_flash import costmodel
+from popxl_flash.config import AttentionConfig, explain
 from popxl_flash.flash_attn_interface import flash_attn_func
 from popxl_flash.forward import FlashAttention
 from popxl_flash.fpchecks import enable_floating_point_checks
@@ -15,7 +16,8 @@ from popxl_flash.functional import (flash_attention, flash_attention_grad,
 from popxl_flash.schedule import BlockSchedule, plan
 
 __all__ = [
-    "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan",
+    "BACKEND", "popxl", "reference", "AttentionConfig", "BlockSchedule", "plan", "explain",
+    "costmodel",
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
     "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",

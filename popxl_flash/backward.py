@@ -8,14 +8,13 @@ Graph structure::
     build(dout, q, k, v, out, lse)
       Dvec = rowsum(dout * out)                   [G, Lq]    float32, once
       pad everything to whole chunks
-      repeat nkv x kv_body                         # outer loop: key/value chunks j
-        k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
-        repeat T x q_body                          # inner loop: the q chunks that visit j
-          kind, pattern_id, i = tables[j, t]       # planner constants; T = max visits per j
-          conditional(kind == FULL, full_block, passthrough)
-          conditional(kind == PARTIAL, partial_block, passthrough)   # SKIP: no work
-          dynamic_update_(dq, i, dq_i)             # by-ref accumulator, in place
-        dynamic_update_(dk, j, dk_j), dynamic_update_(dv, j, dv_j)
+      repeat V x block_body                        # one step per visited block, kv-major
+        i, j, branch, pattern_id = block_list[t]   # planner constants
+        q_i, do_i, lse_i, Dvec_i, dq_i = dynamic_slice(..., i); k_j, v_j = dynamic_slice(..., j)
+        conditional(branch, ...)                   # (full|partial, whole|split, last) graphs
+                                                   # last block of kv chunk j: fresh dk_j, dv_j
+        dynamic_update_(dq, i, dq_i)               # by-ref accumulators, in place
+        dynamic_update_(dk, j, dk_j), dynamic_update_(dv, j, dv_j)   # the last write wins
 
 Per visited block (5 matmuls; statistics and accumulators float32)::
 
@@ -33,10 +32,8 @@ ops = popxl.ops
 ByRef = popxl.TensorByRef
 
 
-def _mm(a, b):
-    """float32-accumulated matmul of two input-dtype tensors."""
-    f32 = blocks.float32()
-    return ops.matmul(a, b, output_type=f32, partials_type=f32)
+_mm = blocks.matmul_f32
+_fold, _unfold = blocks.fold_heads, blocks.unfold_heads
 
 
 def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible=None):
@@ -44,8 +41,10 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        dq_i: float32 ``[G, cq, D]``; dk_j, dv_j: float32 ``[G, ckv, D]`` accumulators.
-        q_i, do_i: ``[G, cq, D]``; k_j, v_j: ``[G, ckv, D]`` in the input dtype.
+        dq_i: float32 ``[G, cq, D]``; dk_j, dv_j: float32 ``[Gk, ckv, D]`` accumulators.
+        q_i, do_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
+            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`,
+            so dk_j and dv_j sum over the q groups sharing a kv group inside the matmul).
         lse_i, dvec_i: float32 ``[G, cq, 1]``.
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` (partial block).
 
@@ -63,79 +62,85 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
         lse_safe = ops.where(seen, lse_i, blocks.scalar(0.0, f32))
         x = ops.where(visible, s - lse_safe, blocks.scalar(blocks.MASKED_SCORE, f32))
         p = ops.exp(x)  # [G, cq, ckv]
-    dv_j = dv_j + _mm(blocks.to_input_dtype(cfg, p).transpose((0, 2, 1)), do_i)  # [G, ckv, D]
-    dp = _mm(do_i, v_j.transpose((0, 2, 1)))  # [G, cq, ckv]
-    ds = blocks.to_input_dtype(cfg, p * (dp - dvec_i))  # [G, cq, ckv]
-    dq_i = dq_i + _mm(ds, k_j) * cfg.scale  # [G, cq, D]
-    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), q_i) * cfg.scale  # [G, ckv, D]
+    do_f = _fold(cfg, do_i)  # [Gk, r*cq, D]
+    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, ckv, r*cq]
+    dv_j = dv_j + _mm(p_t, do_f)  # [Gk, ckv, D]
+    dp = _unfold(cfg, _mm(do_f, v_j.transpose((0, 2, 1))))  # [G, cq, ckv]
+    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*cq, ckv]
+    dq_i = dq_i + _unfold(cfg, _mm(ds, k_j)) * cfg.scale  # [G, cq, D]
+    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i)) * cfg.scale  # [Gk, ckv, D]
     return dq_i, dk_j, dv_j
 
 
-def _q_body(cfg, block_graphs, t, dk_j, dv_j, j, k_j, v_j, q: ByRef, do: ByRef, lse: ByRef,
-            dvec: ByRef, dq: ByRef):
-    """Inner repeat body over the query chunks kv chunk ``j`` is visited by.
+def _init_state(cfg):
+    """Running ``dk_j, dv_j`` at a kv chunk's first block: zeros, float32 ``[Gk, ckv, D]``
+    (two distinct tensors: one parent tensor may not feed two repeat inputs)."""
+    shape = (cfg.kv_groups, cfg.chunk_kv, cfg.head_dim)
+    return tuple(ops.init(shape, blocks.float32(), init_type="zero") for _ in range(2))
 
-    Carried: iteration ``t [1]``, ``dk_j, dv_j [G, ckv, D]`` (float32). Invariant: ``j [1]``,
-    ``k_j, v_j`` and, by reference, padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]`` (read-only)
-    and the float32 accumulator ``dq [G, Lq_pad, D]`` whose chunk ``i`` is updated in place.
+
+def _finish(cfg, dk_j, dv_j):
+    """A kv chunk's results are its accumulated ``dk_j, dv_j``."""
+    return dk_j, dv_j
+
+
+def loop_spec(cfg, dtype):
+    """The backward's :class:`blocks.LoopSpec` (kv-major block list, FlashAttention-2 step).
+
+    Args:
+        cfg: the :class:`AttentionConfig`.
+        dtype: the popxl dtype of q, k, v.
     """
-    cq = cfg.chunk_q
-    # The chunk slices and the dq write-back run every iteration, skip blocks included: branch
-    # graphs cannot take the full tensors by reference, and copying them in would cost more.
-    tables = blocks.BlockTables(cfg.schedule.inner_loop("q"))
-    full, partial, pattern_id, i = tables.lookup(j, t)  # i: the q chunk of iteration t
-    q_i, do_i = blocks.chunk(q, i, cq), blocks.chunk(do, i, cq)  # [G, cq, D]
-    lse_i, dvec_i = blocks.chunk(lse, i, cq), blocks.chunk(dvec, i, cq)  # [G, cq, 1]
-    dq_i, dk_j, dv_j = block_graphs.step(full, partial, pattern_id,
-                                         state=(blocks.chunk(dq, i, cq), dk_j, dv_j),
-                                         operands=(q_i, do_i, lse_i, dvec_i, k_j, v_j))
-    blocks.update_chunk_(dq, i, dq_i, cq)
+    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
+    f32, spec = blocks.float32(), popxl.TensorSpec
+    kv_acc = spec((Gk, ckv, D), f32)
+    return blocks.LoopSpec(
+        order="kv_major", update=grad_block_update,
+        roles=("q", "kv", "kv", "q", "q", "q", "q", "kv", "kv"),
+        block_specs=(spec((G, cq, D), f32), kv_acc, kv_acc),
+        operand_specs=(spec((G, cq, D), dtype), spec((G, cq, D), dtype), spec((G, cq, 1), f32),
+                       spec((G, cq, 1), f32), spec((Gk, ckv, D), dtype),
+                       spec((Gk, ckv, D), dtype)),
+        carried=(1, 2), init=_init_state, finish=_finish, finished_specs=(kv_acc, kv_acc))
+
+
+def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
+                k: ByRef, v: ByRef, dq: ByRef, dk: ByRef, dv: ByRef):
+    """Repeat body: one visited block of the kv-major block list.
+
+    Carried: step ``t [1]`` and the running ``dk_j, dv_j [Gk, ckv, D]`` (float32; fresh after a
+    kv chunk's last block). Invariant, by reference: padded ``q, do``, ``lse, dvec
+    [G, Lq_pad, 1]``, ``k, v`` (read-only) and the float32 accumulators ``dq [G, Lq_pad, D]``
+    (chunk i read and written back every step) and ``dk, dv [Gk, Lkv_pad, D]`` (chunk j written
+    every step: zeros until the kv chunk's last block writes the result).
+    """
+    cq, ckv = cfg.chunk_q, cfg.chunk_kv
+    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
+    q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
+    k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [Gk, ckv, D]
+    dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
+        t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j))
+    blocks.write_rows_(dq, i0, dq_i)
+    blocks.write_rows_(dk, j0, dk_done)
+    blocks.write_rows_(dv, j0, dv_done)
     return t + 1, dk_j, dv_j
 
 
-def _kv_body(cfg, q_graph, j, k: ByRef, v: ByRef, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
-             dq: ByRef, dk: ByRef, dv: ByRef):
-    """Outer repeat body over key/value chunks.
-
-    Carried: ``j [1]``. Invariant, by reference: padded ``k, v, q, do, lse, dvec`` (read-only)
-    and the float32 accumulators ``dq [G, Lq_pad, D]``, ``dk, dv [G, Lkv_pad, D]`` (chunk ``j``
-    of dk, dv written in place).
-    """
-    ckv, f32 = cfg.chunk_kv, blocks.float32()
-    k_j, v_j = blocks.chunk(k, j, ckv), blocks.chunk(v, j, ckv)  # [G, ckv, D]
-    # One tensor per carried input: PopXL names repeat inputs after their parent tensor, so
-    # one tensor given twice is an IR error.
-    dk_0, dv_0 = (ops.init((cfg.groups, ckv, cfg.head_dim), f32, init_type="zero")
-                  for _ in range(2))
-    trips = cfg.schedule.inner_loop("q").trip_count
-    _, dk_j, dv_j = ops.repeat(q_graph, trips, blocks.counter(0), dk_0, dv_0, j, k_j, v_j, q,
-                               do, lse, dvec, dq)
-    blocks.update_chunk_(dk, j, dk_j, ckv)
-    blocks.update_chunk_(dv, j, dv_j, ckv)
-    return j + 1
-
-
-def _build_loop_graphs(cfg, k, v, q, do, lse, dvec):
-    """Create the branch graphs, the q-loop graph and the kv-loop graph (from specs).
+def _build_loop_graph(cfg, q, do, lse, dvec, k, v):
+    """Create the branch graphs and the repeat body over the kv-major block list (from specs).
 
     Returns:
-        The kv-loop body graph (inputs ``j, k, v, q, do, lse, dvec, dq, dk, dv``).
+        The body graph (inputs ``t, dk_j, dv_j, q, do, lse, dvec, k, v, dq, dk, dv``).
     """
     ir = popxl.gcg().ir
-    G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
-    f32, dt, spec = blocks.float32(), q.dtype, popxl.TensorSpec
-    state = [spec((G, cq, D), f32), spec((G, ckv, D), f32), spec((G, ckv, D), f32)]
-    operands = [spec((G, cq, D), dt), spec((G, cq, D), dt), spec((G, cq, 1), f32),
-                spec((G, cq, 1), f32), spec((G, ckv, D), dt), spec((G, ckv, D), dt)]
-    block_graphs = blocks.BlockGraphs(cfg, grad_block_update, state, operands)
-    counter = spec((1,), popxl.int32)
-    dq_spec = spec((G, cfg.padded_q_len, D), f32)
-    q_graph = ir.create_graph(_q_body, cfg, block_graphs, counter, state[1], state[2], counter,
-                              operands[4], operands[5], q.spec, do.spec, lse.spec, dvec.spec,
-                              dq_spec)
-    dkv_spec = spec((G, cfg.padded_kv_len, D), f32)
-    return ir.create_graph(_kv_body, cfg, q_graph, counter, k.spec, v.spec, q.spec, do.spec,
-                           lse.spec, dvec.spec, dq_spec, dkv_spec, dkv_spec)
+    G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
+    spec = loop_spec(cfg, q.dtype)
+    step = blocks.BlockStep(spec, cfg)
+    dq_spec = popxl.TensorSpec((G, cfg.padded_q_len, D), f32)
+    dkv_spec = popxl.TensorSpec((cfg.kv_groups, cfg.padded_kv_len, D), f32)
+    return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
+                           *spec.block_specs[1:], q.spec, do.spec, lse.spec, dvec.spec, k.spec,
+                           v.spec, dq_spec, dkv_spec, dkv_spec)
 
 
 class FlashAttentionGrad(popxl.Module):
@@ -145,7 +150,9 @@ class FlashAttentionGrad(popxl.Module):
     they must equal the forward's.
 
     ``build`` args:
-        dout, q, out: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (one float dtype);
+        dout, q, out: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (one float
+            dtype; ``Gk < G``: grouped-query attention, dk and dv summed over the q groups
+            sharing each kv group);
         lse: float32 ``[G, Lq]`` from :class:`popxl_flash.FlashAttention`.
 
     Returns:
@@ -178,10 +185,13 @@ class FlashAttentionGrad(popxl.Module):
             padded = [blocks.pad_rows(t, cfg.padded_q_len)
                       for t in (q, dout, lse.reshape((G, Lq, 1)), dvec)]
             k_pad, v_pad = (blocks.pad_rows(t, cfg.padded_kv_len) for t in (k, v))
-            grads = [ops.init((G, n, D), f32, init_type="zero")
-                     for n in (cfg.padded_q_len, cfg.padded_kv_len, cfg.padded_kv_len)]
-            kv_graph = _build_loop_graphs(cfg, k_pad, v_pad, *padded)
-            ops.repeat(kv_graph, cfg.num_chunks_kv, blocks.counter(0), k_pad, v_pad, *padded,
-                       *grads)
+            Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
+            grads = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
+                     for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
+            steps = cfg.schedule.visited_blocks
+            if steps:
+                body = _build_loop_graph(cfg, *padded, k_pad, v_pad)
+                ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), *padded, k_pad,
+                           v_pad, *grads)
             return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
                          for t, n in zip(grads, (Lq, cfg.kv_len, cfg.kv_len)))

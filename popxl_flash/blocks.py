@@ -1,14 +1,19 @@
 """PopXL graph helpers shared by the forward and backward modules.
 
-They slice chunks by loop counters, look a block up in the planner's tables, fetch its mask
-pattern and dispatch the block to its full or partial branch graph. Everything here is graph
+They look a loop step up in the planner's block list, slice the block's chunks, fetch its mask
+pattern and dispatch the step to the branch graph of its kind (full or partial, whole or split
+into two sub-blocks, last step of its outer chunk or not). Everything here is graph
 code: it runs inside the graph context of the module being built and uses only the documented
 PopXL API.
 """
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Tuple
+
 import numpy as np
 
 from popxl_flash.backend import popxl
-from popxl_flash.schedule import FULL, PARTIAL
+from popxl_flash.schedule import LOWER, PARTIAL, UPPER
 
 ops = popxl.ops
 
@@ -33,6 +38,13 @@ def counter(value=0):
     return popxl.constant(np.array([value], dtype=INDEX_DTYPE))
 
 
+def fill(t, value):
+    """``t`` with every element replaced by the constant ``value`` (a ``where`` select, so a
+    constant ``-inf`` never enters arithmetic)."""
+    true = popxl.constant(np.array(True))
+    return ops.where(true, popxl.constant(value, dtype=t.dtype), t)
+
+
 def pad_rows(t, padded_len):
     """Pad axis 1 of ``t [G, L, D]`` with zeros to ``[G, padded_len, D]`` (no-op if equal)."""
     G, L, D = t.shape
@@ -49,62 +61,58 @@ def unpad_rows(t, length):
     return ops.slice(t, start=[0], stop=[length], axis=[1])
 
 
-def chunk(t, index, chunk_len):
-    """``t[:, index*chunk_len : (index+1)*chunk_len]`` for a counter ``index [1]``.
+class StepTables:
+    """A block list's per-step entries as int32 ``[V]`` constants of the loop body.
+
+    Create inside the loop body (the constants belong to that graph, so they are not copied
+    through loop boundaries). Each lookup is one ``dynamic_slice`` by the step counter.
 
     Args:
-        t: ``[G, L_pad, ...]``.
-        index: int32 ``[1]`` chunk index.
-        chunk_len: rows per chunk.
-
-    Returns:
-        ``[G, chunk_len, ...]``.
-    """
-    return ops.dynamic_slice(t, index * chunk_len, axes=[1], sizes=[chunk_len], no_overlap=True)
-
-
-def update_chunk_(t, index, value, chunk_len):
-    """Write ``value`` into chunk ``index`` of axis 1 of ``t`` in place; returns the alias.
-
-    Only for the library's own accumulators (``out``, ``lse``, ``dq``, ``dk``, ``dv``), which
-    enter the loops by reference and are read after them under ``in_sequence``.
-    """
-    return ops.dynamic_update_(t, index * chunk_len, value, axes=[1], sizes=[chunk_len],
-                               no_overlap=True)
-
-
-class BlockTables:
-    """An inner loop's ``kind``/``pattern_id``/``index`` tables as constants of one graph.
-
-    Create inside the graph that looks blocks up (the constants belong to that graph, so they
-    are not copied through loop boundaries).
-
-    Args:
-        loop: the schedule's :class:`popxl_flash.schedule.InnerLoop` for this loop nest.
+        cfg: the :class:`AttentionConfig`.
+        block_list: the schedule's :class:`popxl_flash.schedule.BlockList` of this loop nest.
+        branch_ids: ``int[V]`` branch of each step (see :class:`BlockStep`), or ``None`` when
+            the loop has a single branch.
     """
 
-    def __init__(self, loop):
-        self.kind = popxl.constant(loop.kind.astype(INDEX_DTYPE))  # [n_outer, T]
-        self.pattern_id = popxl.constant(loop.pattern_id)  # [n_outer, T]
-        self.index = popxl.constant(loop.index)  # [n_outer, T]
+    def __init__(self, cfg, block_list, branch_ids):
+        self.q_offset = _table(block_list.q_chunk.astype(np.int64) * cfg.chunk_q)
+        self.kv_offset = _table(block_list.kv_chunk.astype(np.int64) * cfg.chunk_kv)
+        self.branch = None if branch_ids is None else _table(branch_ids)
 
-    def lookup(self, outer, t):
-        """Entries of iteration ``t`` of outer chunk ``outer`` (counters ``[1]``).
+    def lookup(self, t):
+        """Entries of step ``t`` (int32 ``[1]``).
 
         Returns:
-            ``(full, partial, pattern_id, inner)``: bool ``()`` flags (a skip block has both
-            False), the int32 ``[1]`` pattern id (-1 unless partial) and the int32 ``[1]`` inner
-            chunk index.
+            ``(q_offset, kv_offset, branch)``: int32 ``[1]`` each (first row of the q and kv
+            chunks; the branch is ``None`` when the loop has a single branch).
         """
-        idx = ops.concat([outer, t], axis=0)  # [2]
+        return tuple(None if table is None else entry(table, t)
+                     for table in (self.q_offset, self.kv_offset, self.branch))
 
-        def entry(table):
-            return ops.dynamic_slice(table, idx, axes=[0, 1], sizes=[1, 1], no_overlap=True)
 
-        kind = entry(self.kind).reshape(())
-        full = ops.equal(kind, popxl.constant(np.array(FULL, dtype=INDEX_DTYPE)))
-        partial = ops.equal(kind, popxl.constant(np.array(PARTIAL, dtype=INDEX_DTYPE)))
-        return full, partial, entry(self.pattern_id).reshape((1,)), entry(self.index).reshape((1,))
+def _table(values):
+    """An int32 ``[V]`` constant of the current graph."""
+    return popxl.constant(np.ascontiguousarray(values, dtype=INDEX_DTYPE))
+
+
+def entry(table, t):
+    """``table[t]`` as int32 ``[1]`` for a step counter ``t [1]``."""
+    return ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
+
+
+def rows(t, offset, length):
+    """``t[:, offset : offset + length]`` for an int32 ``[1]`` row offset (axis 1)."""
+    return ops.dynamic_slice(t, offset, axes=[1], sizes=[length], no_overlap=True)
+
+
+def write_rows_(t, offset, value):
+    """Write ``value`` into ``t[:, offset : offset + value.shape[1]]`` in place; returns the alias.
+
+    Only for the library's own accumulators (``out``, ``lse``, ``dq``, ``dk``, ``dv``), which
+    enter the loop by reference and are read after it under ``in_sequence``.
+    """
+    return ops.dynamic_update_(t, offset, value, axes=[1], sizes=[value.shape[1]],
+                               no_overlap=True)
 
 
 def block_mask(schedule, pattern_id):
@@ -121,78 +129,242 @@ def block_mask(schedule, pattern_id):
     return ops.dynamic_slice(patterns, pattern_id, axes=[0], sizes=[1], no_overlap=True)
 
 
-def _full_block(update, cfg, *tensors):
-    """Branch body: ``update`` on a fully visible block."""
-    return update(cfg, *tensors)
+@dataclass(frozen=True)
+class LoopSpec:
+    """What one loop nest's block step computes; see :class:`BlockStep`.
 
-
-def _partial_block(update, cfg, *tensors):
-    """Branch body: ``update`` masked by the block's pattern (the last input is its id)."""
-    *tensors, pattern_id = tensors
-    return update(cfg, *tensors, visible=block_mask(cfg.schedule, pattern_id))
-
-
-def _pass_block(*state):
-    """Branch body: the block is not of this kind; the state passes through unchanged.
-
-    One ``ops.identity`` per tensor: a branch graph without ops cannot be lowered by PopART.
-    """
-    return tuple(ops.identity(t) for t in state)
-
-
-class BlockGraphs:
-    """The branch graphs of one block step: ``full``, ``partial`` (None if the schedule has no
-    partial block) and ``passthrough``.
-
-    ``update(cfg, *state, *operands, visible=None) -> new state`` is the block's work; it is
-    traced once unmasked and once masked.
+    Attributes:
+        order: ``"q_major"`` (forward) or ``"kv_major"`` (backward).
+        update: ``update(cfg, *block_tensors, *operands, visible=None) -> block_tensors``, the
+            per-block math (``online_softmax_update`` or ``grad_block_update``).
+        roles: ``"q"`` or ``"kv"`` per block tensor then per operand: whether axis 1 of that
+            tensor runs over the block's q rows or its kv rows (how sub-blocks slice it).
+        block_specs, operand_specs: ``TensorSpec`` of the block tensors and the operands.
+        carried: indices of the block tensors carried from step to step (the running state of
+            the outer chunk); the others are written back every step.
+        init: ``init(cfg) -> carried tensors``, the running state at an outer chunk's start.
+        finish: ``finish(cfg, *carried) -> finished tensors``, the outer chunk's results.
+        finished_specs: ``TensorSpec`` of the finished tensors.
     """
 
-    def __init__(self, cfg, update, state_specs, operand_specs):
-        ir = popxl.gcg().ir
-        self.passthrough = ir.create_graph(_pass_block, *state_specs)
-        self.full = ir.create_graph(_full_block, update, cfg, *state_specs, *operand_specs)
-        self.partial = None
-        if cfg.schedule.partial_blocks:
-            pid_spec = popxl.TensorSpec((1,), popxl.int32)
-            self.partial = ir.create_graph(_partial_block, update, cfg, *state_specs,
-                                           *operand_specs, pid_spec)
+    order: str
+    update: Callable
+    roles: Tuple[str, ...]
+    block_specs: tuple
+    operand_specs: tuple
+    carried: Tuple[int, ...]
+    init: Callable
+    finish: Callable
+    finished_specs: tuple
 
-    def step(self, full, partial, pattern_id, state, operands):
-        """Apply one block to ``state``: full, masked, or not at all (skip).
 
-        Two one-level conditionals (rather than nested ones) keep one graph frame, and so one
-        copy of the operands, between the loop body and the block's work. A skip block takes
-        the passthrough branch of both: no matmul runs.
+def _sub_blocks(cfg, split):
+    """Static ``(rows, cols)`` ranges of the sub-blocks of a block of ``split`` kind."""
+    cq, ckv = cfg.chunk_q, cfg.chunk_kv
+    h, w = cq // 2, ckv // 2
+    if split == LOWER:
+        return [((0, h), (0, w)), ((h, cq), (0, ckv))]
+    if split == UPPER:
+        return [((0, h), (0, ckv)), ((h, cq), (w, ckv))]
+    return [((0, cq), (0, ckv))]
+
+
+def _part(t, span, axis_len, axis=1):
+    """``t`` sliced to ``span`` on ``axis`` (no op for the whole axis)."""
+    start, stop = span
+    if (start, stop) == (0, axis_len):
+        return t
+    return ops.slice(t, start=[start], stop=[stop], axis=[axis])
+
+
+def _put(t, new, span, axis_len):
+    """``t`` with rows ``span`` of axis 1 replaced by ``new`` (no op for the whole axis)."""
+    start, stop = span
+    if (start, stop) == (0, axis_len):
+        return new
+    pieces = [_part(t, (0, start), axis_len)] if start > 0 else []
+    pieces.append(new)
+    if stop < axis_len:
+        pieces.append(_part(t, (stop, axis_len), axis_len))
+    return ops.concat(pieces, axis=1)
+
+
+def run_block(spec, cfg, split, tensors, visible):
+    """Apply ``spec.update`` to one block, as one block or as two sub-blocks.
+
+    Args:
+        spec: the :class:`LoopSpec`.
+        cfg: the :class:`AttentionConfig`.
+        split: ``WHOLE``, ``LOWER`` or ``UPPER`` (static).
+        tensors: block tensors then operands (``[G, cq or ckv, ...]`` by role).
+        visible: bool ``[1, cq, ckv]`` mask or ``None`` (full block).
+
+    Returns:
+        The updated block tensors (list).
+    """
+    n = len(spec.block_specs)
+    lengths = {"q": cfg.chunk_q, "kv": cfg.chunk_kv}
+    block, operands = list(tensors[:n]), list(tensors[n:])
+    for row_span, col_span in _sub_blocks(cfg, split):
+        spans = {"q": row_span, "kv": col_span}
+        parts = [_part(t, spans[r], lengths[r]) for t, r in zip(block + operands, spec.roles)]
+        mask = visible
+        if mask is not None:
+            mask = _part(_part(mask, row_span, cfg.chunk_q), col_span, cfg.chunk_kv, axis=2)
+        new = spec.update(cfg, *parts, visible=mask)
+        block = [_put(t, u, spans[r], lengths[r]) for t, u, r in zip(block, new, spec.roles)]
+    return block
+
+
+def _zeros(specs):
+    return [ops.init(s.shape, s.dtype, init_type="zero") for s in specs]
+
+
+def _branch(spec, cfg, key, *inputs):
+    """One block step of a fixed ``key = (kind, split, last)``.
+
+    Args:
+        inputs: block tensors, operands, then the step counter ``t [1]`` when the loop has
+            partial blocks (a partial branch looks its pattern id up itself, so full steps
+            skip that lookup).
+
+    Returns:
+        ``(*carried, *written, *finished)``: the running state for the next step (fresh at an
+        outer chunk's last step), the non-carried block tensors, and the finished results
+        (zeros except at the last step).
+    """
+    kind, split, last = key
+    n = len(spec.block_specs) + len(spec.operand_specs)
+    visible = None
+    if kind == PARTIAL:
+        pattern_ids = _table(cfg.schedule.block_list(spec.order).pattern_id)  # [V]
+        visible = block_mask(cfg.schedule, entry(pattern_ids, inputs[n]))
+    block = run_block(spec, cfg, split, inputs[:n], visible)
+    carried = [block[i] for i in spec.carried]
+    written = [t for i, t in enumerate(block) if i not in spec.carried]
+    if last:
+        finished = list(spec.finish(cfg, *carried))
+        carried = list(spec.init(cfg))
+    else:
+        finished = _zeros(spec.finished_specs)
+    return (*carried, *written, *finished)
+
+
+def _dispatch(graphs, ids, *inputs):
+    """Nested conditional over branch graphs: ``graphs[0]`` if ``branch == ids[0]``, else the
+    rest (the last input is the branch id)."""
+    *inputs, branch = inputs
+    return _select(graphs, ids, inputs, branch)
+
+
+def _select(graphs, ids, inputs, branch):
+    """``conditional(branch == ids[0], graphs[0], <the rest>)`` for two or more graphs."""
+    then_graph, else_graph = graphs[0], graphs[1]
+    else_inputs = list(inputs)
+    if len(graphs) > 2:  # the else branch dispatches among the rest
+        else_graph = popxl.gcg().ir.create_graph(_dispatch, graphs[1:], ids[1:],
+                                                 *[t.spec for t in inputs], branch.spec)
+        else_inputs.append(branch)
+    cond = ops.equal(branch, popxl.constant(np.array([ids[0]], dtype=INDEX_DTYPE)))
+    return ops.conditional(cond, then_graph, else_graph, then_inputs=list(inputs),
+                           else_inputs=else_inputs)
+
+
+class BlockStep:
+    """The branch graphs of one loop nest: one per distinct ``(kind, split, last)`` among its
+    steps, most frequent first.
+
+    One branch runs inline in the loop body (no conditional at all); two are one
+    ``ops.conditional``; more nest conditionals, the rarer branches deeper. Every branch graph
+    has ops, takes no by-reference input and returns tensors of the same specs.
+
+    Args:
+        spec: the :class:`LoopSpec`.
+        cfg: the :class:`AttentionConfig`.
+    """
+
+    def __init__(self, spec, cfg):
+        self.spec, self.cfg = spec, cfg
+        blist = cfg.schedule.block_list(spec.order)
+        keys = [(int(k), int(s), bool(f)) for k, s, f in zip(blist.kind, blist.split, blist.last)]
+        counts = Counter(keys)
+        self.keys = sorted(counts, key=lambda key: (-counts[key], key))
+        index = {key: b for b, key in enumerate(self.keys)}
+        self.branch_ids = np.array([index[key] for key in keys], dtype=INDEX_DTYPE)
+        self.has_partial = bool((blist.kind == PARTIAL).any())
+        self.graphs = []
+        if len(self.keys) > 1:
+            ir = popxl.gcg().ir
+            specs = [*spec.block_specs, *spec.operand_specs]
+            if self.has_partial:
+                specs.append(popxl.TensorSpec((1,), popxl.int32))  # the step counter
+            self.graphs = [ir.create_graph(_branch, spec, cfg, key, *specs) for key in self.keys]
+
+    def tables(self):
+        """The block list as :class:`StepTables` constants of the current (loop body) graph."""
+        blist = self.cfg.schedule.block_list(self.spec.order)
+        return StepTables(self.cfg, blist, self.branch_ids if self.graphs else None)
+
+    def run(self, t, branch, tensors):
+        """One step: dispatch to the step's branch.
 
         Args:
-            full, partial, pattern_id: from :meth:`BlockTables.lookup`.
-            state, operands: tensors passed to the block update (state is also the result).
+            t: the step counter, int32 ``[1]``.
+            branch: from :meth:`StepTables.lookup`.
+            tensors: block tensors then operands.
 
         Returns:
-            The new state tensors (a tuple).
+            ``(*carried, *written, *finished)`` as the branch returns them (a tuple).
         """
-        state = ops.conditional(full, self.full, self.passthrough,
-                                then_inputs=[*state, *operands], else_inputs=list(state))
-        if self.partial is not None:
-            state = ops.conditional(partial, self.partial, self.passthrough,
-                                    then_inputs=[*state, *operands, pattern_id],
-                                    else_inputs=list(state))
-        return state
+        inputs = list(tensors) + ([t] if self.has_partial else [])
+        if not self.graphs:
+            return _branch(self.spec, self.cfg, self.keys[0], *inputs)
+        return tuple(_select(self.graphs, list(range(len(self.keys))), inputs, branch))
+
+
+def fold_heads(cfg, t):
+    """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
+    groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
+    per kv group serves them all (a reshape; no op for multi-head attention, r = 1).
+
+    q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
+    is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
+    ``gk * r + h``.
+    """
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape((cfg.kv_groups, r * rows, x))
+
+
+def unfold_heads(cfg, t):
+    """Inverse of :func:`fold_heads`: ``[Gk, r * rows, X] -> [G, rows, X]``."""
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape((cfg.groups, rows // r, x))
+
+
+def matmul_f32(a, b):
+    """float32-accumulated matmul of two input-dtype tensors."""
+    f32 = float32()
+    return ops.matmul(a, b, output_type=f32, partials_type=f32)
 
 
 def scores(cfg, q_i, k_j):
-    """``scale * q_i k_j^T`` in float32.
+    """``scale * q_i k_j^T`` in float32 (grouped-query: one matmul per kv group over the folded
+    rows of its q groups, :func:`fold_heads`).
 
     Args:
-        q_i: ``[G, cq, D]``; k_j: ``[G, ckv, D]`` (input dtype).
+        q_i: ``[G, cq, D]``; k_j: ``[Gk, ckv, D]`` (input dtype).
 
     Returns:
         float32 ``[G, cq, ckv]``.
     """
-    f32 = float32()
-    s = ops.matmul(q_i, k_j.transpose((0, 2, 1)), output_type=f32, partials_type=f32)
-    return s * cfg.scale
+    s = matmul_f32(fold_heads(cfg, q_i), k_j.transpose((0, 2, 1)))  # [Gk, r*cq, ckv]
+    return unfold_heads(cfg, s) * cfg.scale
 
 
 def to_input_dtype(cfg, t):

@@ -4,11 +4,14 @@ The configuration is a frozen dataclass built from the tensors' shapes and dtype
 user's options, at graph-build time. It resolves the automatic chunk counts and normalises the
 window, then hands ``(Lq, Lkv, chunk_q, chunk_kv, causal, window)`` to the planner.
 
-Chunking rule (``num_chunks_*=None``): ``num_chunks = ceil(L / DEFAULT_CHUNK_LEN)``. For any
-count ``n`` (automatic or given) the chunk length is ``ceil(L / n)`` and the number of chunks
-actually used is ``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted).
-That count is ``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6``
-gives chunks of 2, so 5 chunks: a sixth would hold padding only).
+Chunking rule: ``num_chunks_*=None`` lets the cost model (:mod:`popxl_flash.costmodel`) choose
+the chunk length (targets 64, 128, 256 or 512, balanced over L): the least modelled IPU time
+among the chunkings that fit tile memory, keep memory O(L) and waste at most 3.5% of the matmul
+FLOPs (see :func:`explain`). For a given count
+``n`` the chunk length is ``ceil(L / n)`` and the number of chunks actually used is
+``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted). That count is
+``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6`` gives chunks of
+2, so 5 chunks: a sixth would hold padding only).
 """
 import math
 import numbers
@@ -17,12 +20,9 @@ from typing import Tuple
 
 import numpy as np
 
+from popxl_flash import costmodel
 from popxl_flash import schedule as _schedule
 from popxl_flash.schedule import normalise_window
-
-#: Target chunk length of the automatic rule: 128 rows keep one float32 score block at
-#: 64 KiB per group and the executed/useful FLOP ratio of causal attention near 1 + 128/L.
-DEFAULT_CHUNK_LEN = 128
 
 #: dtypes the kernels support (the IPU has no bfloat16).
 SUPPORTED_DTYPES = ("float16", "float32")
@@ -116,13 +116,14 @@ def resolve_num_chunks(name, length, num_chunks):
     Args:
         name: the option's name, for messages (``"num_chunks_q"``).
         length: the sequence length it splits.
-        num_chunks: ``None`` (automatic) or an int in ``[1, length]``.
+        num_chunks: ``None`` (automatic: returns ``(None, None)``, resolved by the cost
+            model) or an int in ``[1, length]``.
 
     Returns:
         ``(chunk_len, count)``: chunk length ``ceil(length / n)`` and the number of chunks used.
     """
     if num_chunks is None:
-        num_chunks = math.ceil(length / DEFAULT_CHUNK_LEN)
+        return None, None
     num_chunks = _check_int(name, num_chunks, low=1, high=length)
     chunk_len = math.ceil(length / num_chunks)
     return chunk_len, math.ceil(length / chunk_len)
@@ -218,12 +219,18 @@ class AttentionConfig:
             raise ValueError(f"{vn} must have the shape of {kn} {(Gk, Lkv, Dk)}, "
                              f"got {vn} shape {v_shape}")
         dtype = cls._check_dtypes(dict(zip(names, dtypes)))
-        chunk_q, nq = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
-        chunk_kv, nkv = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
+        causal = check_bool("causal", causal)
+        chunk_q, _ = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
+        chunk_kv, _ = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
+        scale, window = check_scale(scale, D), check_window(window)
+        if chunk_q is None or chunk_kv is None:
+            chosen = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
+                                      window=window, chunk_q=chunk_q, chunk_kv=chunk_kv).chosen
+            chunk_q, chunk_kv = chosen.chunk_q, chosen.chunk_kv
         return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
-                   chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=nq, num_chunks_kv=nkv,
-                   causal=check_bool("causal", causal), scale=check_scale(scale, D),
-                   window=check_window(window))
+                   chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=math.ceil(Lq / chunk_q),
+                   num_chunks_kv=math.ceil(Lkv / chunk_kv), causal=causal, scale=scale,
+                   window=window)
 
     @classmethod
     def from_packed_shape(cls, qkv_shape, dtype, **options):
@@ -272,3 +279,31 @@ class AttentionConfig:
     def padded_kv_len(self) -> int:
         """Lkv rounded up to whole chunks."""
         return self.chunk_kv * self.num_chunks_kv
+
+
+def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
+            num_chunks_q=None, num_chunks_kv=None) -> "costmodel.ChunkChoice":
+    """The cost model's figures behind the automatic chunk choice of one attention call.
+
+    Args:
+        Lq, Lkv: query and key/value lengths.
+        head_dim: D; groups: G = batch x heads.
+        dtype: ``"float16"`` or ``"float32"``.
+        causal, window: the mask, as :func:`popxl_flash.flash_attention`.
+        num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
+            fixes that axis's chunk length and only the other is chosen.
+
+    Returns:
+        :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
+        ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
+        (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
+        and ``table()`` to print them.
+    """
+    shapes = [(groups, Lq, head_dim), (groups, Lkv, head_dim), (groups, Lkv, head_dim)]
+    cfg = AttentionConfig.from_shapes(*shapes, (dtype,) * 3, num_chunks_q=num_chunks_q,
+                                      num_chunks_kv=num_chunks_kv, causal=causal,
+                                      window=window)
+    return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                            causal=causal, window=cfg.window,
+                            chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                            chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)

@@ -4,16 +4,13 @@ Graph structure (all static; the op count does not grow with L or the chunk coun
 
     build(q, k, v)                      # module graph
       pad q, k, v to whole chunks
-      repeat nq x q_body                # outer loop: query chunks i
-        q_i = dynamic_slice(q, i)
-        repeat T x kv_body              # inner loop: the kv chunks q chunk i visits
-          kind, pattern_id, j = tables[i, t]       # planner constants; T = max visits per i
-          k_j, v_j = dynamic_slice(k, j), dynamic_slice(v, j)
-          conditional(kind == FULL, full_block, passthrough)      # online-softmax update
-          conditional(kind == PARTIAL, partial_block, passthrough) # same, with the mask pattern
-                                                # a SKIP block takes both passthroughs: no work
-        out_i = acc / l_i ; lse_i = m_i + log(l_i)
-        dynamic_update_(out, i, out_i), dynamic_update_(lse, i, lse_i)  # by-ref, in place
+      repeat V x block_body             # one step per visited block, q-major (planner's list)
+        i, j, branch, pattern_id = block_list[t]               # planner constants
+        q_i, k_j, v_j = dynamic_slice(q, i), dynamic_slice(k, j), dynamic_slice(v, j)
+        conditional(branch, ...)        # one branch graph per (full|partial, whole|split, last)
+          online-softmax update (split blocks: two sub-blocks, skipping an invisible quadrant)
+          at q chunk i's last block: out_i = acc / l_i, lse_i = m_i + log(l_i); fresh state
+        dynamic_update_(out, i, out_i), dynamic_update_(lse, i, lse_i)  # by-ref; last one wins
       drop padding rows
 
 Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
@@ -42,7 +39,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
         cfg: the :class:`AttentionConfig`.
         m_i, l_i: running max and sum, float32 ``[G, cq, 1]``.
         acc: output accumulator, float32 ``[G, cq, D]``.
-        q_i: ``[G, cq, D]``; k_j, v_j: ``[G, ckv, D]`` in the input dtype.
+        q_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
+            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`).
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` mask pattern (partial block).
 
     Returns:
@@ -66,24 +64,9 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
     alpha = ops.exp(ops.where(seen, m_i, m_new) - m_new)  # [G, cq, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
-    p_in = blocks.to_input_dtype(cfg, p)
-    pv = ops.matmul(p_in, v_j, output_type=f32, partials_type=f32)  # [G, cq, D]
+    p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*cq, ckv]
+    pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, cq, D]
     return m_new, l_new, alpha * acc + pv
-
-
-def _kv_body(cfg, block_graphs, t, m_i, l_i, acc, i, q_i, k: ByRef, v: ByRef):
-    """Inner repeat body over the key/value chunks q chunk ``i`` visits.
-
-    Carried: iteration ``t [1]``, ``m_i``, ``l_i``, ``acc``. Invariant: ``i [1]``, ``q_i``,
-    padded k, v (by reference: read-only, so the loop does not copy them).
-    """
-    tables = blocks.BlockTables(cfg.schedule.inner_loop("kv"))
-    full, partial, pattern_id, j = tables.lookup(i, t)  # j: the kv chunk of iteration t
-    k_j = blocks.chunk(k, j, cfg.chunk_kv)  # [G, ckv, D]
-    v_j = blocks.chunk(v, j, cfg.chunk_kv)
-    m_i, l_i, acc = block_graphs.step(full, partial, pattern_id, state=(m_i, l_i, acc),
-                                      operands=(q_i, k_j, v_j))
-    return t + 1, m_i, l_i, acc
 
 
 def _finalise(cfg, m_i, l_i, acc):
@@ -102,24 +85,51 @@ def _finalise(cfg, m_i, l_i, acc):
     return out_i, lse_i.reshape((G, cq))
 
 
-def _q_body(cfg, kv_graph, i, q: ByRef, k: ByRef, v: ByRef, out: ByRef, lse: ByRef):
-    """Outer repeat body over query chunks.
-
-    Carried: ``i [1]``. Invariant, by reference: padded q, k, v (read-only) and the results
-    ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``, whose chunk ``i`` is written in place.
-    """
-    G, D, cq = cfg.groups, cfg.head_dim, cfg.chunk_q
-    f32 = blocks.float32()
-    q_i = blocks.chunk(q, i, cq)  # [G, cq, D]
+def _init_state(cfg):
+    """Running state at a q chunk's first block: ``m_i = MASKED_SCORE``, ``l_i = 0``,
+    ``acc = 0`` (float32 ``[G, cq, 1]``, ``[G, cq, 1]``, ``[G, cq, D]``)."""
+    G, cq, f32 = cfg.groups, cfg.chunk_q, blocks.float32()
     m_i = popxl.constant(np.full((G, cq, 1), blocks.MASKED_SCORE, np.float32))
     l_i = ops.init((G, cq, 1), f32, init_type="zero")
-    acc = ops.init((G, cq, D), f32, init_type="zero")
-    trips = cfg.schedule.inner_loop("kv").trip_count
-    _, m_i, l_i, acc = ops.repeat(kv_graph, trips, blocks.counter(0), m_i, l_i, acc, i, q_i, k, v)
-    out_i, lse_i = _finalise(cfg, m_i, l_i, acc)
-    blocks.update_chunk_(out, i, out_i, cq)
-    blocks.update_chunk_(lse, i, lse_i, cq)
-    return i + 1
+    acc = ops.init((G, cq, cfg.head_dim), f32, init_type="zero")
+    return m_i, l_i, acc
+
+
+def loop_spec(cfg, dtype):
+    """The forward's :class:`blocks.LoopSpec` (q-major block list, online softmax).
+
+    Args:
+        cfg: the :class:`AttentionConfig`.
+        dtype: the popxl dtype of q, k, v.
+    """
+    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
+    f32, spec = blocks.float32(), popxl.TensorSpec
+    return blocks.LoopSpec(
+        order="q_major", update=online_softmax_update, roles=("q",) * 4 + ("kv",) * 2,
+        block_specs=(spec((G, cq, 1), f32), spec((G, cq, 1), f32), spec((G, cq, D), f32)),
+        operand_specs=(spec((G, cq, D), dtype), spec((Gk, ckv, D), dtype),
+                       spec((Gk, ckv, D), dtype)),
+        carried=(0, 1, 2), init=_init_state, finish=_finalise,
+        finished_specs=(spec((G, cq, D), dtype), spec((G, cq), f32)))
+
+
+def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: ByRef,
+                lse: ByRef):
+    """Repeat body: one visited block of the q-major block list.
+
+    Carried: step ``t [1]`` and the running state ``m_i, l_i [G, cq, 1]``, ``acc [G, cq, D]``
+    (float32; fresh after a q chunk's last block). Invariant, by reference: padded q, k, v
+    (read-only) and the results ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
+    its q chunk of out and lse (zeros until the chunk's last block writes the result: the
+    chunk's blocks are consecutive, so the last write wins).
+    """
+    i0, j0, branch = step.tables().lookup(t)  # first rows of the chunks
+    q_i = blocks.rows(q, i0, cfg.chunk_q)  # [G, cq, D]
+    k_j, v_j = blocks.rows(k, j0, cfg.chunk_kv), blocks.rows(v, j0, cfg.chunk_kv)
+    m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j))
+    blocks.write_rows_(out, i0, out_i)
+    blocks.write_rows_(lse, i0, lse_i)
+    return t + 1, m_i, l_i, acc
 
 
 class FlashAttention(popxl.Module):
@@ -129,7 +139,9 @@ class FlashAttention(popxl.Module):
     :func:`popxl_flash.flash_attention`.
 
     ``build`` args:
-        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``; float16 or float32.
+        q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (``Gk < G``:
+            grouped-query attention, q group ``g`` reading kv group ``g // (G // Gk)``); float16
+            or float32.
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
@@ -155,30 +167,31 @@ class FlashAttention(popxl.Module):
             v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
             out = ops.init((G, cfg.padded_q_len, D), q.dtype, init_type="zero")
             lse = ops.init((G, cfg.padded_q_len), f32, init_type="zero")
-            q_graph = build_q_loop_graph(cfg, q_pad, k_pad, v_pad)
-            ops.repeat(q_graph, cfg.num_chunks_q, blocks.counter(0), q_pad, k_pad, v_pad, out,
-                       lse)
+            if (cfg.schedule.visited_per_q == 0).any():  # chunks no step writes: lse -inf
+                lse = blocks.fill(lse, float("-inf"))
+            steps = cfg.schedule.visited_blocks
+            if steps:
+                body = build_loop_graph(cfg, q_pad, k_pad, v_pad)
+                ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), q_pad, k_pad,
+                           v_pad, out, lse)
             return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
 
 
-def build_q_loop_graph(cfg, q_pad, k_pad, v_pad):
-    """Create the block-branch graphs, the kv-loop graph and the q-loop graph.
+def build_loop_graph(cfg, q_pad, k_pad, v_pad):
+    """Create the branch graphs and the repeat body over the q-major block list.
 
     Args:
         cfg: the :class:`AttentionConfig`.
         q_pad, k_pad, v_pad: padded inputs (only their specs are used).
 
     Returns:
-        The q-loop body graph (inputs ``i, q, k, v, out, lse``).
+        The body graph (inputs ``t, m_i, l_i, acc, q, k, v, out, lse``).
     """
     ir = popxl.gcg().ir
-    G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
-    f32, dt, spec = blocks.float32(), q_pad.dtype, popxl.TensorSpec
-    state = [spec((G, cq, 1), f32), spec((G, cq, 1), f32), spec((G, cq, D), f32)]
-    operands = [spec((G, cq, D), dt), spec((G, ckv, D), dt), spec((G, ckv, D), dt)]
-    block_graphs = blocks.BlockGraphs(cfg, online_softmax_update, state, operands)
-    counter = spec((1,), popxl.int32)
-    kv_graph = ir.create_graph(_kv_body, cfg, block_graphs, counter, *state, counter,
-                               operands[0], k_pad.spec, v_pad.spec)
-    return ir.create_graph(_q_body, cfg, kv_graph, counter, q_pad.spec, k_pad.spec, v_pad.spec,
-                           spec((G, cfg.padded_q_len, D), dt), spec((G, cfg.padded_q_len), f32))
+    G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
+    spec = loop_spec(cfg, q_pad.dtype)
+    step = blocks.BlockStep(spec, cfg)
+    return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
+                           *spec.block_specs, q_pad.spec, k_pad.spec, v_pad.spec,
+                           popxl.TensorSpec((G, cfg.padded_q_len, D), q_pad.dtype),
+                           popxl.TensorSpec((G, cfg.padded_q_len), f32))

@@ -149,7 +149,8 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
             multi-head attention, ``Gk < G`` grouped-query attention (q group ``g`` reads kv
             group ``g // (G // Gk)``; k and v are never repeated per q group).
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
-            ``ceil(L / 128)``. Lengths need not be divisible (the tail chunk is padded).
+            the cost model's choice (:func:`popxl_flash.explain`). Lengths need not be
+            divisible (the tail chunk is padded).
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
             True, as the PopART op; :func:`popxl_flash.flash_attn_func` defaults to False.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``. ``1.0`` matches the PopART op.

@@ -36,6 +36,17 @@ import numpy as np
 SKIP, FULL, PARTIAL = 0, 1, 2
 """Values of :attr:`BlockSchedule.kind`."""
 
+WHOLE, LOWER, UPPER = 0, 1, 2
+"""Values of :attr:`BlockSchedule.split`: how a visited block runs. With ``h = chunk_q // 2`` and
+``w = chunk_kv // 2``: ``WHOLE`` = one ``chunk_q x chunk_kv`` block (every full block);
+``LOWER`` = a partial block whose top-right quadrant (rows < h, cols >= w) is invisible, run as
+the sub-blocks ``[0, h) x [0, w)`` and ``[h, chunk_q) x [0, chunk_kv)`` (a causal diagonal);
+``UPPER`` = a partial block whose bottom-left quadrant is invisible, run as ``[0, h) x [0,
+chunk_kv)`` and ``[h, chunk_q) x [w, chunk_kv)`` (a window's left edge)."""
+
+ORDERS = ("q_major", "kv_major")
+"""Block-list orders: ``q_major`` (forward: q chunk outer) and ``kv_major`` (backward)."""
+
 UNBOUNDED = -1
 """Window side meaning "no bound on this side" (FlashAttention's spelling)."""
 
@@ -52,8 +63,11 @@ __all__ = [
     "FULL",
     "PARTIAL",
     "UNBOUNDED",
+    "WHOLE",
+    "LOWER",
+    "UPPER",
     "BlockSchedule",
-    "InnerLoop",
+    "BlockList",
     "FlopCount",
     "MemoryEstimate",
     "normalise_window",
@@ -120,6 +134,8 @@ class BlockSchedule:
             visible, no padding) or ``PARTIAL`` (2, masked by a pattern).
         pattern_id: ``int32[nq, nkv]``; index into ``patterns`` for partial blocks, -1 elsewhere.
             Ids are given in first-seen row-major block order.
+        split: ``int8[nq, nkv]``; ``WHOLE``, ``LOWER`` or ``UPPER`` (how a partial block is cut
+            into two sub-blocks to skip an invisible quadrant; ``WHOLE`` for full and skip blocks).
         patterns: ``bool[P, chunk_q, chunk_kv]``; distinct (by content) masks of the partial
             blocks, True = visible; padding rows/columns are False.
         visited_per_q: ``int32[nq]``; non-skip blocks in each q chunk row.
@@ -129,6 +145,8 @@ class BlockSchedule:
         visited_blocks: number of non-skip blocks, ``full_blocks + partial_blocks`` (int).
         full_blocks: number of ``FULL`` blocks (int).
         partial_blocks: number of ``PARTIAL`` blocks (int).
+        executed_elements: (query, key) cells the block matmuls run on: ``chunk_q * chunk_kv``
+            per visited block, less the skipped quadrant of split blocks (int).
     """
 
     Lq: int
@@ -142,12 +160,15 @@ class BlockSchedule:
     kind: np.ndarray = field(repr=False)
     pattern_id: np.ndarray = field(repr=False)
     patterns: np.ndarray = field(repr=False)
+    split: np.ndarray = field(repr=False)
     visited_per_q: np.ndarray = field(repr=False)
     empty_rows: np.ndarray = field(repr=False)
     visible_elements: int
     visited_blocks: int
     full_blocks: int
     partial_blocks: int
+    executed_elements: int
+    lists: dict = field(repr=False)
 
     @property
     def num_patterns(self) -> int:
@@ -162,8 +183,7 @@ class BlockSchedule:
             groups: G = batch x heads.
 
         Returns:
-            ``FlopCount(executed=4*D*chunk_q*chunk_kv*visited_blocks*G,
-            useful=4*D*visible_elements*G)``.
+            ``FlopCount(executed=4*D*executed_elements*G, useful=4*D*visible_elements*G)``.
         """
         per_element = _FLOPS_PER_MAC * _FORWARD_MATMULS * _positive_int("head_dim", head_dim)
         per_element *= _positive_int("groups", groups)
@@ -182,7 +202,7 @@ class BlockSchedule:
                 ``"recompute"`` (the forward is recomputed first, as in the seed op: 7).
 
         Returns:
-            ``FlopCount``; executed = ``10*D*chunk_q*chunk_kv*visited_blocks*G`` in stash mode,
+            ``FlopCount``; executed = ``10*D*executed_elements*G`` in stash mode,
             plus the forward's executed FLOPs in recompute mode; useful =
             ``10*D*visible_elements*G`` in both modes.
 
@@ -208,8 +228,8 @@ class BlockSchedule:
           ``[G, Lq, D]`` and k, v ``[G, Lkv, D]`` at ``itemsize``.
         * flash: q, k, v, out as above; lse ``float32[G, Lq]``; the accumulator
           ``float32[G, chunk_q, D]``, m_i and l_i ``float32[G, chunk_q]``; one score block and
-          one probability block ``float32[G, chunk_q, chunk_kv]``; plus the schedule tables
-          (``kind``, ``pattern_id``) and the pattern table at their numpy sizes.
+          one probability block ``float32[G, chunk_q, chunk_kv]``; plus the graph's block-list
+          tables (16 bytes per visited block) and the pattern table.
 
         Args:
             head_dim: D.
@@ -228,74 +248,66 @@ class BlockSchedule:
         accumulator = g * self.chunk_q * d * _FLOAT32_BYTES
         running_stats = 2 * g * self.chunk_q * _FLOAT32_BYTES  # m_i, l_i
         block_scores = 2 * g * self.chunk_q * self.chunk_kv * _FLOAT32_BYTES  # scores + probs
-        tables = self.kind.nbytes + self.pattern_id.nbytes + self.patterns.nbytes
+        tables = 16 * self.visited_blocks + self.patterns.nbytes
         flash = io_bytes + lse + accumulator + running_stats + block_scores + tables
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
 
     def _visited_elements(self) -> int:
-        return self.chunk_q * self.chunk_kv * self.visited_blocks
+        return self.executed_elements
 
-    def inner_loop(self, inner: str) -> "InnerLoop":
-        """Tables of the inner loop, trimmed to the blocks each outer chunk visits.
-
-        For causal and window masks the blocks an outer chunk visits are contiguous along the
-        inner axis (the visible band is a diagonal strip), so the inner loop need only run
-        ``trip_count = max visited per outer chunk`` times, starting at the first visited block:
-        a window over long sequences runs a few iterations instead of ``nkv``.
+    def block_list(self, order: str) -> "BlockList":
+        """The visited blocks of one loop nest, in execution order (from the planner).
 
         Args:
-            inner: ``"kv"`` (forward: q chunks outer, kv chunks inner) or ``"q"`` (backward:
-                kv chunks outer, q chunks inner).
+            order: ``"q_major"`` (the forward: all blocks of q chunk 0, then q chunk 1, ...;
+                kv chunks ascending) or ``"kv_major"`` (the backward: kv chunk outer).
 
         Returns:
-            The cached :class:`InnerLoop`.
+            The :class:`BlockList` (read-only arrays of length ``visited_blocks``).
         """
-        if inner not in ("kv", "q"):
-            raise ValueError(f"inner={inner!r} is not supported; expected 'kv' or 'q'")
-        return _inner_loop_cached(self, inner)
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is not supported; expected one of {ORDERS}")
+        return self.lists[order]
 
 
 @dataclass(frozen=True, eq=False)
-class InnerLoop:
-    """The block tables re-indexed by (outer chunk, inner iteration ``t``).
+class BlockList:
+    """The visited blocks of one loop nest, flattened in execution order: one entry per loop step.
 
-    Iteration ``t`` of outer chunk ``o`` works on inner chunk ``index[o, t]``. Iterations past
-    the chunk's last visited block are ``SKIP`` (their index is clamped into range, so slicing
-    it stays in bounds; nothing is computed).
+    Outer chunks (q chunks for ``q_major``, kv chunks for ``kv_major``) follow each other in
+    ascending order, and the visited blocks of one outer chunk are consecutive with their inner
+    chunks ascending. Outer chunks with no visited block have no entry.
 
     Attributes:
-        trip_count: T, iterations of the inner loop (int >= 1).
-        kind: ``int8[n_outer, T]``, as :attr:`BlockSchedule.kind`.
-        pattern_id: ``int32[n_outer, T]``, as :attr:`BlockSchedule.pattern_id`.
-        index: ``int32[n_outer, T]``, the inner chunk of each iteration.
+        order: ``"q_major"`` or ``"kv_major"``.
+        q_chunk, kv_chunk: ``int32[V]``, the block's chunk indices.
+        kind: ``int8[V]``, ``FULL`` or ``PARTIAL`` (never ``SKIP``).
+        pattern_id: ``int32[V]``, index into :attr:`BlockSchedule.patterns`, -1 unless partial.
+        split: ``int8[V]``, ``WHOLE``, ``LOWER`` or ``UPPER``.
+        first, last: ``bool[V]``, the first and the last step of its outer chunk.
     """
 
-    trip_count: int
+    order: str
+    q_chunk: np.ndarray = field(repr=False)
+    kv_chunk: np.ndarray = field(repr=False)
     kind: np.ndarray = field(repr=False)
     pattern_id: np.ndarray = field(repr=False)
-    index: np.ndarray = field(repr=False)
+    split: np.ndarray = field(repr=False)
+    first: np.ndarray = field(repr=False)
+    last: np.ndarray = field(repr=False)
 
+    def __len__(self) -> int:
+        return int(self.kind.shape[0])
 
-@functools.lru_cache(maxsize=128)
-def _inner_loop_cached(schedule: BlockSchedule, inner: str) -> InnerLoop:
-    kind, pid = schedule.kind, schedule.pattern_id  # [nq, nkv]: kv inner
-    if inner == "q":
-        kind, pid = kind.T, pid.T
-    visited = kind != SKIP  # [n_outer, n_inner]
-    count = visited.sum(axis=1)
-    first = np.where(count > 0, visited.argmax(axis=1), 0)
-    last = np.where(count > 0, visited.shape[1] - 1 - visited[:, ::-1].argmax(axis=1), -1)
-    if np.any(last - first + 1 != count):
-        raise RuntimeError("internal error: visited blocks of a chunk are not contiguous")
-    steps = np.arange(max(int(count.max(initial=0)), 1))
-    index = np.minimum(first[:, None] + steps, visited.shape[1] - 1)  # [n_outer, T]
-    in_range = steps[None, :] < count[:, None]
-    tables = [np.where(in_range, np.take_along_axis(t, index, axis=1), fill)
-              for t, fill in ((kind, SKIP), (pid, -1))]
-    arrays = [tables[0].astype(np.int8), tables[1].astype(np.int32), index.astype(np.int32)]
-    for a in arrays:
-        a.flags.writeable = False
-    return InnerLoop(len(steps), *arrays)
+    @property
+    def outer(self) -> np.ndarray:
+        """``int32[V]``: the outer chunk of each step."""
+        return self.q_chunk if self.order == "q_major" else self.kv_chunk
+
+    @property
+    def inner(self) -> np.ndarray:
+        """``int32[V]``: the inner chunk of each step."""
+        return self.kv_chunk if self.order == "q_major" else self.q_chunk
 
 
 def plan(
@@ -354,8 +366,14 @@ def _plan_cached(Lq, Lkv, chunk_q, chunk_kv, causal, window):
     reach = Lq + Lkv
     left, right = (min(side, reach) for side in window)
     raw = _planner.plan_blocks(Lq, Lkv, chunk_q, chunk_kv, causal, left, right)
-    for name in ("kind", "pattern_id", "patterns", "visited_per_q", "empty_rows"):
+    for name in ("kind", "pattern_id", "patterns", "split", "visited_per_q", "empty_rows"):
         raw[name].flags.writeable = False
+    lists = {}
+    for order in ORDERS:
+        arrays = raw[order]
+        for array in arrays.values():
+            array.flags.writeable = False
+        lists[order] = BlockList(order=order, **arrays)
     return BlockSchedule(
         Lq=Lq,
         Lkv=Lkv,
@@ -368,12 +386,15 @@ def _plan_cached(Lq, Lkv, chunk_q, chunk_kv, causal, window):
         kind=raw["kind"],
         pattern_id=raw["pattern_id"],
         patterns=raw["patterns"],
+        split=raw["split"],
         visited_per_q=raw["visited_per_q"],
         empty_rows=raw["empty_rows"],
         visible_elements=int(raw["visible_elements"]),
         visited_blocks=int(raw["visited_blocks"]),
         full_blocks=int(raw["full_blocks"]),
         partial_blocks=int(raw["partial_blocks"]),
+        executed_elements=int(raw["executed_elements"]),
+        lists=lists,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SKIP, FULL, PARTIAL = 0, 1, 2
+WHOLE, LOWER, UPPER = 0, 1, 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,7 +24,8 @@ class OraclePlan:
         nq, nkv: block grid.
         kind: int8[nq, nkv]; pattern_id: int32[nq, nkv]; patterns: bool[P, chunk_q, chunk_kv];
         visited_per_q: int32[nq]; empty_rows: int32[E];
-        visible_elements, visited_blocks, full_blocks, partial_blocks: ints.
+        split: int8[nq, nkv]; visible_elements, visited_blocks, full_blocks, partial_blocks,
+        executed_elements: ints; lists: {"q_major"/"kv_major": dict of the flat block list}.
     """
 
     dense: np.ndarray
@@ -32,12 +34,15 @@ class OraclePlan:
     kind: np.ndarray
     pattern_id: np.ndarray
     patterns: np.ndarray
+    split: np.ndarray
     visited_per_q: np.ndarray
     empty_rows: np.ndarray
     visible_elements: int
     visited_blocks: int
     full_blocks: int
     partial_blocks: int
+    executed_elements: int
+    lists: dict
 
 
 def dense_visibility(Lq, Lkv, chunk_q, chunk_kv, causal=True, window=None):
@@ -82,6 +87,7 @@ def oracle_plan(Lq, Lkv, chunk_q, chunk_kv, causal=True, window=None):
         np.stack(patterns) if patterns else np.zeros((0, chunk_q, chunk_kv), dtype=bool)
     )
 
+    split, cells = _splits(blocks, kind, chunk_q, chunk_kv)
     row_counts = dense[:Lq].sum(axis=1)
     return OraclePlan(
         dense=dense,
@@ -96,4 +102,46 @@ def oracle_plan(Lq, Lkv, chunk_q, chunk_kv, causal=True, window=None):
         visited_blocks=int((kind != SKIP).sum()),
         full_blocks=int((kind == FULL).sum()),
         partial_blocks=int((kind == PARTIAL).sum()),
+        executed_elements=int(cells[kind != SKIP].sum()),
+        split=split,
+        lists={order: _block_list(kind, pattern_id, split, order)
+               for order in ("q_major", "kv_major")},
+    )
+
+
+def _splits(blocks, kind, chunk_q, chunk_kv):
+    """Split code and executed cells per block, by looking at each quadrant's contents."""
+    h, w = chunk_q // 2, chunk_kv // 2
+    split = np.zeros(kind.shape, dtype=np.int8)
+    cells = np.full(kind.shape, chunk_q * chunk_kv, dtype=np.int64)
+    if h == 0 or w == 0:
+        return split, cells
+    for bi, bj in np.argwhere(kind == PARTIAL):
+        content = blocks[bi, bj]
+        if not content[:h, w:].any():
+            split[bi, bj], cells[bi, bj] = LOWER, h * w + (chunk_q - h) * chunk_kv
+        elif not content[h:, :w].any():
+            split[bi, bj], cells[bi, bj] = UPPER, h * chunk_kv + (chunk_q - h) * (chunk_kv - w)
+    return split, cells
+
+
+def _block_list(kind, pattern_id, split, order):
+    """The visited blocks in loop order, with first/last flags of their outer chunk."""
+    grid = kind if order == "q_major" else kind.T
+    entries = [(o, x) for o in range(grid.shape[0]) for x in range(grid.shape[1])
+               if grid[o, x] != SKIP]
+    outer = np.array([o for o, _ in entries], dtype=np.int64)
+    ij = [(o, x) if order == "q_major" else (x, o) for o, x in entries]
+    q_chunk = np.array([i for i, _ in ij], dtype=np.int32)
+    kv_chunk = np.array([j for _, j in ij], dtype=np.int32)
+    change = np.ones(len(entries) + 1, dtype=bool)
+    change[1:-1] = outer[1:] != outer[:-1]
+    return dict(
+        q_chunk=q_chunk,
+        kv_chunk=kv_chunk,
+        kind=kind[q_chunk, kv_chunk].astype(np.int8),
+        pattern_id=pattern_id[q_chunk, kv_chunk].astype(np.int32),
+        split=split[q_chunk, kv_chunk].astype(np.int8),
+        first=change[:-1].copy(),
+        last=change[1:].copy(),
     )

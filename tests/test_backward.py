@@ -45,6 +45,22 @@ def test_backward_matches_reference(case):
     check_backward(case)
 
 
+@emulator_only
+@given(attention_cases(max_len=60, max_dim=8))
+def test_iterations_and_flops_equal_planner_count(case):
+    """The backward loop runs one iteration per visited block (kv-major list: no skip
+    iterations) and exactly the planner's executed FLOPs, 2.5x the forward's. The run holds the
+    forward (for out and lse) and the backward: two loops of V iterations."""
+    _, session, cfg = check_backward(case)
+    schedule = cfg.schedule
+    assert session.profile.loop_iterations == 2 * schedule.visited_blocks
+    assert len(schedule.block_list("kv_major")) == schedule.visited_blocks
+    forward = schedule.forward_flops(cfg.head_dim, cfg.groups).executed
+    backward = schedule.backward_flops(cfg.head_dim, cfg.groups, mode="stash").executed
+    assert session.profile.matmul_flops == forward + backward
+    assert 2 * backward == 5 * forward
+
+
 @given(attention_cases(max_len=40, max_dim=8))
 def test_stash_and_recompute_agree_bitwise(case):
     """Recompute mode reruns the same forward graph: the gradients are bit-identical (a real check

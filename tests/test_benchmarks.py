@@ -111,3 +111,27 @@ def test_sdk_report_marks_graphs_that_do_not_fit(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "does not fit" in out and "flash TFLOP/s" in out
     assert "not IPU time" not in (tmp_path / "sdk.md").read_text()
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_unwritable_output_fails_before_the_sweep(tmp_path, option, capsys, monkeypatch):
+    """A bad output path is a usage error at once, not after minutes of measuring."""
+    monkeypatch.setattr(attention, "measure", lambda *a: pytest.fail("the sweep started"))
+    for path in (tmp_path / "missing" / "out", tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            attention.main(TINY + [option, str(path)])
+        assert exc.value.code == 2
+        assert option in capsys.readouterr().err
+
+
+@emulator_only
+def test_cli_explain_and_new_columns(tmp_path, capsys):
+    """--explain prints the cost model's candidates; the table counts iterations (== visited
+    blocks) and ops per block."""
+    rows = _run(tmp_path, "--pass", "fwd", "--seq-len", "256", "--chunks", "auto",
+                "--explain", "--no-naive")["rows"]
+    out = capsys.readouterr().out
+    assert "cost model: fwd float32 causal L=256" in out and "chosen: " in out
+    assert "iters" in out and "ops/block" in out
+    flash, planner = rows[0]["flash"], rows[0]["planner"]
+    assert flash["loop_iterations"] == planner["visited_blocks"]

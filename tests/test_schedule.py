@@ -7,12 +7,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from planner_oracle import dense_visibility, oracle_plan
 
+from popxl_flash import schedule
 from popxl_flash.schedule import FULL, PARTIAL, SKIP, plan
 
 MAX_LEN = 600
 SMALL = 12
-ARRAY_FIELDS = ("kind", "pattern_id", "patterns", "visited_per_q", "empty_rows")
-COUNT_FIELDS = ("nq", "nkv", "visible_elements", "visited_blocks", "full_blocks", "partial_blocks")
+ARRAY_FIELDS = ("kind", "pattern_id", "patterns", "split", "visited_per_q", "empty_rows")
+COUNT_FIELDS = ("nq", "nkv", "visible_elements", "visited_blocks", "full_blocks", "partial_blocks",
+                "executed_elements")
+LIST_FIELDS = ("q_chunk", "kv_chunk", "kind", "pattern_id", "split", "first", "last")
 
 
 @st.composite
@@ -46,6 +49,12 @@ def _assert_same_as_oracle(got, want):
         np.testing.assert_array_equal(g, w, err_msg=name)
     for name in COUNT_FIELDS:
         assert getattr(got, name) == getattr(want, name), name
+    for order in ("q_major", "kv_major"):
+        got_list, want_list = got.block_list(order), want.lists[order]
+        for name in LIST_FIELDS:
+            g, w = getattr(got_list, name), want_list[name]
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), (order, name)
+            np.testing.assert_array_equal(g, w, err_msg=f"{order}.{name}")
 
 
 def _reassemble(s):
@@ -91,7 +100,7 @@ def test_schedule_invariants(args):
 def test_flop_and_memory_accounting(args, head_dim, groups):
     s = _plan(args)
     fwd = s.forward_flops(head_dim, groups)
-    assert fwd.executed == 4 * head_dim * s.chunk_q * s.chunk_kv * s.visited_blocks * groups
+    assert fwd.executed == 4 * head_dim * s.executed_elements * groups
     assert fwd.useful == 4 * head_dim * s.visible_elements * groups
     assert fwd.executed >= fwd.useful and fwd.ratio >= 1.0
     stash = s.backward_flops(head_dim, groups)
@@ -378,31 +387,65 @@ def test_memory_estimate_is_linear_for_flash():
     assert big.ratio > small.ratio > 1
 
 
-@given(plan_args(), st.sampled_from(["kv", "q"]))
-def test_inner_loop_tables_visit_each_block_once(args, inner):
-    """The trimmed inner loop visits exactly the non-skip blocks, each once, in order, and runs
-    max(visited per outer chunk) iterations."""
+@given(plan_args())
+def test_block_lists_visit_each_block_once_in_loop_order(args):
+    """Each block list holds every visited block exactly once (V = visited_blocks steps, no
+    skip), outer chunks ascending with their blocks consecutive and inner chunks ascending, and
+    flags each outer chunk's first and last step."""
     s = _plan(args)
-    loop = s.inner_loop(inner)
-    kind, pid = (s.kind, s.pattern_id) if inner == "kv" else (s.kind.T, s.pattern_id.T)
-    visits = (kind != SKIP).sum(axis=1)
-    assert loop.trip_count == max(int(visits.max()), 1)
-    assert loop.kind.shape == loop.index.shape == (kind.shape[0], loop.trip_count)
-    for o in range(kind.shape[0]):
-        n = visits[o]
-        idx = loop.index[o]
-        assert ((idx >= 0) & (idx < kind.shape[1])).all()  # always a safe slice
-        np.testing.assert_array_equal(np.diff(idx[:n]), 1)  # consecutive inner chunks
-        np.testing.assert_array_equal(loop.kind[o, :n], kind[o, idx[:n]])
-        np.testing.assert_array_equal(loop.pattern_id[o, :n], pid[o, idx[:n]])
-        assert (loop.kind[o, n:] == SKIP).all() and (loop.pattern_id[o, n:] == -1).all()
-        assert (kind[o, idx[:n]] != SKIP).all() and visits[o] == (kind[o] != SKIP).sum()
+    for order, outer_n in (("q_major", s.nq), ("kv_major", s.nkv)):
+        bl = s.block_list(order)
+        assert len(bl) == s.visited_blocks
+        assert (bl.kind != SKIP).all()
+        np.testing.assert_array_equal(bl.kind, s.kind[bl.q_chunk, bl.kv_chunk])
+        np.testing.assert_array_equal(bl.pattern_id, s.pattern_id[bl.q_chunk, bl.kv_chunk])
+        np.testing.assert_array_equal(bl.split, s.split[bl.q_chunk, bl.kv_chunk])
+        pairs = {(int(i), int(j)) for i, j in zip(bl.q_chunk, bl.kv_chunk)}
+        assert len(pairs) == s.visited_blocks  # each once
+        key = bl.outer.astype(np.int64) * max(s.nq, s.nkv) + bl.inner
+        assert (np.diff(key) > 0).all()  # outer ascending, then inner ascending
+        assert bl.outer.max(initial=-1) < outer_n
+        if len(bl):
+            starts = np.r_[True, bl.outer[1:] != bl.outer[:-1]]
+            np.testing.assert_array_equal(bl.first, starts)
+            np.testing.assert_array_equal(bl.last, np.r_[starts[1:], True])
 
 
-def test_inner_loop_is_short_for_a_window():
-    """A 256-wide window over 131072 tokens: 3 kv iterations per q chunk, not 1024."""
-    s = plan(131072, 131072, 128, 128, causal=True, window=(256, None))
-    assert s.inner_loop("kv").trip_count == 3 and s.inner_loop("q").trip_count == 3
-    assert plan(512, 512, 128, 128).inner_loop("kv").trip_count == 4
-    with pytest.raises(ValueError, match="inner='x'"):
-        s.inner_loop("x")
+@given(plan_args())
+def test_split_skips_only_invisible_cells(args):
+    """A split block's skipped quadrant holds no visible cell, and executed_elements counts the
+    cells the sub-blocks cover (every visible cell is in a visited block's executed part)."""
+    s = _plan(args)
+    h, w = s.chunk_q // 2, s.chunk_kv // 2
+    dense = dense_visibility(s.Lq, s.Lkv, s.chunk_q, s.chunk_kv, s.causal, s.window)
+    blocks = dense.reshape(s.nq, s.chunk_q, s.nkv, s.chunk_kv).transpose(0, 2, 1, 3)
+    cells = 0
+    for i, j in np.argwhere(s.kind != SKIP):
+        split, block = s.split[i, j], blocks[i, j]
+        if split == schedule.LOWER:
+            assert not block[:h, w:].any()
+            cells += h * w + (s.chunk_q - h) * s.chunk_kv
+        elif split == schedule.UPPER:
+            assert not block[h:, :w].any()
+            cells += h * s.chunk_kv + (s.chunk_q - h) * (s.chunk_kv - w)
+        else:
+            cells += s.chunk_q * s.chunk_kv
+    assert (s.split[s.kind != PARTIAL] == schedule.WHOLE).all()
+    assert s.executed_elements == cells >= s.visible_elements
+
+
+def test_causal_diagonal_blocks_split_lower():
+    """Causal, 128 x 128 chunks: every diagonal block is LOWER (its top-right quadrant lies
+    above the diagonal), and the block list of 4 chunks is the lower triangle."""
+    s = plan(512, 512, 128, 128)
+    np.testing.assert_array_equal(s.split, np.diag([schedule.LOWER] * 4))
+    bl = s.block_list("q_major")
+    np.testing.assert_array_equal(bl.q_chunk, [0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    np.testing.assert_array_equal(bl.kv_chunk, [0, 0, 1, 0, 1, 2, 0, 1, 2, 3])
+    np.testing.assert_array_equal(bl.last, [1, 0, 1, 0, 0, 1, 0, 0, 0, 1])
+    bl = s.block_list("kv_major")
+    np.testing.assert_array_equal(bl.kv_chunk, [0, 0, 0, 0, 1, 1, 1, 2, 2, 3])
+    np.testing.assert_array_equal(bl.first, [1, 0, 0, 0, 1, 0, 0, 1, 0, 1])
+    assert s.executed_elements == 6 * 128 * 128 + 4 * (64 * 64 + 64 * 128)
+    with pytest.raises(ValueError, match="order='x'"):
+        s.block_list("x")

@@ -24,6 +24,7 @@ class Runtime:
         self.stores = dict.fromkeys(d2h, 0)
         self.live = self.peak = base_bytes
         self.ops = self.flops = self.copied = 0
+        self.iterations = 0  # repeat-body executions
 
     def load(self, stream):
         """Returns: a copy of the stream's next buffer entry (wrapping)."""

@@ -24,6 +24,8 @@ class RunProfile:
             and repeat boundaries (CallOpx, IfOpx, LoopOpx; model in the emulator README).
         device_bytes: tile memory of the session's device (tiles x bytes per tile), ``None``
             for the ``cpu`` device.
+        loop_iterations: repeat-body executions, summed over every ``repeat`` executed (a
+            nested repeat counts each of its iterations each time it runs).
     """
 
     ops_executed: int = 0
@@ -33,6 +35,7 @@ class RunProfile:
     wall_seconds: float = 0.0
     bytes_copied: int = 0
     device_bytes: Optional[int] = None
+    loop_iterations: int = 0
 
     @property
     def fits_device(self):

@@ -167,7 +167,7 @@ class Session:
                 outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
                                   time.perf_counter() - t0, rt.copied,
-                                  self._device.memory_bytes)
+                                  self._device.memory_bytes, loop_iterations=rt.iterations)
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers

@@ -70,6 +70,20 @@ def test_ops_executed_nested_call_in_repeat_with_conditional():
     assert _profile(ir).ops_executed == 1 + 4 * 5 + 1 + 1
 
 
+def test_loop_iterations_count_every_body_execution():
+    """A repeat of 3 around a repeat of 4 executes the inner body 12 times: 3 + 12 iterations;
+    a repeat of 0 adds none."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones(2, np.float32))
+        inner = ir.create_graph(lambda a: a + 1.0, v)
+        outer = ir.create_graph(lambda a: ops.repeat(inner, 4, a)[0] * 2.0, v)
+        (y,) = ops.repeat(outer, 3, v)
+        (z,) = ops.repeat(inner, 0, y)
+        store(z)
+    assert _profile(ir).loop_iterations == 3 + 3 * 4
+
+
 def test_profile_is_per_run():
     ir = popxl.Ir()
     with ir.main_graph:

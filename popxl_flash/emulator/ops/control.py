@@ -249,6 +249,7 @@ def _run_repeat(rt, plan, args):
         return [a.copy() for a in args[:n]]
     vals = list(args)
     rt.live += plan.all_out_bytes  # LoopOpx's clones of the carried values
+    rt.iterations += count
     for _ in range(count):
         vals[:n] = rt.run_graph(plan, [a.copy() if c else a for a, c in zip(vals, plan.copy_in)])
     rt.live -= plan.all_out_bytes

@@ -1,0 +1,280 @@
+"""Cost model of the automatic chunk choice (``num_chunks_*=None``).
+
+No IPU is available to time candidates, so the model combines **exact counts** from the planner
+with **stated IPU facts** and a few **overhead parameters**:
+
+* exact, from :class:`popxl_flash.schedule.BlockSchedule`: executed matmul FLOPs (forward and
+  stash backward), loop iterations (= visited blocks: one ``repeat`` step per block);
+* fitted to this version's graphs: ops executed per loop step, per partial step, per split
+  step and per chunk-finishing step (``OPS_*``, counted on the emulator; the tests hold the
+  estimate to the emulator's profile);
+* modelled from shapes: bytes copied at loop and branch boundaries per step (Poplar's lowering
+  copies: the repeat's carried state in and out, the taken branch's inputs and outputs) and
+  the working set (resident tensors + one step's temporaries);
+* IPU (GC200, Mk2) facts: :data:`TILES`, :data:`TILE_MEMORY_BYTES`, :data:`CLOCK_HZ`, matmul
+  FLOPs per tile-cycle; and assumed overheads :data:`OP_CYCLES`, :data:`ITERATION_CYCLES`,
+  :data:`COPY_BYTES_PER_TILE_CYCLE` (parameters, not measurements).
+
+Modelled time of one pass::
+
+    t = executed_flops / (TILES * flops_per_tile_cycle * CLOCK_HZ)
+      + (ops * OP_CYCLES + iterations * ITERATION_CYCLES) / CLOCK_HZ
+      + bytes_copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
+
+Choice: candidates are the target chunk lengths :data:`CANDIDATE_CHUNKS`, each balanced over
+the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads little). A candidate is **eligible** if (1) its working set fits the usable tile memory
+(``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``), (2) one step's temporaries are at most
+the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
+naive attention), and (3) its forward executed/useful FLOP ratio is at most
+:data:`MAX_FLOP_RATIO`. The eligible candidate with the least modelled forward + backward time
+wins. If none is eligible (windows, short causal sequences: no chunking wastes under 3.5%), the
+least modelled time among those meeting (1), (2) and :data:`FALLBACK_FLOP_RATIO` wins, else the
+least FLOP ratio among those meeting (1) and (2), then (1); if none fits, the smallest working
+set (the report flags it).
+
+With G = 2, D = 64 the per-op overhead dominates the FLOP term, so the model prefers the longest
+chunk the FLOP budget and the O(L) rule allow: causal L = 2048 gets 128 (ratio 1.031; 256 would
+waste 6.2%), L = 4096 gets 256.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from popxl_flash import schedule as _schedule
+
+#: Tiles of one IPU (GC200 / Mk2; Graphcore's IPU datasheet; 1472 in PopART's full IPU model).
+TILES = 1472
+#: SRAM per tile (GC200: 624 KiB; Graphcore's IPU datasheet).
+TILE_MEMORY_BYTES = 624 * 1024
+#: Clock of the GC200 (1.33 GHz; Graphcore's IPU-M2000 datasheet).
+CLOCK_HZ = 1.33e9
+#: Peak matmul FLOPs per tile-cycle (float32 accumulation): GC200 peak 250 TFLOP/s float16 and
+#: 62.5 TFLOP/s float32, divided by tiles and clock (~128 and ~32).
+FLOPS_PER_TILE_CYCLE = {"float16": 128, "float32": 32}
+#: Assumed cycles of one executed op: each op is at least one bulk-synchronous step (sync,
+#: exchange, compute set). A parameter, not a measurement.
+OP_CYCLES = 1000
+#: Assumed extra cycles per loop iteration (counter, loop control). A parameter.
+ITERATION_CYCLES = 200
+#: Assumed bytes a tile copies per cycle in a lowering copy (64-bit load + store). A parameter.
+COPY_BYTES_PER_TILE_CYCLE = 8
+#: Fraction of tile memory assumed usable for tensors (the rest: code, exchange buffers,
+#: Poplar temporaries). A parameter.
+USABLE_MEMORY_FRACTION = 0.5
+#: Wasted-work budget: largest forward executed/useful FLOP ratio the choice accepts.
+MAX_FLOP_RATIO = 1.035
+#: Second-tier budget, for masks no candidate meets the first for (windows, short causal
+#: sequences): the fastest chunking within it wins, else the least wasteful.
+FALLBACK_FLOP_RATIO = 1.25
+#: Chunk lengths tried (square blocks; capped at the sequence lengths).
+CANDIDATE_CHUNKS = (64, 128, 256, 512)
+
+#: Ops executed per pass, fitted on the emulator to this version's graphs:
+#: ``fixed + per_step * V + per_partial * partial steps + per_split * split steps
+#: + per_last * chunk-finishing steps``.
+OPS_FORWARD = dict(fixed=13, per_step=30.7, per_partial=9.7, per_split=42.6, per_last=7.8)
+OPS_BACKWARD = dict(fixed=6, per_step=39.4, per_partial=8.6, per_split=47.5, per_last=3.2)
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The model's figures for one chunking (all counts for G, D, dtype of the request).
+
+    Attributes:
+        chunk_q, chunk_kv, num_chunks_q, num_chunks_kv: the chunking.
+        flop_ratio: forward executed / useful matmul FLOPs (exact).
+        forward_flops, backward_flops: executed matmul FLOPs, backward in stash mode (exact).
+        iterations: loop iterations per pass = visited blocks (exact).
+        ops_forward, ops_backward: ops executed per pass (fitted model).
+        bytes_copied_forward, bytes_copied_backward: lowering copies per pass (model).
+        working_set_bytes: resident tensors + one step's temporaries, larger pass (model).
+        step_bytes: one step's temporaries (model; the part that grows with the chunk).
+        fits: working set within the usable tile memory.
+        linear_memory: ``step_bytes`` at most the resident tensors' bytes, so memory stays
+            O(L) (what flash attention is for).
+        eligible: fits, linear_memory and ``flop_ratio <= MAX_FLOP_RATIO``.
+        seconds: modelled forward + backward time on one IPU.
+    """
+
+    chunk_q: int
+    chunk_kv: int
+    num_chunks_q: int
+    num_chunks_kv: int
+    flop_ratio: float
+    forward_flops: int
+    backward_flops: int
+    iterations: int
+    ops_forward: int
+    ops_backward: int
+    bytes_copied_forward: int
+    bytes_copied_backward: int
+    working_set_bytes: int
+    step_bytes: int
+    fits: bool
+    linear_memory: bool
+    eligible: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """The automatic choice and every candidate the model weighed.
+
+    Attributes:
+        chosen: the chosen :class:`Candidate`.
+        candidates: all candidates, ascending chunk length.
+        reason: why the chosen one won (str).
+    """
+
+    chosen: Candidate
+    candidates: tuple
+    reason: str
+
+    def table(self) -> str:
+        """The candidates as a text table (the chosen one marked ``*``)."""
+        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "MiB copied",
+                "step MiB", "work set MiB", "fits", "O(L)", "model ms")
+        rows = [head]
+        for c in self.candidates:
+            rows.append(("*" if c is self.chosen else "", f"{c.chunk_q}x{c.chunk_kv}",
+                         f"{c.flop_ratio:.4f}", str(c.iterations), str(c.ops_forward),
+                         str(c.ops_backward),
+                         f"{(c.bytes_copied_forward + c.bytes_copied_backward) / 2**20:.1f}",
+                         f"{c.step_bytes / 2**20:.2f}", f"{c.working_set_bytes / 2**20:.1f}",
+                         "yes" if c.fits else "NO", "yes" if c.linear_memory else "no",
+                         f"{c.seconds * 1e3:.3f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines + [f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} "
+                                  f"({self.reason})"])
+
+
+def _ops(weights, blist):
+    partial = int((blist.kind == _schedule.PARTIAL).sum())
+    split = int((blist.split != _schedule.WHOLE).sum())
+    return round(weights["fixed"] + weights["per_step"] * len(blist)
+                 + weights["per_partial"] * partial + weights["per_split"] * split
+                 + weights["per_last"] * int(blist.last.sum()))
+
+
+def _bytes_copied(sched, G, D, item, backward):
+    """Lowering copies of one pass: per step, the repeat's carried state out of and back into
+    the body, and the taken branch's inputs and outputs (one conditional level); once, the
+    by-reference results written back to the caller."""
+    cq, ckv = sched.chunk_q, sched.chunk_kv
+    if backward:
+        carried = 2 * ckv * D * _F32 + 4  # dk_j, dv_j, step counter
+        operands = 2 * cq * D * item + 2 * cq * _F32 + 2 * ckv * D * item + cq * D * _F32
+        outputs = 4 * ckv * D * _F32 + cq * D * _F32
+        results = (sched.nq * cq + 2 * sched.nkv * ckv) * D * _F32
+    else:
+        carried = (2 * cq + cq * D) * _F32 + 4  # m_i, l_i, acc, step counter
+        operands = cq * D * item + 2 * ckv * D * item
+        outputs = cq * D * item + cq * _F32
+        results = sched.nq * cq * (D * item + _F32)
+    per_step = 2 * carried + (carried + operands) + (carried + outputs)
+    return G * (sched.visited_blocks * per_step + results)
+
+
+def _working_set(sched, G, D, item):
+    """``(resident, step)`` bytes of the backward pass (the larger): the resident tensors
+    (padded q, do, out, k, v; lse, Dvec; float32 dq, dk, dv) and one step's temporaries
+    (~5 float32 ``[cq, ckv]`` blocks and 4 float32 ``[cq, D]`` rows)."""
+    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+    resident = (3 * lq + 2 * lkv) * D * item + 2 * lq * _F32 + (lq + 2 * lkv) * D * _F32
+    step = 5 * sched.chunk_q * sched.chunk_kv * _F32 + 4 * sched.chunk_q * D * _F32
+    return G * resident, G * step
+
+
+def _seconds(flops, ops, iterations, copied, dtype):
+    compute = flops / (TILES * FLOPS_PER_TILE_CYCLE[dtype] * CLOCK_HZ)
+    overhead = (ops * OP_CYCLES + iterations * ITERATION_CYCLES) / CLOCK_HZ
+    return compute + overhead + copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
+
+
+def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window):
+    """The model's figures for one chunking.
+
+    Args:
+        Lq, Lkv: sequence lengths; chunk_q, chunk_kv: chunk lengths.
+        head_dim, groups: D and G.
+        dtype: ``"float16"`` or ``"float32"``.
+        causal, window: the mask (as :func:`popxl_flash.schedule.plan`).
+
+    Returns:
+        A :class:`Candidate`.
+    """
+    sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
+    item = 2 if dtype == "float16" else 4
+    fwd = sched.forward_flops(head_dim, groups)
+    bwd = sched.backward_flops(head_dim, groups)
+    ops_f = _ops(OPS_FORWARD, sched.block_list("q_major"))
+    ops_b = _ops(OPS_BACKWARD, sched.block_list("kv_major"))
+    copied_f = _bytes_copied(sched, groups, head_dim, item, backward=False)
+    copied_b = _bytes_copied(sched, groups, head_dim, item, backward=True)
+    resident, step = _working_set(sched, groups, head_dim, item)
+    working = resident + step
+    fits = working <= TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION
+    linear = step <= resident
+    iters = sched.visited_blocks
+    seconds = (_seconds(fwd.executed, ops_f, iters, copied_f, dtype)
+               + _seconds(bwd.executed, ops_b, iters, copied_b, dtype))
+    return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
+                     num_chunks_kv=sched.nkv, flop_ratio=fwd.ratio, forward_flops=fwd.executed,
+                     backward_flops=bwd.executed, iterations=iters, ops_forward=ops_f,
+                     ops_backward=ops_b, bytes_copied_forward=copied_f,
+                     bytes_copied_backward=copied_b, working_set_bytes=working,
+                     step_bytes=step, fits=fits, linear_memory=linear,
+                     eligible=fits and linear and fwd.ratio <= MAX_FLOP_RATIO, seconds=seconds)
+
+
+def _balanced(length, target):
+    """The chunk length of ``ceil(length / target)`` equal chunks (at most ``target``; the
+    padding of the tail is less than one chunk per chunk count)."""
+    count = -(-length // target)
+    return -(-length // count)
+
+
+def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
+           chunk_kv=None):
+    """Choose chunk lengths by the model (see the module docstring).
+
+    Args:
+        Lq, Lkv, head_dim, groups, dtype, causal, window: the attention call.
+        chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
+
+    Returns:
+        A :class:`ChunkChoice`.
+    """
+    pairs = []
+    for c in CANDIDATE_CHUNKS:
+        pair = (chunk_q or _balanced(Lq, c), chunk_kv or _balanced(Lkv, c))
+        if pair not in pairs:
+            pairs.append(pair)
+    candidates = tuple(evaluate(Lq, Lkv, cq, ckv, head_dim=head_dim, groups=groups,
+                                dtype=dtype, causal=causal, window=window) for cq, ckv in pairs)
+    eligible = [c for c in candidates if c.eligible]
+    linear = [c for c in candidates if c.fits and c.linear_memory]
+    fitting = [c for c in candidates if c.fits]
+    if eligible:
+        chosen = min(eligible, key=lambda c: c.seconds)
+        reason = (f"least modelled time with FLOP ratio <= {MAX_FLOP_RATIO}, step temporaries "
+                  "<= resident tensors, fitting memory")
+    elif any(c.flop_ratio <= FALLBACK_FLOP_RATIO for c in linear):
+        chosen = min((c for c in linear if c.flop_ratio <= FALLBACK_FLOP_RATIO),
+                     key=lambda c: c.seconds)
+        reason = (f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least modelled time within "
+                  f"{FALLBACK_FLOP_RATIO} with step temporaries <= resident tensors")
+    elif linear:
+        chosen = min(linear, key=lambda c: (c.flop_ratio, c.seconds))
+        reason = (f"no chunking within FLOP ratio {FALLBACK_FLOP_RATIO}: least wasted work with "
+                  "step temporaries <= resident tensors")
+    elif fitting:
+        chosen = min(fitting, key=lambda c: (c.flop_ratio, c.seconds))
+        reason = f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least wasted work that fits"
+    else:
+        chosen = min(candidates, key=lambda c: c.working_set_bytes)
+        reason = "NOTHING FITS the usable tile memory: smallest working set"
+    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason)

@@ -1,0 +1,87 @@
+"""The cost model of the automatic chunk choice (popxl_flash.costmodel, pf.explain)."""
+import numpy as np
+import pytest
+
+import popxl_flash as pf
+from popxl_flash import costmodel
+from popxl_flash.config import AttentionConfig
+
+from attention_utils import random_qkv, run_flash, run_flash_grad
+from test_forward import emulator_only
+
+
+def _auto(L, causal=True, G=2, D=64, dtype="float16", window=None):
+    shape = (G, L, D)
+    return AttentionConfig.from_shapes(shape, shape, shape, (dtype,) * 3, causal=causal,
+                                       window=window)
+
+
+@pytest.mark.parametrize("L, causal, chunk", [(2048, True, 128), (4096, True, 256),
+                                              (1024, True, 64), (2048, False, 256)])
+def test_automatic_choice(L, causal, chunk):
+    """G = 2, D = 64, float16: the longest chunk within the 3.5% FLOP budget and the O(L) rule
+    (overheads dominate the FLOP term at this size)."""
+    cfg = _auto(L, causal)
+    assert (cfg.chunk_q, cfg.chunk_kv) == (chunk, chunk)
+    choice = pf.explain(L, L, head_dim=64, groups=2, causal=causal)
+    assert choice.chosen.chunk_q == chunk and choice.chosen.eligible
+    for c in choice.candidates:
+        assert c.flop_ratio == pf.plan(L, L, c.chunk_q, c.chunk_kv,
+                                       causal=causal).forward_flops(64, 2).ratio
+        if c.eligible and c is not choice.chosen:
+            assert c.seconds > choice.chosen.seconds
+    assert "chosen: " in choice.table()
+
+
+def test_causal_done_checks_by_the_model():
+    """The automatic chunks meet issue 11's bounds: FLOP ratio <= 1.035 at L = 2048 and the
+    forward/backward op estimates at L = 4096 within 0.75 x the old loop nest's counts."""
+    assert _auto(2048).schedule.forward_flops(64, 2).ratio <= 1.035
+    chosen = pf.explain(4096, 4096, head_dim=64, groups=2).chosen
+    assert chosen.ops_forward <= 0.75 * 25_481 and chosen.ops_backward <= 0.75 * 36_102
+
+
+def test_memory_rules():
+    """A chunk as long as L would make flash as heavy as naive: the O(L) rule refuses it; a
+    working set beyond the IPU's usable tile memory is flagged, and the smallest is chosen."""
+    choice = pf.explain(512, 512, head_dim=64, groups=2, causal=False)
+    whole = [c for c in choice.candidates if c.chunk_q == 512][0]
+    assert not whole.linear_memory and not whole.eligible and choice.chosen.chunk_q < 512
+    huge = pf.explain(65536, 65536, head_dim=128, groups=512)
+    assert not any(c.fits for c in huge.candidates)
+    assert huge.chosen.working_set_bytes == min(c.working_set_bytes for c in huge.candidates)
+    assert "NOTHING FITS" in huge.reason and "NO" in huge.table()
+    usable = costmodel.TILES * costmodel.TILE_MEMORY_BYTES * costmodel.USABLE_MEMORY_FRACTION
+    assert huge.chosen.working_set_bytes > usable
+
+
+def test_fixed_axis_and_validation():
+    """A given chunk count fixes that axis; bad arguments name themselves."""
+    choice = pf.explain(1000, 3000, head_dim=32, num_chunks_q=10)
+    assert all(c.chunk_q == 100 for c in choice.candidates)
+    with pytest.raises(ValueError, match="num_chunks_kv"):
+        pf.explain(64, 64, head_dim=8, num_chunks_kv=0)
+    with pytest.raises(TypeError, match="bfloat16"):
+        pf.explain(64, 64, head_dim=8, dtype="bfloat16")
+
+
+@emulator_only
+@pytest.mark.parametrize("L, chunks, mask", [
+    (96, (3, 6), dict(causal=True)),
+    (130, (5, 4), dict(causal=False, window=(20, 7))),
+    (64, (4, 4), dict(causal=False)),
+])
+def test_model_ops_match_the_emulator(L, chunks, mask):
+    """The fitted op counts estimate the emulator's ops executed within 5% (forward and
+    backward), and the iteration count is exact."""
+    q, k, v = random_qkv(np.random.default_rng(0), 2, L, L, 16, "float16")
+    options = dict(num_chunks_q=chunks[0], num_chunks_kv=chunks[1], **mask)
+    _, _, fwd = run_flash(q, k, v, **options)
+    _, both = run_flash_grad(q, q, k, v, **options)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3, **options)
+    model = costmodel.evaluate(L, L, cfg.chunk_q, cfg.chunk_kv, head_dim=16, groups=2,
+                               dtype="float16", causal=mask["causal"], window=cfg.window)
+    backward_ops = both.profile.ops_executed - fwd.profile.ops_executed
+    assert abs(model.ops_forward - fwd.profile.ops_executed) <= 0.05 * fwd.profile.ops_executed
+    assert abs(model.ops_backward - backward_ops) <= 0.05 * backward_ops
+    assert model.iterations == fwd.profile.loop_iterations == cfg.schedule.visited_blocks
