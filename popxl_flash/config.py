@@ -225,7 +225,8 @@ class AttentionConfig:
         scale, window = check_scale(scale, D), check_window(window)
         if chunk_q is None or chunk_kv is None:
             chosen = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
-                                      window=window, chunk_q=chunk_q, chunk_kv=chunk_kv).chosen
+                                      window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
+                                      kv_groups=Gk).chosen
             chunk_q, chunk_kv = chosen.chunk_q, chosen.chunk_kv
         return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=math.ceil(Lq / chunk_q),
@@ -282,7 +283,7 @@ class AttentionConfig:
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
-            num_chunks_q=None, num_chunks_kv=None) -> "costmodel.ChunkChoice":
+            num_chunks_q=None, num_chunks_kv=None, kv_groups=None) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -292,6 +293,8 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         causal, window: the mask, as :func:`popxl_flash.flash_attention`.
         num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
             fixes that axis's chunk length and only the other is chosen.
+        kv_groups: Gk, the groups of k and v (``None``: ``groups``; grouped-query attention:
+            a divisor of ``groups``).
 
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
@@ -299,11 +302,11 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
         and ``table()`` to print them.
     """
-    shapes = [(groups, Lq, head_dim), (groups, Lkv, head_dim), (groups, Lkv, head_dim)]
-    cfg = AttentionConfig.from_shapes(*shapes, (dtype,) * 3, num_chunks_q=num_chunks_q,
-                                      num_chunks_kv=num_chunks_kv, causal=causal,
-                                      window=window)
+    kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
+    cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
+                                      num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                                      causal=causal, window=window)
     return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
-                            causal=causal, window=cfg.window,
+                            causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
                             chunk_q=None if num_chunks_q is None else cfg.chunk_q,
                             chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)

@@ -90,3 +90,29 @@ def test_grouped_query_adds_only_reshapes(grad):
     mha, gqa = _op_kinds(build(4)), _op_kinds(build(1))
     extra = gqa - mha
     assert set(extra) == {"reshape"} and not mha - gqa, (extra, mha - gqa)
+
+
+def test_cost_model_and_memory_estimate_count_kv_groups():
+    """The chunk-choice model and the analytic memory estimate take Gk: FLOPs and iterations
+    stay those of G q groups, while the k/v terms shrink exactly by G / Gk (k, v in the input
+    dtype, dk, dv float32 in the backward's working set; k, v in the memory estimate)."""
+    Lq, Lkv, dtype, item = 300, 500, "float16", 2
+    mha = pf.explain(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, num_chunks_q=3, num_chunks_kv=4)
+    mqa = pf.explain(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, num_chunks_q=3, num_chunks_kv=4,
+                     kv_groups=1)
+    a, b = mha.chosen, mqa.chosen
+    assert (a.forward_flops, a.backward_flops, a.iterations) == (
+        b.forward_flops, b.backward_flops, b.iterations)
+    lkv = 4 * 125  # padded Lkv
+    assert a.working_set_bytes - b.working_set_bytes == (G - 1) * 2 * lkv * D * (item + 4)
+    assert b.bytes_copied_forward < a.bytes_copied_forward
+    assert b.bytes_copied_backward < a.bytes_copied_backward
+    sched = AttentionConfig.from_shapes((G, Lq, D), (1, Lkv, D), (1, Lkv, D), (dtype,) * 3,
+                                        num_chunks_q=3, num_chunks_kv=4).schedule
+    est_mha, est_mqa = (sched.memory_bytes(D, G, itemsize=item, kv_groups=gk) for gk in (G, 1))
+    assert est_mha == sched.memory_bytes(D, G, itemsize=item)
+    assert est_mha.flash - est_mqa.flash == (G - 1) * 2 * Lkv * D * item
+    with pytest.raises(ValueError, match="kv_groups must divide groups=8, got kv_groups=3"):
+        sched.memory_bytes(D, G, kv_groups=3)
+    with pytest.raises(ValueError, match="k must have a group count Gk that divides q's G=8"):
+        pf.explain(Lq, Lkv, head_dim=D, groups=G, kv_groups=3)
