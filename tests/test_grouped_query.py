@@ -116,3 +116,27 @@ def test_cost_model_and_memory_estimate_count_kv_groups():
         sched.memory_bytes(D, G, kv_groups=3)
     with pytest.raises(ValueError, match="k must have a group count Gk that divides q's G=8"):
         pf.explain(Lq, Lkv, head_dim=D, groups=G, kv_groups=3)
+
+
+@emulator_only
+def test_fold_is_no_op_for_multi_head():
+    """Multi-head graphs are unchanged by grouped-query support: with Gk = G the fold and unfold
+    return their input and create no op; with Gk < G each is one reshape that stacks the q
+    groups sharing a kv group as row blocks ([G, rows, X] -> [Gk, r * rows, X])."""
+    from popxl_flash import blocks
+    from popxl_flash.emulator import count_ops
+
+    def config(kv_groups):
+        return AttentionConfig.from_shapes((4, 6, 2), (kv_groups, 5, 2), (kv_groups, 5, 2),
+                                           ("float32",) * 3, num_chunks_q=2, num_chunks_kv=1)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2))
+        before = count_ops(ir)
+        mha = config(4)
+        assert blocks.fold_heads(mha, t) is t and blocks.unfold_heads(mha, t) is t
+        assert count_ops(ir) == before
+        folded = blocks.fold_heads(config(2), t)
+        assert folded.shape == (2, 6, 2) and count_ops(ir) == before + 1
+        assert blocks.unfold_heads(config(2), folded).shape == (4, 3, 2)
+        assert count_ops(ir) == before + 2
