@@ -49,7 +49,7 @@ from typing import Callable, Dict
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import devices, popxl
+from popxl_flash import cli, devices, popxl
 from popxl_flash.naive import naive_attention, naive_attention_grad
 
 ops = popxl.ops
@@ -329,52 +329,28 @@ def gradients(*, attention="flash", seed=0, device="ipu_model", **sizes):
     return {n: results[0]["d" + n] for n in WEIGHTS + ("x",)}
 
 
-def _int_at_least(low):
-    """argparse type: an int >= ``low`` (a bad value is a usage error, not a traceback)."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive_float(text):
-    """argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
-
-
 def parse_args(argv=None):
     """The command line: training options and the layer's sizes (defaults: :data:`DEFAULTS`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--steps", type=_int_at_least(1), default=8, help="SGD steps (default: %(default)s)")
+    add("--steps", type=cli.int_at_least(1), default=8, help="SGD steps (default: %(default)s)")
     add("--attention", choices=["flash", "naive"], default="flash",
         help="flash attention, or naive attention as the baseline (default: %(default)s)")
-    add("--seed", type=_int_at_least(0), default=0,
+    add("--seed", type=cli.int_at_least(0), default=0,
         help="seed of the weights, input and target (default: %(default)s)")
-    add("--lr", type=_positive_float, default=DEFAULTS["lr"],
+    add("--lr", type=cli.positive_float, default=DEFAULTS["lr"],
         help="SGD learning rate (default: %(default)s)")
-    add("--batch", type=_int_at_least(1), default=DEFAULTS["batch"],
+    add("--batch", type=cli.int_at_least(1), default=DEFAULTS["batch"],
         help="batch size B (default: %(default)s)")
-    add("--seq-len", type=_int_at_least(1), default=DEFAULTS["seq_len"],
+    add("--seq-len", type=cli.int_at_least(1), default=DEFAULTS["seq_len"],
         help="sequence length L (default: %(default)s)")
-    add("--heads", type=_int_at_least(1), default=DEFAULTS["heads"],
+    add("--heads", type=cli.int_at_least(1), default=DEFAULTS["heads"],
         help="attention heads H (default: %(default)s)")
-    add("--head-dim", type=_int_at_least(1), default=DEFAULTS["hidden"] // DEFAULTS["heads"],
+    add("--head-dim", type=cli.int_at_least(1), default=DEFAULTS["hidden"] // DEFAULTS["heads"],
         help="head dimension Dh; the hidden size is H x Dh (default: %(default)s)")
-    add("--num-chunks-q", type=_int_at_least(1), default=DEFAULTS["num_chunks_q"],
+    add("--num-chunks-q", type=cli.int_at_least(1), default=DEFAULTS["num_chunks_q"],
         help="flash query chunks, at most L (default: %(default)s)")
-    add("--num-chunks-kv", type=_int_at_least(1), default=DEFAULTS["num_chunks_kv"],
+    add("--num-chunks-kv", type=cli.int_at_least(1), default=DEFAULTS["num_chunks_kv"],
         help="flash key/value chunks, at most L (default: %(default)s)")
     add("--device", choices=devices.NAMES, default="ipu_model",
         help="ipu_model (full-size 1472-tile model), ipu_hw or cpu (default: %(default)s)")

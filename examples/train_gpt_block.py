@@ -33,7 +33,7 @@ from typing import Dict, List
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import popxl
+from popxl_flash import cli, popxl
 from popxl_flash.naive import naive_attention
 
 ops = popxl.ops
@@ -216,47 +216,27 @@ def run(steps, *, store_grads=False, **settings):
     return losses, grads
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not np.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
-    return value
-
-
 def parse_args(argv=None):
     """Parse the command line (bad values are argparse errors: exit status 2)."""
     d = DEFAULTS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-len", type=_positive_int, default=d["seq_len"],
+    p.add_argument("--seq-len", type=cli.positive_int, default=d["seq_len"],
                    help=f"sequence length L (default {d['seq_len']})")
-    p.add_argument("--heads", type=_positive_int, default=d["heads"],
+    p.add_argument("--heads", type=cli.positive_int, default=d["heads"],
                    help=f"attention heads H (default {d['heads']})")
-    p.add_argument("--head-dim", type=_positive_int, default=d["head_dim"],
+    p.add_argument("--head-dim", type=cli.positive_int, default=d["head_dim"],
                    help=f"head dimension Dh; the hidden size is H*Dh (default {d['head_dim']})")
-    p.add_argument("--layers", type=_positive_int, default=d["layers"],
+    p.add_argument("--layers", type=cli.positive_int, default=d["layers"],
                    help=f"number of blocks (default {d['layers']})")
-    p.add_argument("--steps", type=_positive_int, default=d["steps"],
+    p.add_argument("--steps", type=cli.positive_int, default=d["steps"],
                    help=f"training steps (default {d['steps']})")
-    p.add_argument("--lr", type=_positive_float, default=d["lr"],
+    p.add_argument("--lr", type=cli.positive_float, default=d["lr"],
                    help=f"SGD learning rate (default {d['lr']})")
     p.add_argument("--dtype", choices=["float32", "float16"], default=d["dtype"],
                    help="dtype of weights and activations (default float32)")
-    p.add_argument("--batch", type=_positive_int, default=d["batch"],
+    p.add_argument("--batch", type=cli.positive_int, default=d["batch"],
                    help=f"sequences per batch B (default {d['batch']})")
-    p.add_argument("--num-chunks", type=_positive_int, default=d["num_chunks"],
+    p.add_argument("--num-chunks", type=cli.positive_int, default=d["num_chunks"],
                    help=f"flash chunk count of both loops, at most --seq-len (default "
                         f"{d['num_chunks']})")
     p.add_argument("--attention", choices=["flash", "naive"], default=d["attention"],

@@ -104,8 +104,8 @@ def loop_spec(cfg, dtype):
         carried=(1, 2), init=_init_state, finish=_finish, finished_specs=(kv_acc, kv_acc))
 
 
-def _block_body(cfg, step, t, dk_j, dv_j, q: ByRef, do: ByRef, lse: ByRef, dvec: ByRef,
-                k: ByRef, v: ByRef, dq: ByRef, dk: ByRef, dv: ByRef):
+def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec,
+                k, v, dq: ByRef, dk: ByRef, dv: ByRef):
     """Repeat body: one visited block of the kv-major block list.
 
     Carried: step ``t [1]`` and the running ``dk_j, dv_j [Gk, ckv, D]`` (float32; fresh after a

@@ -9,31 +9,20 @@ import argparse
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import devices, popxl
+from popxl_flash import cli, devices, popxl
 from popxl_flash.harness import run_graph
 from popxl_flash.naive import naive_attention
 
 ops = popxl.ops
 
 
-def _positive_int(text):
-    """argparse type: an int >= 1 (a bad value is a usage error, not a traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=_positive_int, default=2,
+    parser.add_argument("--groups", type=cli.positive_int, default=2,
                         help="G = batch x heads (default: %(default)s)")
-    parser.add_argument("--seq-len", type=_positive_int, default=2048,
+    parser.add_argument("--seq-len", type=cli.positive_int, default=2048,
                         help="sequence length L of q, k and v (default: %(default)s)")
-    parser.add_argument("--head-dim", type=_positive_int, default=64,
+    parser.add_argument("--head-dim", type=cli.positive_int, default=64,
                         help="head dimension D (default: %(default)s)")
     parser.add_argument("--dtype", choices=["float16", "float32"], default="float16",
                         help="dtype of q, k, v and out (default: %(default)s)")

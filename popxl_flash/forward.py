@@ -113,7 +113,7 @@ def loop_spec(cfg, dtype):
         finished_specs=(spec((G, cq, D), dtype), spec((G, cq), f32)))
 
 
-def _block_body(cfg, step, t, m_i, l_i, acc, q: ByRef, k: ByRef, v: ByRef, out: ByRef,
+def _block_body(cfg, step, t, m_i, l_i, acc, q, k, v, out: ByRef,
                 lse: ByRef):
     """Repeat body: one visited block of the q-major block list.
 
