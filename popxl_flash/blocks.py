@@ -325,7 +325,8 @@ class BlockStep:
 def fold_heads(cfg, t):
     """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
     groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
-    per kv group serves them all (a reshape; no op for multi-head attention, r = 1).
+    per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
+    attention, r = 1).
 
     q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
     is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
@@ -335,16 +336,16 @@ def fold_heads(cfg, t):
     if r == 1:
         return t
     _, rows, x = t.shape
-    return t.reshape((cfg.kv_groups, r * rows, x))
+    return t.reshape_((cfg.kv_groups, r * rows, x))
 
 
 def unfold_heads(cfg, t):
-    """Inverse of :func:`fold_heads`: ``[Gk, r * rows, X] -> [G, rows, X]``."""
+    """Inverse of :func:`fold_heads`: ``[Gk, r * rows, X] -> [G, rows, X]`` (a view)."""
     r = cfg.group_size
     if r == 1:
         return t
     _, rows, x = t.shape
-    return t.reshape((cfg.groups, rows // r, x))
+    return t.reshape_((cfg.groups, rows // r, x))
 
 
 def matmul_f32(a, b):
