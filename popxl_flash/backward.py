@@ -32,10 +32,8 @@ ops = popxl.ops
 ByRef = popxl.TensorByRef
 
 
-def _mm(a, b):
-    """float32-accumulated matmul of two input-dtype tensors."""
-    f32 = blocks.float32()
-    return ops.matmul(a, b, output_type=f32, partials_type=f32)
+_mm = blocks.matmul_f32
+_fold, _unfold = blocks.fold_heads, blocks.unfold_heads
 
 
 def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible=None):
@@ -43,8 +41,10 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        dq_i: float32 ``[G, cq, D]``; dk_j, dv_j: float32 ``[G, ckv, D]`` accumulators.
-        q_i, do_i: ``[G, cq, D]``; k_j, v_j: ``[G, ckv, D]`` in the input dtype.
+        dq_i: float32 ``[G, cq, D]``; dk_j, dv_j: float32 ``[Gk, ckv, D]`` accumulators.
+        q_i, do_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
+            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`,
+            so dk_j and dv_j sum over the q groups sharing a kv group inside the matmul).
         lse_i, dvec_i: float32 ``[G, cq, 1]``.
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` (partial block).
 
@@ -62,18 +62,20 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
         lse_safe = ops.where(seen, lse_i, blocks.scalar(0.0, f32))
         x = ops.where(visible, s - lse_safe, blocks.scalar(blocks.MASKED_SCORE, f32))
         p = ops.exp(x)  # [G, cq, ckv]
-    dv_j = dv_j + _mm(blocks.to_input_dtype(cfg, p).transpose((0, 2, 1)), do_i)  # [G, ckv, D]
-    dp = _mm(do_i, v_j.transpose((0, 2, 1)))  # [G, cq, ckv]
-    ds = blocks.to_input_dtype(cfg, p * (dp - dvec_i))  # [G, cq, ckv]
-    dq_i = dq_i + _mm(ds, k_j) * cfg.scale  # [G, cq, D]
-    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), q_i) * cfg.scale  # [G, ckv, D]
+    do_f = _fold(cfg, do_i)  # [Gk, r*cq, D]
+    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, ckv, r*cq]
+    dv_j = dv_j + _mm(p_t, do_f)  # [Gk, ckv, D]
+    dp = _unfold(cfg, _mm(do_f, v_j.transpose((0, 2, 1))))  # [G, cq, ckv]
+    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*cq, ckv]
+    dq_i = dq_i + _unfold(cfg, _mm(ds, k_j)) * cfg.scale  # [G, cq, D]
+    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i)) * cfg.scale  # [Gk, ckv, D]
     return dq_i, dk_j, dv_j
 
 
 def _init_state(cfg):
-    """Running ``dk_j, dv_j`` at a kv chunk's first block: zeros, float32 ``[G, ckv, D]``
+    """Running ``dk_j, dv_j`` at a kv chunk's first block: zeros, float32 ``[Gk, ckv, D]``
     (two distinct tensors: one parent tensor may not feed two repeat inputs)."""
-    shape = (cfg.groups, cfg.chunk_kv, cfg.head_dim)
+    shape = (cfg.kv_groups, cfg.chunk_kv, cfg.head_dim)
     return tuple(ops.init(shape, blocks.float32(), init_type="zero") for _ in range(2))
 
 
@@ -89,15 +91,16 @@ def loop_spec(cfg, dtype):
         cfg: the :class:`AttentionConfig`.
         dtype: the popxl dtype of q, k, v.
     """
-    G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
+    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
     f32, spec = blocks.float32(), popxl.TensorSpec
-    kv_acc = spec((G, ckv, D), f32)
+    kv_acc = spec((Gk, ckv, D), f32)
     return blocks.LoopSpec(
         order="kv_major", update=grad_block_update,
         roles=("q", "kv", "kv", "q", "q", "q", "q", "kv", "kv"),
         block_specs=(spec((G, cq, D), f32), kv_acc, kv_acc),
         operand_specs=(spec((G, cq, D), dtype), spec((G, cq, D), dtype), spec((G, cq, 1), f32),
-                       spec((G, cq, 1), f32), spec((G, ckv, D), dtype), spec((G, ckv, D), dtype)),
+                       spec((G, cq, 1), f32), spec((Gk, ckv, D), dtype),
+                       spec((Gk, ckv, D), dtype)),
         carried=(1, 2), init=_init_state, finish=_finish, finished_specs=(kv_acc, kv_acc))
 
 
@@ -105,10 +108,10 @@ def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk:
                 dv: ByRef, *seg):
     """Repeat body: one visited block of the kv-major block list.
 
-    Carried: step ``t [1]`` and the running ``dk_j, dv_j [G, ckv, D]`` (float32; fresh after a
+    Carried: step ``t [1]`` and the running ``dk_j, dv_j [Gk, ckv, D]`` (float32; fresh after a
     kv chunk's last block). Invariant, by reference: padded ``q, do``, ``lse, dvec
     [G, Lq_pad, 1]``, ``k, v`` (read-only) and the float32 accumulators ``dq [G, Lq_pad, D]``
-    (chunk i read and written back every step) and ``dk, dv [G, Lkv_pad, D]`` (chunk j written
+    (chunk i read and written back every step) and ``dk, dv [Gk, Lkv_pad, D]`` (chunk j written
     every step: zeros until the kv chunk's last block writes the result). With segment ids,
     ``seg`` holds the padded ids (and positions) and the steps' runtime branches (read-only,
     by value).
@@ -117,7 +120,7 @@ def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk:
     *seg, branches = seg or (None,)
     i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
     q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
-    k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [G, ckv, D]
+    k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [Gk, ckv, D]
     seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
     dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
         t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, *seg_operands))
@@ -140,7 +143,7 @@ def _build_loop_graph(cfg, q, do, lse, dvec, k, v, seg=()):
     spec = loop_spec(cfg, q.dtype)
     step = blocks.BlockStep(spec, cfg)
     dq_spec = popxl.TensorSpec((G, cfg.padded_q_len, D), f32)
-    dkv_spec = popxl.TensorSpec((G, cfg.padded_kv_len, D), f32)
+    dkv_spec = popxl.TensorSpec((cfg.kv_groups, cfg.padded_kv_len, D), f32)
     return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
                            *spec.block_specs[1:], q.spec, do.spec, lse.spec, dvec.spec, k.spec,
                            v.spec, dq_spec, dkv_spec, dkv_spec, *(t.spec for t in seg))
@@ -153,7 +156,9 @@ class FlashAttentionGrad(popxl.Module):
     they must equal the forward's.
 
     ``build`` args:
-        dout, q, out: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (one float dtype);
+        dout, q, out: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (one float
+            dtype; ``Gk < G``: grouped-query attention, dk and dv summed over the q groups
+            sharing each kv group);
         lse: float32 ``[G, Lq]`` from :class:`popxl_flash.FlashAttention`.
         q_segment_ids, kv_segment_ids, q_positions, kv_positions: optional, the forward's.
 
@@ -191,8 +196,9 @@ class FlashAttentionGrad(popxl.Module):
             padded = [blocks.pad_rows(t, cfg.padded_q_len)
                       for t in (q, dout, lse.reshape((G, Lq, 1)), dvec)]
             k_pad, v_pad = (blocks.pad_rows(t, cfg.padded_kv_len) for t in (k, v))
-            grads = [ops.init((G, n, D), f32, init_type="zero")
-                     for n in (cfg.padded_q_len, cfg.padded_kv_len, cfg.padded_kv_len)]
+            Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
+            grads = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
+                     for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
             steps = cfg.schedule.visited_blocks
             seg = []
             if cfg.segments is not None and steps:

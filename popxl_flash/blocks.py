@@ -425,18 +425,50 @@ def runtime_branches(cfg, order, classes):
                      ops.where(is_(segments.RT_FULL), full, masked))
 
 
+def fold_heads(cfg, t):
+    """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
+    groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
+    per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
+    attention, r = 1).
+
+    q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
+    is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
+    ``gk * r + h``.
+    """
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape_((cfg.kv_groups, r * rows, x))
+
+
+def unfold_heads(cfg, t):
+    """Inverse of :func:`fold_heads`: ``[Gk, r * rows, X] -> [G, rows, X]`` (a view)."""
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape_((cfg.groups, rows // r, x))
+
+
+def matmul_f32(a, b):
+    """float32-accumulated matmul of two input-dtype tensors."""
+    f32 = float32()
+    return ops.matmul(a, b, output_type=f32, partials_type=f32)
+
+
 def scores(cfg, q_i, k_j):
-    """``scale * q_i k_j^T`` in float32.
+    """``scale * q_i k_j^T`` in float32 (grouped-query: one matmul per kv group over the folded
+    rows of its q groups, :func:`fold_heads`).
 
     Args:
-        q_i: ``[G, cq, D]``; k_j: ``[G, ckv, D]`` (input dtype).
+        q_i: ``[G, cq, D]``; k_j: ``[Gk, ckv, D]`` (input dtype).
 
     Returns:
         float32 ``[G, cq, ckv]``.
     """
-    f32 = float32()
-    s = ops.matmul(q_i, k_j.transpose((0, 2, 1)), output_type=f32, partials_type=f32)
-    return s * cfg.scale
+    s = matmul_f32(fold_heads(cfg, q_i), k_j.transpose((0, 2, 1)))  # [Gk, r*cq, ckv]
+    return unfold_heads(cfg, s) * cfg.scale
 
 
 def to_input_dtype(cfg, t):

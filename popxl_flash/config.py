@@ -163,9 +163,9 @@ def _spec_text(t):
     return "None" if t is None else f"<tensor {tuple(t.shape)} {t.dtype.name}>"
 
 
-def _check_ids(name, ids, groups, length_name, length):
+def _check_ids(name, ids, groups, length_name, length, group_name="G"):
     """A segment-id spec must be int32 ``[groups or 1, length]``; return its row count."""
-    expected = f"[G={groups} or 1, {length_name}={length}]"
+    expected = f"[{group_name}={groups} or 1, {length_name}={length}]"
     if ids.dtype.name != "int32":
         raise TypeError(f"{name} must have dtype int32 {expected}, got dtype {ids.dtype.name}")
     shape = tuple(ids.shape)
@@ -179,7 +179,10 @@ class AttentionConfig:
     """Everything static about one attention call.
 
     Attributes:
-        groups: G = batch x heads.
+        groups: G = batch x heads of q.
+        kv_groups: Gk, the groups of k and v: ``G`` (multi-head attention) or a divisor of it
+            (grouped-query attention; 1 is multi-query): q group ``g`` reads kv group
+            ``g // (G // Gk)``.
         q_len, kv_len: Lq and Lkv.
         head_dim: D.
         dtype: ``"float16"`` or ``"float32"`` (q, k, v and out).
@@ -192,6 +195,7 @@ class AttentionConfig:
             segment ids (and positions) given with the data.
     """
     groups: int
+    kv_groups: int
     q_len: int
     kv_len: int
     head_dim: int
@@ -212,7 +216,7 @@ class AttentionConfig:
         """Validate shapes, dtypes and options.
 
         Args:
-            q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[G, Lkv, D]``.
+            q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[Gk, Lkv, D]`` with ``G % Gk == 0``.
             dtypes: the dtype names of q, k, v (``str``).
             names: how the three tensors are named in error messages.
 
@@ -221,11 +225,16 @@ class AttentionConfig:
         """
         qn, kn, vn = names
         G, Lq, D = _check_shape(qn, q_shape, 3, "[G, Lq, D]")
-        Gk, Lkv, Dk = _check_shape(kn, k_shape, 3, "[G, Lkv, D]")
-        v_shape = _check_shape(vn, v_shape, 3, "[G, Lkv, D]")
-        if (Gk, Dk) != (G, D):
-            raise ValueError(f"{kn} must have shape [G={G}, Lkv, D={D}] to match {qn} "
-                             f"{(G, Lq, D)}, got {kn} shape {(Gk, Lkv, Dk)}")
+        Gk, Lkv, Dk = _check_shape(kn, k_shape, 3, "[Gk, Lkv, D]")
+        v_shape = _check_shape(vn, v_shape, 3, "[Gk, Lkv, D]")
+        if Dk != D:
+            raise ValueError(f"{kn} must have q's head dim D={D} ([Gk, Lkv, D={D}] to match "
+                             f"{qn} {(G, Lq, D)}), got {kn} shape {(Gk, Lkv, Dk)}")
+        if G % Gk:
+            raise ValueError(f"{kn} must have a group count Gk that divides q's G={G} (Gk = G "
+                             f"for multi-head attention; Gk < G is grouped-query attention, q "
+                             f"group g reading kv group g // (G // Gk)), got {kn} shape "
+                             f"{(Gk, Lkv, Dk)} for {qn} shape {(G, Lq, D)}")
         if v_shape != (Gk, Lkv, Dk):
             raise ValueError(f"{vn} must have the shape of {kn} {(Gk, Lkv, Dk)}, "
                              f"got {vn} shape {v_shape}")
@@ -236,9 +245,10 @@ class AttentionConfig:
         scale, window = check_scale(scale, D), check_window(window)
         if chunk_q is None or chunk_kv is None:
             chosen = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
-                                      window=window, chunk_q=chunk_q, chunk_kv=chunk_kv).chosen
+                                      window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
+                                      kv_groups=Gk).chosen
             chunk_q, chunk_kv = chosen.chunk_q, chosen.chunk_kv
-        return cls(groups=G, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
+        return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=math.ceil(Lq / chunk_q),
                    num_chunks_kv=math.ceil(Lkv / chunk_kv), causal=causal, scale=scale,
                    window=window)
@@ -275,7 +285,7 @@ class AttentionConfig:
 
         Args:
             q_segment_ids: ``None`` or a spec (``.shape``, ``.dtype.name``) int32
-                ``[G or 1, Lq]``; kv_segment_ids: int32 ``[G or 1, Lkv]``; given together.
+                ``[G or 1, Lq]``; kv_segment_ids: int32 ``[Gk or 1, Lkv]``; given together.
             q_positions, kv_positions: ``None`` or int32 specs shaped like the ids (internal:
                 the varlen API's bottom-right positions; causal and window then compare them).
 
@@ -293,7 +303,8 @@ class AttentionConfig:
                 raise ValueError(f"segment ids support lengths up to {MAX_LEN}, got "
                                  f"{name}={length}")
         gq = _check_ids("q_segment_ids", q_segment_ids, self.groups, "Lq", self.q_len)
-        gk = _check_ids("kv_segment_ids", kv_segment_ids, self.groups, "Lkv", self.kv_len)
+        gk = _check_ids("kv_segment_ids", kv_segment_ids, self.kv_groups, "Lkv", self.kv_len,
+                        group_name="Gk")
         positions = q_positions is not None
         if positions:
             for name, ids, t in (("q_positions", q_segment_ids, q_positions),
@@ -316,6 +327,11 @@ class AttentionConfig:
                               causal=causal, window=window)
 
     @property
+    def group_size(self) -> int:
+        """r = G // Gk: the q groups that share one kv group (1 for multi-head attention)."""
+        return self.groups // self.kv_groups
+
+    @property
     def padded_q_len(self) -> int:
         """Lq rounded up to whole chunks."""
         return self.chunk_q * self.num_chunks_q
@@ -327,7 +343,7 @@ class AttentionConfig:
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
-            num_chunks_q=None, num_chunks_kv=None) -> "costmodel.ChunkChoice":
+            num_chunks_q=None, num_chunks_kv=None, kv_groups=None) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -337,6 +353,8 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         causal, window: the mask, as :func:`popxl_flash.flash_attention`.
         num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
             fixes that axis's chunk length and only the other is chosen.
+        kv_groups: Gk, the groups of k and v (``None``: ``groups``; grouped-query attention:
+            a divisor of ``groups``).
 
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
@@ -344,11 +362,11 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
         and ``table()`` to print them.
     """
-    shapes = [(groups, Lq, head_dim), (groups, Lkv, head_dim), (groups, Lkv, head_dim)]
-    cfg = AttentionConfig.from_shapes(*shapes, (dtype,) * 3, num_chunks_q=num_chunks_q,
-                                      num_chunks_kv=num_chunks_kv, causal=causal,
-                                      window=window)
+    kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
+    cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
+                                      num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                                      causal=causal, window=window)
     return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
-                            causal=causal, window=cfg.window,
+                            causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
                             chunk_q=None if num_chunks_q is None else cfg.chunk_q,
                             chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)

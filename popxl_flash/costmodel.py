@@ -159,33 +159,38 @@ def _ops(weights, blist):
                  + weights["per_last"] * int(blist.last.sum()))
 
 
-def _bytes_copied(sched, G, D, item, backward):
+def _bytes_copied(sched, G, Gk, D, item, backward):
     """Lowering copies of one pass: per step, the repeat's carried state out of and back into
     the body, and the taken branch's inputs and outputs (one conditional level); once, the
-    by-reference results written back to the caller."""
+    by-reference results written back to the caller. Each term is per q group (times G) or
+    per kv group (times Gk: k, v blocks and the dk, dv accumulators)."""
     cq, ckv = sched.chunk_q, sched.chunk_kv
     if backward:
-        carried = 2 * ckv * D * _F32 + 4  # dk_j, dv_j, step counter
-        operands = 2 * cq * D * item + 2 * cq * _F32 + 2 * ckv * D * item + cq * D * _F32
-        outputs = 4 * ckv * D * _F32 + cq * D * _F32
-        results = (sched.nq * cq + 2 * sched.nkv * ckv) * D * _F32
+        carried = (0, 2 * ckv * D * _F32 + 4)  # (q side, kv side): dk_j, dv_j, step counter
+        operands = (2 * cq * D * item + 2 * cq * _F32 + cq * D * _F32, 2 * ckv * D * item)
+        outputs = (cq * D * _F32, 4 * ckv * D * _F32)
+        results = (sched.nq * cq * D * _F32, 2 * sched.nkv * ckv * D * _F32)
     else:
-        carried = (2 * cq + cq * D) * _F32 + 4  # m_i, l_i, acc, step counter
-        operands = cq * D * item + 2 * ckv * D * item
-        outputs = cq * D * item + cq * _F32
-        results = sched.nq * cq * (D * item + _F32)
-    per_step = 2 * carried + (carried + operands) + (carried + outputs)
-    return G * (sched.visited_blocks * per_step + results)
+        carried = ((2 * cq + cq * D) * _F32 + 4, 0)  # m_i, l_i, acc, step counter
+        operands = (cq * D * item, 2 * ckv * D * item)
+        outputs = (cq * D * item + cq * _F32, 0)
+        results = (sched.nq * cq * (D * item + _F32), 0)
+    total = 0
+    for side, groups in ((0, G), (1, Gk)):
+        per_step = 4 * carried[side] + operands[side] + outputs[side]
+        total += groups * (sched.visited_blocks * per_step + results[side])
+    return total
 
 
-def _working_set(sched, G, D, item):
+def _working_set(sched, G, Gk, D, item):
     """``(resident, step)`` bytes of the backward pass (the larger): the resident tensors
-    (padded q, do, out, k, v; lse, Dvec; float32 dq, dk, dv) and one step's temporaries
-    (~5 float32 ``[cq, ckv]`` blocks and 4 float32 ``[cq, D]`` rows)."""
+    (padded q, do, out, k, v; lse, Dvec; float32 dq, dk, dv; k, v, dk, dv of Gk groups) and
+    one step's temporaries (~5 float32 ``[cq, ckv]`` blocks and 4 float32 ``[cq, D]`` rows)."""
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    resident = (3 * lq + 2 * lkv) * D * item + 2 * lq * _F32 + (lq + 2 * lkv) * D * _F32
+    resident = (G * (3 * lq * D * item + 2 * lq * _F32 + lq * D * _F32)
+                + Gk * (2 * lkv * D * item + 2 * lkv * D * _F32))
     step = 5 * sched.chunk_q * sched.chunk_kv * _F32 + 4 * sched.chunk_q * D * _F32
-    return G * resident, G * step
+    return resident, G * step
 
 
 def _seconds(flops, ops, iterations, copied, dtype):
@@ -194,12 +199,15 @@ def _seconds(flops, ops, iterations, copied, dtype):
     return compute + overhead + copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
 
 
-def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window):
+def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
+             kv_groups=None):
     """The model's figures for one chunking.
 
     Args:
         Lq, Lkv: sequence lengths; chunk_q, chunk_kv: chunk lengths.
         head_dim, groups: D and G.
+        kv_groups: Gk, the groups of k and v (``None``: G; grouped-query attention: a divisor
+            of G). It changes only the modelled bytes; FLOPs and ops are those of G.
         dtype: ``"float16"`` or ``"float32"``.
         causal, window: the mask (as :func:`popxl_flash.schedule.plan`).
 
@@ -212,9 +220,10 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     bwd = sched.backward_flops(head_dim, groups)
     ops_f = _ops(OPS_FORWARD, sched.block_list("q_major"))
     ops_b = _ops(OPS_BACKWARD, sched.block_list("kv_major"))
-    copied_f = _bytes_copied(sched, groups, head_dim, item, backward=False)
-    copied_b = _bytes_copied(sched, groups, head_dim, item, backward=True)
-    resident, step = _working_set(sched, groups, head_dim, item)
+    kv_groups = groups if kv_groups is None else kv_groups
+    copied_f = _bytes_copied(sched, groups, kv_groups, head_dim, item, backward=False)
+    copied_b = _bytes_copied(sched, groups, kv_groups, head_dim, item, backward=True)
+    resident, step = _working_set(sched, groups, kv_groups, head_dim, item)
     working = resident + step
     fits = working <= TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION
     linear = step <= resident
@@ -238,11 +247,12 @@ def _balanced(length, target):
 
 
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
-           chunk_kv=None):
+           chunk_kv=None, kv_groups=None):
     """Choose chunk lengths by the model (see the module docstring).
 
     Args:
         Lq, Lkv, head_dim, groups, dtype, causal, window: the attention call.
+        kv_groups: Gk of k and v (``None``: G), as :func:`evaluate`.
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
 
     Returns:
@@ -254,7 +264,8 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         if pair not in pairs:
             pairs.append(pair)
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, head_dim=head_dim, groups=groups,
-                                dtype=dtype, causal=causal, window=window) for cq, ckv in pairs)
+                                dtype=dtype, causal=causal, window=window, kv_groups=kv_groups)
+                       for cq, ckv in pairs)
     eligible = [c for c in candidates if c.eligible]
     linear = [c for c in candidates if c.fits and c.linear_memory]
     fitting = [c for c in candidates if c.fits]

@@ -12,10 +12,10 @@ layout changes are ordinary PopXL ``transpose``/``reshape`` ops around
 
 With ``layout="BHLD"`` (PyTorch SDPA's ``[B, H, L, D]``) only the reshapes remain.
 
-Heads flatten batch-major (``g = b * H + h``), so grouped-query attention needs nothing here
-beyond the core accepting ``k``/``v`` with ``B * Hkv`` groups: q group ``b * Hq + h`` then reads
-kv group ``(b * Hq + h) // (Hq // Hkv) = b * Hkv + h // (Hq // Hkv)``, flash-attn's convention.
-Until the core does, ``Hq != Hkv`` raises ``NotImplementedError``.
+Heads flatten batch-major (``g = b * H + h``), so grouped-query and multi-query attention
+(``Hkv < Hq``) need nothing here: the core takes ``k``/``v`` with ``B * Hkv`` groups, and q group
+``b * Hq + h`` reads kv group ``(b * Hq + h) // (Hq // Hkv) = b * Hkv + h // (Hq // Hkv)``:
+q head ``h`` reads kv head ``h // (Hq // Hkv)`` of its own batch entry, flash-attn's convention.
 """
 from collections import namedtuple
 
@@ -81,16 +81,6 @@ def _check_shapes(q, k, v, layout):
     return Dims(B, Lq, Lkv, Hq, Hkv, D)
 
 
-def _check_heads(dims):
-    """The core kernel needs as many k/v heads as q heads (for now)."""
-    if dims.q_heads != dims.kv_heads:
-        n = dims.q_heads // dims.kv_heads
-        raise NotImplementedError(
-            f"grouped-query / multi-query attention (Hq={dims.q_heads} q heads, "
-            f"Hkv={dims.kv_heads} k/v heads) is not supported yet; repeat each k/v head {n} "
-            f"times along the head axis (q head h reads k/v head h // {n}) to pass Hq heads")
-
-
 def _to_groups(t, layout):
     """``[B, L, H, D]`` (or ``[B, H, L, D]``) -> ``[B*H, L, D]``."""
     B, L, H, D = _blhd(t.shape, layout)
@@ -116,8 +106,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
 
     Args:
         q: ``[B, Lq, Hq, D]`` float16 or float32 (``[B, Hq, Lq, D]`` with ``layout="BHLD"``).
-        k, v: ``[B, Lkv, Hkv, D]`` (``[B, Hkv, Lkv, D]``), q's dtype. ``Hkv`` must equal
-            ``Hq`` for now (grouped-query attention raises ``NotImplementedError``).
+        k, v: ``[B, Lkv, Hkv, D]`` (``[B, Hkv, Lkv, D]``), q's dtype. ``Hkv`` divides ``Hq``:
+            ``Hkv < Hq`` is grouped-query attention (``Hkv = 1``: multi-query), q head ``h``
+            reading k/v head ``h // (Hq // Hkv)``; k and v are never repeated per q head.
         softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
         causal: bottom-right aligned causal mask (flash-attn >= 2.1): query ``i`` sees key
             ``j <= i + Lkv - Lq``. Default ``False``, as in flash-attn.
@@ -139,7 +130,6 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                    scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
                    window=check_window(window_size, name="window_size"))
     return_lse = check_bool("return_lse", return_lse)
-    _check_heads(dims)
     G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
     kv_shape = (Gk, dims.kv_len, dims.head_dim)
     AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,

@@ -39,7 +39,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
         cfg: the :class:`AttentionConfig`.
         m_i, l_i: running max and sum, float32 ``[G, cq, 1]``.
         acc: output accumulator, float32 ``[G, cq, D]``.
-        q_i: ``[G, cq, D]``; k_j, v_j: ``[G, ckv, D]`` in the input dtype.
+        q_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
+            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`).
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` mask pattern (partial block).
 
     Returns:
@@ -63,8 +64,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
     alpha = ops.exp(ops.where(seen, m_i, m_new) - m_new)  # [G, cq, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
-    p_in = blocks.to_input_dtype(cfg, p)
-    pv = ops.matmul(p_in, v_j, output_type=f32, partials_type=f32)  # [G, cq, D]
+    p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*cq, ckv]
+    pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, cq, D]
     return m_new, l_new, alpha * acc + pv
 
 
@@ -101,13 +102,13 @@ def loop_spec(cfg, dtype):
         cfg: the :class:`AttentionConfig`.
         dtype: the popxl dtype of q, k, v.
     """
-    G, D, cq, ckv = cfg.groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
+    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
     f32, spec = blocks.float32(), popxl.TensorSpec
     return blocks.LoopSpec(
         order="q_major", update=online_softmax_update, roles=("q",) * 4 + ("kv",) * 2,
         block_specs=(spec((G, cq, 1), f32), spec((G, cq, 1), f32), spec((G, cq, D), f32)),
-        operand_specs=(spec((G, cq, D), dtype), spec((G, ckv, D), dtype),
-                       spec((G, ckv, D), dtype)),
+        operand_specs=(spec((G, cq, D), dtype), spec((Gk, ckv, D), dtype),
+                       spec((Gk, ckv, D), dtype)),
         carried=(0, 1, 2), init=_init_state, finish=_finalise,
         finished_specs=(spec((G, cq, D), dtype), spec((G, cq), f32)))
 
@@ -141,8 +142,10 @@ class FlashAttention(popxl.Module):
     :func:`popxl_flash.flash_attention`.
 
     ``build`` args:
-        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``; float16 or float32.
-        q_segment_ids, kv_segment_ids: optional int32 ``[G or 1, Lq]``, ``[G or 1, Lkv]``
+        q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (``Gk < G``:
+            grouped-query attention, q group ``g`` reading kv group ``g // (G // Gk)``); float16
+            or float32.
+        q_segment_ids, kv_segment_ids: optional int32 ``[G or 1, Lq]``, ``[Gk or 1, Lkv]``
             (packed sequences, -1 = padding; see :mod:`popxl_flash.segments`).
         q_positions, kv_positions: optional int32, the ids' shapes (the varlen API's
             bottom-right positions: causal and window compare them).

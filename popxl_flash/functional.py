@@ -165,7 +165,9 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
 
     Args:
         q: ``[G, Lq, D]`` float16 or float32 (G = batch x heads).
-        k, v: ``[G, Lkv, D]``, same dtype as q.
+        k, v: ``[Gk, Lkv, D]``, same dtype as q, with ``G % Gk == 0``: ``Gk = G`` is
+            multi-head attention, ``Gk < G`` grouped-query attention (q group ``g`` reads kv
+            group ``g // (G // Gk)``; k and v are never repeated per q group).
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
             the cost model's choice (:func:`popxl_flash.explain`). Lengths need not be
             divisible (the tail chunk is padded).
@@ -176,7 +178,7 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
             ``-1`` for an unbounded side. Intersected with ``causal``.
         return_lse: also return the logsumexp.
         q_segment_ids, kv_segment_ids: ``None`` (default) or int32 tensors ``[G or 1, Lq]`` and
-            ``[G or 1, Lkv]`` given at run time (packed sequences, key padding): query row i
+            ``[Gk or 1, Lkv]`` given at run time (packed sequences, key padding): query row i
             sees key j only if ``q_segment_ids[i] == kv_segment_ids[j] >= 0`` and the static
             mask allows it; a negative id is padding (sees nothing, seen by nothing). Blocks
             whose chunks share no segment are skipped at run time (no matmul).
@@ -270,14 +272,15 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
 
     Args:
         dout: ``[G, Lq, D]`` gradient of the output, q's dtype.
-        q, k, v: the forward's inputs.
+        q, k, v: the forward's inputs (q ``[G, Lq, D]``, k and v ``[Gk, Lkv, D]``).
         out, lse: the forward's outputs, or both ``None``.
         num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
             the forward's options and segment ids.
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (0 for padding rows and for
-        keys no query sees).
+        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (grouped-query: dk and dv
+        ``[Gk, Lkv, D]``, each summed over the ``G // Gk`` q groups that share it); 0 for
+        padding rows and for keys no query sees.
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     _check_rank3(dout=dout, q=q, k=k, v=v)

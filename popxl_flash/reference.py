@@ -2,24 +2,53 @@
 
 Same semantics as :func:`popxl_flash.flash_attention` (see ``docs/user-guide.md``):
 
-* shapes ``q [G, Lq, D]``, ``k, v [G, Lkv, D]``;
+* shapes ``q [G, Lq, D]``, ``k, v [Gk, Lkv, D]`` with ``G % Gk == 0`` (grouped-query attention
+  when ``Gk < G``: q group ``g`` reads kv group ``g // (G // Gk)``);
 * ``scale=None`` means ``1/sqrt(D)``;
 * bottom-right causal alignment: row ``i`` sees column ``j`` iff ``j <= i + (Lkv - Lq)``;
 * ``window=(left, right)`` (``None`` or ``-1`` = unbounded side) keeps
   ``i + (Lkv - Lq) - left <= j <= i + (Lkv - Lq) + right``, intersected with ``causal``;
 * a row that sees no key has output 0, lse ``-inf`` and zero gradient.
 
-Packed sequences (``q_segment_ids [G or 1, Lq]``, ``kv_segment_ids [G or 1, Lkv]``, integer):
-row ``i`` of group ``g`` sees column ``j`` only if ``q_segment_ids[g, i] == kv_segment_ids[g, j]
->= 0`` (a negative id is padding: it sees nothing and nothing sees it) and the mask above allows
+Packed sequences (``q_segment_ids [G or 1, Lq]``, ``kv_segment_ids [Gk or 1, Lkv]``, integer):
+row ``i`` of group ``g`` sees column ``j`` only if ``q_segment_ids[g, i] == kv_segment_ids[g', j]
+>= 0`` (``g'`` the kv group of ``g``) (a negative id is padding: it sees nothing and nothing sees it) and the mask above allows
 ``(i, j)``. With ``q_positions``/``kv_positions`` (integer ``[G or 1, L]``) the causal and window
 conditions compare positions instead of indices: ``kv_pos <= q_pos`` (causal) and
 ``q_pos - left <= kv_pos <= q_pos + right`` (window). :func:`varlen_segments` gives flash-attn's
 varlen masks in these terms, and :func:`attention_varlen` is the per-sequence oracle.
 
-Everything is computed in float64 whatever the input dtype.
+Everything is computed in float64 whatever the input dtype. Grouped-query attention is done the
+obvious way, in the oracle only: each kv group is repeated for the ``G // Gk`` q groups that read
+it, and the gradients of the copies are summed.
 """
 import numpy as np
+
+
+def repeat_kv(q, *kv):
+    """Repeat each kv group for the q groups that share it (grouped-query attention).
+
+    Args:
+        q: ``[G, Lq, D]``.
+        kv: arrays ``[Gk, Lkv, D]`` with ``G % Gk == 0``.
+
+    Returns:
+        The kv arrays as ``[G, Lkv, D]``: group ``g`` is kv group ``g // (G // Gk)``.
+    """
+    G = q.shape[0]
+    out = []
+    for x in kv:
+        if x.ndim != 3 or G % x.shape[0]:
+            raise ValueError(f"kv groups {x.shape[0]} must divide q's groups G={G}, "
+                             f"got shapes {q.shape} and {x.shape}")
+        out.append(np.repeat(x, G // x.shape[0], axis=0))
+    return out
+
+
+def sum_groups(x, kv_groups):
+    """Sum ``x [G, L, D]`` over the q groups that share each kv group -> ``[Gk, L, D]``."""
+    G = x.shape[0]
+    return x.reshape(kv_groups, G // kv_groups, *x.shape[1:]).sum(axis=1)
 
 
 def visibility(Lq, Lkv, *, causal=True, window=None):
@@ -60,16 +89,18 @@ def _as_rows(name, ids, length):
 
 
 def mask(Lq, Lkv, *, causal=True, window=None, q_segment_ids=None, kv_segment_ids=None,
-         q_positions=None, kv_positions=None):
+         q_positions=None, kv_positions=None, groups=None):
     """Dense visibility, with optional segment ids and positions (see the module docstring).
 
     Args:
         Lq, Lkv: query and key lengths.
         causal, window: as :func:`visibility`.
-        q_segment_ids, kv_segment_ids: ``None`` or integer ``[G or 1, Lq]`` / ``[G or 1, Lkv]``
+        q_segment_ids, kv_segment_ids: ``None`` or integer ``[G or 1, Lq]`` / ``[Gk or 1, Lkv]``
             (given together); negative ids are padding.
         q_positions, kv_positions: ``None`` or integer ``[G or 1, Lq]`` / ``[G or 1, Lkv]``
             (given together, with segment ids): causal and window compare these.
+        groups: ``None`` or G; kv ids (and positions) of ``Gk`` rows, ``1 < Gk < G`` (or
+            fewer than the q ids' rows), are repeated for the q groups of each kv group.
 
     Returns:
         bool ``[Lq, Lkv]`` without segment ids, else ``[G or 1, Lq, Lkv]``.
@@ -82,6 +113,10 @@ def mask(Lq, Lkv, *, causal=True, window=None, q_segment_ids=None, kv_segment_id
         if q_positions is not None:
             raise ValueError("positions need segment ids")
         return visibility(Lq, Lkv, causal=causal, window=window)
+    q_rows = len(_as_rows("q_segment_ids", q_segment_ids, Lq))
+    kv = _repeat_kv_rows(dict(kv_segment_ids=kv_segment_ids, kv_positions=kv_positions),
+                         max(q_rows, groups or 1))
+    kv_segment_ids, kv_positions = kv["kv_segment_ids"], kv["kv_positions"]
     sq = _as_rows("q_segment_ids", q_segment_ids, Lq)[:, :, None]  # [Gs, Lq, 1]
     sk = _as_rows("kv_segment_ids", kv_segment_ids, Lkv)[:, None, :]  # [Gs, 1, Lkv]
     visible = (sq == sk) & (sq >= 0)
@@ -118,6 +153,16 @@ def varlen_segments(cu_seqlens, total):
     return seg[None], pos[None]
 
 
+def _repeat_kv_rows(segments, groups):
+    """kv segment ids / positions with ``Gk`` rows (``1 < Gk < G``) repeated to ``G`` rows."""
+    out = dict(segments)
+    for name in ("kv_segment_ids", "kv_positions"):
+        rows = out.get(name)
+        if rows is not None and np.ndim(rows) == 2 and 1 < len(rows) < groups:
+            out[name] = np.repeat(np.asarray(rows), groups // len(rows), axis=0)
+    return out
+
+
 def _probabilities(q, k, *, causal, scale, window, **segments):
     """Softmax probabilities and lse in float64.
 
@@ -129,8 +174,9 @@ def _probabilities(q, k, *, causal, scale, window, **segments):
         (``-inf`` for rows that see nothing), and the scale.
     """
     q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
+    k, = repeat_kv(q, np.asarray(k, dtype=np.float64))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    segments = dict(segments, groups=q.shape[0]) if segments else segments
     visible = mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
     s = np.where(visible, scale * (q @ k.transpose(0, 2, 1)), -np.inf)  # [G, Lq, Lkv]
     m = s.max(axis=-1, keepdims=True)  # [G, Lq, 1]
@@ -147,7 +193,8 @@ def attention(q, k, v, *, causal=True, scale=None, window=None, **segments):
     """Reference attention.
 
     Args:
-        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` (any float dtype; computed in float64).
+        q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` with ``G % Gk == 0`` (any float dtype;
+            computed in float64).
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
         segments: ``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_positions``
             (see :func:`mask`).
@@ -156,7 +203,8 @@ def attention(q, k, v, *, causal=True, scale=None, window=None, **segments):
         ``(out, lse)``: out ``[G, Lq, D]`` float64, lse ``[G, Lq]`` float64.
     """
     p, lse, _ = _probabilities(q, k, causal=causal, scale=scale, window=window, **segments)
-    return p @ np.asarray(v, dtype=np.float64), lse
+    v, = repeat_kv(q, np.asarray(v, dtype=np.float64))
+    return p @ v, lse
 
 
 def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **segments):
@@ -164,16 +212,19 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **seg
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
-    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; with ``Gk < G`` dK and dV of the repeated
+    kv groups are summed over the q groups that share them.
 
     Args:
-        dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]``.
+        dout: ``[G, Lq, D]``; q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]``.
         causal, scale, window, segments: as :func:`attention`.
 
     Returns:
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
     """
     q64, k64, v64, do64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
+    kv_groups = k64.shape[0]
+    k64, v64 = repeat_kv(q64, k64, v64)
     p, _, scale = _probabilities(q64, k64, causal=causal, scale=scale, window=window,
                                  **segments)
     out = p @ v64
@@ -182,7 +233,7 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **seg
     ds = p * (dp - (do64 * out).sum(axis=-1, keepdims=True))
     dq = scale * (ds @ k64)
     dk = scale * (ds.transpose(0, 2, 1) @ q64)
-    return dq, dk, dv
+    return dq, sum_groups(dk, kv_groups), sum_groups(dv, kv_groups)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,

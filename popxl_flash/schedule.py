@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -218,14 +219,15 @@ class BlockSchedule:
             executed += self.forward_flops(head_dim, groups).executed
         return FlopCount(executed=executed, useful=per_element * self.visible_elements)
 
-    def memory_bytes(self, head_dim: int, groups: int = 1, itemsize: int = 4) -> MemoryEstimate:
+    def memory_bytes(self, head_dim: int, groups: int = 1, itemsize: int = 4,
+                     kv_groups: Optional[int] = None) -> MemoryEstimate:
         """Analytic estimate of the forward's activation bytes, flash vs naive.
 
         This is an estimate from tensor shapes, not a measurement; the emulator measures the
         real peak of live tensors.
 
         * naive: scores and probabilities ``float32[G, Lq, Lkv]`` each, plus q, out
-          ``[G, Lq, D]`` and k, v ``[G, Lkv, D]`` at ``itemsize``.
+          ``[G, Lq, D]`` and k, v ``[Gk, Lkv, D]`` at ``itemsize``.
         * flash: q, k, v, out as above; lse ``float32[G, Lq]``; the accumulator
           ``float32[G, chunk_q, D]``, m_i and l_i ``float32[G, chunk_q]``; one score block and
           one probability block ``float32[G, chunk_q, chunk_kv]``; plus the graph's block-list
@@ -235,6 +237,8 @@ class BlockSchedule:
             head_dim: D.
             groups: G = batch x heads.
             itemsize: bytes per element of q, k, v and out (2 for float16, 4 for float32).
+            kv_groups: Gk, the groups of k and v (``None``: G; grouped-query attention: a
+                divisor of G).
 
         Returns:
             ``MemoryEstimate(flash, naive)`` in bytes.
@@ -242,7 +246,10 @@ class BlockSchedule:
         d = _positive_int("head_dim", head_dim)
         g = _positive_int("groups", groups)
         item = _positive_int("itemsize", itemsize)
-        io_bytes = g * (2 * self.Lq + 2 * self.Lkv) * d * item  # q, out; k, v
+        gk = g if kv_groups is None else _positive_int("kv_groups", kv_groups)
+        if g % gk:
+            raise ValueError(f"kv_groups must divide groups={g}, got kv_groups={gk}")
+        io_bytes = (g * 2 * self.Lq + gk * 2 * self.Lkv) * d * item  # q, out; k, v
         naive_scores = 2 * g * self.Lq * self.Lkv * _FLOAT32_BYTES  # scores + probabilities
         lse = g * self.Lq * _FLOAT32_BYTES
         accumulator = g * self.chunk_q * d * _FLOAT32_BYTES

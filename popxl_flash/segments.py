@@ -236,25 +236,42 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
 
     Args:
         cfg: the :class:`~popxl_flash.config.AttentionConfig` (with ``segments`` set).
-        q_ids: int32 ``[Gs, Lq]``; kv_ids: int32 ``[Gsk, Lkv]``; q_pos, kv_pos: positions of
-            the same shapes, or ``None``.
+        q_ids: int32 ``[G or 1, Lq]``; kv_ids: int32 ``[Gk or 1, Lkv]``; q_pos, kv_pos:
+            positions of the same shapes, or ``None``.
 
     Returns:
-        ``(tensors, classes)``: the padded ``[q_ids, kv_ids]`` (-1 on padding), plus
+        ``(tensors, classes)`` (kv ids of ``Gk`` rows repeated to ``G``, :func:`kv_rows`): the padded ``[q_ids, kv_ids]`` (-1 on padding), plus
         ``[q_pos, kv_pos]`` with positions, which the loop reads by reference; and the int32
         ``[nq, nkv]`` block classes of :func:`classify_blocks`.
     """
     q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
-    kv_ids = pad_ids(kv_ids, cfg.padded_kv_len, -1)
+    kv_ids = expand_kv_rows(cfg, pad_ids(kv_ids, cfg.padded_kv_len, -1))
     if q_pos is not None:
         q_pos = pad_ids(q_pos, cfg.padded_q_len, 0)
-        kv_pos = pad_ids(kv_pos, cfg.padded_kv_len, 0)
+        kv_pos = expand_kv_rows(cfg, pad_ids(kv_pos, cfg.padded_kv_len, 0))
     classes = classify_blocks(chunk_stats(q_ids, q_pos, cfg.chunk_q),
                               chunk_stats(kv_ids, kv_pos, cfg.chunk_kv),
                               positions=cfg.segments.positions, causal=cfg.causal,
                               window=cfg.window)
     tensors = [q_ids, kv_ids] + ([q_pos, kv_pos] if q_pos is not None else [])
     return tensors, classes
+
+
+def kv_rows(cfg):
+    """Rows of the kv ids inside the loop: 1, or G (per-kv-group ids of grouped-query
+    attention are repeated for the q groups that read each kv group, :func:`expand_kv_rows`)."""
+    return 1 if cfg.segments.kv_groups == 1 else cfg.groups
+
+
+def expand_kv_rows(cfg, ids):
+    """``[Gk, L]`` kv ids (or positions) of grouped-query attention -> ``[G, L]``, row ``g``
+    being kv group ``g // (G // Gk)`` (no op for 1 or G rows)."""
+    rows, length = ids.shape
+    if rows in (1, cfg.groups):
+        return ids
+    r = cfg.groups // rows
+    ids3 = ids.reshape((rows, 1, length))
+    return ops.concat([ids3] * r, axis=1).reshape((cfg.groups, length))
 
 
 def step_classes(classes, q_chunk, kv_chunk):
@@ -277,7 +294,7 @@ def operand_specs(cfg):
     """Specs of the segment operands a block step receives: ids (and positions) of its q and
     kv chunks, ``[Gs, cq]``, ``[Gsk, ckv]``."""
     seg, spec, i32 = cfg.segments, popxl.TensorSpec, popxl.int32
-    specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((seg.kv_groups, cfg.chunk_kv), i32)]
+    specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((kv_rows(cfg), cfg.chunk_kv), i32)]
     return specs * 2 if seg.positions else specs
 
 

@@ -10,13 +10,15 @@ on with the next case.
 
 The matrix covers float16 and float32; causal, non-causal and windowed masks; ``Lq != Lkv``;
 padded tail chunks; chunk length 1; rows that see no key (causal with ``Lq > Lkv``, a narrow
-window); a large softmax scale; and, without ``--quick``, one long sequence.
+window); a large softmax scale; grouped- and multi-query attention (k/v with fewer groups than
+q); and, without ``--quick``, one long sequence.
 """
 import argparse
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from popxl_flash.config import AttentionConfig
 
 @dataclass(frozen=True)
 class Case:
-    """One self-check case: shapes, dtype and the options of ``flash_attention``."""
+    """One self-check case: shapes, dtype and the options of ``flash_attention`` (``Gk``: the
+    groups of k and v, ``None`` for G)."""
     name: str
     G: int
     Lq: int
@@ -35,10 +38,16 @@ class Case:
     dtype: str
     options: dict = field(default_factory=dict)
     quick: bool = True
+    Gk: Optional[int] = None
+
+    @property
+    def kv_groups(self):
+        return self.G if self.Gk is None else self.Gk
 
     def describe(self):
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
-        return (f"{self.name}: {self.dtype} G={self.G} Lq={self.Lq} Lkv={self.Lkv} D={self.D}"
+        groups = f"G={self.G}" + (f" Gk={self.Gk}" if self.Gk is not None else "")
+        return (f"{self.name}: {self.dtype} {groups} Lq={self.Lq} Lkv={self.Lkv} D={self.D}"
                 + (f" ({opts})" if opts else ""))
 
 
@@ -59,6 +68,9 @@ CASES = (
          dict(causal=True, num_chunks_q=12, num_chunks_kv=9)),
     Case("single-query", 3, 1, 97, 64, "float16", dict(causal=False)),
     Case("large-scale", 2, 64, 64, 16, "float32", dict(causal=True, scale=8.0)),
+    Case("grouped-query", 8, 160, 160, 32, "float16", dict(causal=True), Gk=2),
+    Case("multi-query-window-tails", 4, 70, 103, 16, "float32",
+         dict(causal=False, window=(20, 5), num_chunks_q=3, num_chunks_kv=4), Gk=1),
     Case("long-causal", 2, 4096, 4096, 64, "float16", dict(causal=True), quick=False),
     Case("long-window", 1, 4096, 4096, 128, "float16",
          dict(causal=True, window=(512, 0)), quick=False),
@@ -68,8 +80,8 @@ CASES = (
 def _inputs(case, seed):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((case.G, case.Lq, case.D)).astype(case.dtype)
-    k = rng.standard_normal((case.G, case.Lkv, case.D)).astype(case.dtype)
-    v = rng.standard_normal((case.G, case.Lkv, case.D)).astype(case.dtype)
+    k = rng.standard_normal((case.kv_groups, case.Lkv, case.D)).astype(case.dtype)
+    v = rng.standard_normal((case.kv_groups, case.Lkv, case.D)).astype(case.dtype)
     dout = rng.standard_normal((case.G, case.Lq, case.D)).astype(case.dtype)
     return q, k, v, dout
 
@@ -140,8 +152,8 @@ def _check_backward(case, cfg, tensors, grads, mask):
     refs = pf.reference.attention_grad(dout, q, k, v, **mask)
     naives = tolerance.naive_attention_grad(dout, q, k, v, **mask)
     mags, stash = tolerance.grad_bounds(dout, q, k, v, dtype=case.dtype, **mask)
-    steps = (cfg.num_chunks_kv + cfg.chunk_kv + case.D,) + (cfg.num_chunks_q + cfg.chunk_q
-                                                            + case.D,) * 2
+    rows = cfg.group_size * cfg.chunk_q  # dk/dv matmuls contract the folded q rows
+    steps = (cfg.num_chunks_kv + cfg.chunk_kv + case.D,) + (cfg.num_chunks_q + rows + case.D,) * 2
     ratios = {}
     for name, g, ref, naive, mag, extra, n in zip(("dq", "dk", "dv"), grads, refs, naives,
                                                   mags, stash, steps):

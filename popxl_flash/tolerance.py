@@ -31,23 +31,31 @@ from popxl_flash import reference
 EPS32 = float(np.finfo(np.float32).eps)
 
 
+def _groups(segments, q):
+    """``segments`` with ``groups=G`` (kv ids of grouped-query attention repeat per q group)."""
+    return dict(segments, groups=q.shape[0]) if segments else segments
+
+
 def naive_attention(q, k, v, *, causal, scale, window, **segments):
     """Plain attention in the inputs' precision (float16 scores and probabilities for float16).
 
     Matmuls accumulate in float32 and round to the input dtype, as a float16 IPU matmul does.
+    Grouped-query k, v are repeated to one group per q group (exact in any dtype).
 
     Args:
-        q: ``[G, Lq, D]``; k, v: ``[G, Lkv, D]`` numpy arrays of one dtype.
+        q: ``[G, Lq, D]``; k, v: ``[Gk, Lkv, D]`` (``G % Gk == 0``) numpy arrays of one dtype.
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
         segments: segment ids and positions, as :func:`popxl_flash.reference.mask`.
 
     Returns:
         ``(out [G, Lq, D], lse [G, Lq])`` in the input dtype.
     """
+    k, v = reference.repeat_kv(q, k, v)
     dt = q.dtype
     D = q.shape[-1]
     scale = dt.type(1.0 / np.sqrt(D) if scale is None else scale)
-    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
+    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window,
+                             **_groups(segments, q))
     s = (q.astype(np.float32) @ k.astype(np.float32).transpose(0, 2, 1)).astype(dt) * scale
     s = np.where(visible, s, dt.type(-np.inf))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -64,18 +72,24 @@ def naive_attention(q, k, v, *, causal, scale, window, **segments):
 def naive_attention_grad(dout, q, k, v, *, causal, scale, window, **segments):
     """Plain backward in the inputs' precision (float16 P and dS for float16 inputs).
 
+    Grouped-query k, v are repeated per q group; the copies' gradients are summed in float32 and
+    rounded once, as one matmul that contracts over the sharing groups' rows would.
+
     Args:
         dout: ``[G, Lq, D]``; q, k, v, causal, scale, window, segments: as
             :func:`naive_attention`.
 
     Returns:
-        ``(dq, dk, dv)`` in the input dtype.
+        ``(dq, dk, dv)`` in the input dtype, with the shapes of q, k, v.
     """
+    kv_groups = k.shape[0]
+    k, v = reference.repeat_kv(q, k, v)
     dt = q.dtype
     f32 = np.float32
     scale = dt.type(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
     out, lse = naive_attention(q, k, v, causal=causal, scale=scale, window=window, **segments)
-    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
+    visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window,
+                             **_groups(segments, q))
     s = (q.astype(f32) @ k.astype(f32).transpose(0, 2, 1)).astype(dt) * scale
     with np.errstate(over="ignore", invalid="ignore"):
         p = np.where(visible, np.exp(s - lse[..., None]), dt.type(0)).astype(dt)
@@ -83,11 +97,15 @@ def naive_attention_grad(dout, q, k, v, *, causal, scale, window, **segments):
 
     def mm(a, b):
         return (a.astype(f32) @ b.astype(f32)).astype(dt)
-    dv = mm(p.transpose(0, 2, 1), dout)
     dp = mm(dout, v.transpose(0, 2, 1))
     dvec = (dout.astype(f32) * out.astype(f32)).sum(-1, keepdims=True).astype(dt)
     ds = (p * (dp - dvec)).astype(dt)
-    return mm(ds, k) * scale, mm(ds.transpose(0, 2, 1), q) * scale, dv
+
+    def mm_summed(a, b):  # a @ b summed over the q groups sharing a kv group, float32 -> dt
+        return reference.sum_groups(a.astype(f32) @ b.astype(f32), kv_groups).astype(dt)
+    dk = mm_summed(ds.transpose(0, 2, 1), q) * scale
+    dv = mm_summed(p.transpose(0, 2, 1), dout)
+    return mm(ds, k) * scale, dk, dv
 
 
 def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
@@ -105,8 +123,13 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
           ``dS = P (dP - Dvec)`` it reaches dq as ``|scale| P u rowsum(|dO||O|) |K|`` and dk as
           the transpose with |Q|; dv does not use Dvec. Any implementation that stashes the
           output in the input dtype has this error, whatever its summation order.
+
+        With grouped-query k, v ``[Gk, Lkv, D]`` the dk and dv terms add over the q groups that
+        share a kv group.
     """
     q64, k64, v64, do64 = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    kv_groups = k64.shape[0]
+    k64, v64 = reference.repeat_kv(q64, k64, v64)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     p, _, _ = reference._probabilities(q64, k64, causal=causal, scale=scale, window=window,
                                        **segments)
@@ -116,10 +139,13 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
     ds_stash = p * (np.finfo(dtype).eps / 2) * rowdot
     scale = abs(scale)
 
+    def kv_max(t):  # max entry of a per-q-group [G, Lkv, D] term summed per kv group
+        return float(reference.sum_groups(t, kv_groups).max(initial=0))
+
     def through(t):  # (dq, dk) bounds of a |dS|-like term
         return (float((scale * t @ ak).max(initial=0)),
-                float((scale * t.transpose(0, 2, 1) @ aq).max(initial=0)))
-    mags = (*through(ds), float((p.transpose(0, 2, 1) @ ado).max(initial=0)))
+                kv_max(scale * t.transpose(0, 2, 1) @ aq))
+    mags = (*through(ds), kv_max(p.transpose(0, 2, 1) @ ado))
     return mags, (*through(ds_stash), 0.0)
 
 

@@ -28,7 +28,7 @@ Layouts::
 from popxl_flash.backend import popxl
 from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
-from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, _check_heads
+from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims
 from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
 from popxl_flash.segments import varlen_segments
 
@@ -103,8 +103,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: ``[total_q, Hq, D]`` float16 or float32, the sequences' queries packed row-wise.
-        k, v: ``[total_k, Hkv, D]``, q's dtype (``Hkv`` must equal ``Hq`` until the core kernel
-            has grouped-query attention).
+        k, v: ``[total_k, Hkv, D]``, q's dtype; ``Hkv`` divides ``Hq`` (grouped-query
+            attention: q head ``h`` reads k/v head ``h // (Hq / Hkv)``).
         cu_seqlens_q, cu_seqlens_k: int32 tensors ``[num_seqs + 1]`` given at run time,
             non-decreasing offsets: sequence ``s`` is q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
             and k/v rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``. ``num_seqs`` is a static
@@ -139,7 +139,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
         window=check_window(window_size, name="window_size"))
     return_lse = check_bool("return_lse", return_lse)
-    _check_heads(dims)
     kv_shape = (dims.kv_heads, dims.kv_len, dims.head_dim)
     AttentionConfig.from_shapes((dims.q_heads, dims.q_len, dims.head_dim), kv_shape, kv_shape,
                                 (q.dtype.name, k.dtype.name, v.dtype.name), **options)

@@ -73,11 +73,13 @@ def to_groups(x, layout="BLHD"):
     return x.reshape(B * H, L, D)
 
 
-def random_qkv(rng, G, Lq, Lkv, D, dtype):
-    """Standard-normal q ``[G, Lq, D]``, k, v ``[G, Lkv, D]`` in ``dtype``."""
+def random_qkv(rng, G, Lq, Lkv, D, dtype, kv_groups=None):
+    """Standard-normal q ``[G, Lq, D]``, k, v ``[Gk, Lkv, D]`` in ``dtype`` (``Gk = kv_groups``,
+    default G)."""
+    Gk = G if kv_groups is None else kv_groups
     q = rng.standard_normal((G, Lq, D)).astype(dtype)
-    k = rng.standard_normal((G, Lkv, D)).astype(dtype)
-    v = rng.standard_normal((G, Lkv, D)).astype(dtype)
+    k = rng.standard_normal((Gk, Lkv, D)).astype(dtype)
+    v = rng.standard_normal((Gk, Lkv, D)).astype(dtype)
     return q, k, v
 
 
@@ -97,11 +99,12 @@ FLASH_ATTN_SEQLENS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512)
                       (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048)]
 
 
-def suite_case(Lq, Lkv, dtype, mask, seed):
+def suite_case(Lq, Lkv, dtype, mask, seed, kv_groups=2):
     """A FlashAttention-suite case for ``check_forward``/``check_backward``: G = 2, D = 32,
-    automatic chunking, default scale, the given mask options."""
+    automatic chunking, default scale, the given mask options (``kv_groups=1``: multi-query)."""
     opts = dict(dict(num_chunks_q=None, num_chunks_kv=None, scale=None, window=None), **mask)
-    return dict(shape=(2, Lq, Lkv, 32), options=opts, dtype=dtype, seed=seed)
+    return dict(shape=(2, Lq, Lkv, 32), kv_groups=kv_groups, options=opts, dtype=dtype,
+                seed=seed)
 
 
 def suite_parametrize(seqlens):

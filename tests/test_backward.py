@@ -16,7 +16,7 @@ def check_backward(case, stash=True):
     G, Lq, Lkv, D = case["shape"]
     opts, dtype = case["options"], case["dtype"]
     rng = np.random.default_rng(case["seed"])
-    q, k, v = random_qkv(rng, G, Lq, Lkv, D, dtype)
+    q, k, v = random_qkv(rng, G, Lq, Lkv, D, dtype, case["kv_groups"])
     dout = rng.standard_normal((G, Lq, D)).astype(dtype)
     grads, session = run_flash_grad(dout, q, k, v, stash=stash, **opts)
     mask_opts = dict(causal=opts["causal"], scale=opts["scale"], window=opts["window"])
@@ -24,8 +24,10 @@ def check_backward(case, stash=True):
     naives = naive_attention_grad(dout, q, k, v, **mask_opts)
     mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **mask_opts)
     cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, **opts)
-    steps = {"dq": cfg.num_chunks_kv + cfg.chunk_kv + D, "dk": cfg.num_chunks_q + cfg.chunk_q + D,
-             "dv": cfg.num_chunks_q + cfg.chunk_q + D}
+    # dk/dv block matmuls contract over the rows of the r = G // Gk q groups sharing a kv group
+    rows = cfg.group_size * cfg.chunk_q
+    steps = {"dq": cfg.num_chunks_kv + cfg.chunk_kv + D, "dk": cfg.num_chunks_q + rows + D,
+             "dv": cfg.num_chunks_q + rows + D}
     for name, g, ref, naive, mag, stash_error, like in zip(
             ("dq", "dk", "dv"), grads, refs, naives, mags, stash_errors, (q, k, v)):
         assert g.shape == like.shape and g.dtype == like.dtype
@@ -82,11 +84,13 @@ def test_two_runs_bit_identical():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("kv_groups", [2, 1])
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (False, (3, 2))])
-def test_reference_grad_matches_finite_differences(causal, window):
-    """The analytic reference backward agrees with central differences of the reference."""
+def test_reference_grad_matches_finite_differences(causal, window, kv_groups):
+    """The analytic reference backward agrees with central differences of the reference, also
+    for multi-query attention (k, v shared by both q groups: their gradients sum)."""
     rng = np.random.default_rng(4)
-    q, k, v = (rng.standard_normal(s) for s in [(2, 4, 3), (2, 5, 3), (2, 5, 3)])
+    q, k, v = (rng.standard_normal(s) for s in [(2, 4, 3), (kv_groups, 5, 3), (kv_groups, 5, 3)])
     dout = rng.standard_normal((2, 4, 3))
     opts = dict(causal=causal, scale=0.7, window=window)
     analytic = pf.reference.attention_grad(dout, q, k, v, **opts)

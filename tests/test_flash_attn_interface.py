@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from attention_utils import (assert_within_rule, naive_attention, run_flash_attn_func, run_graph,
-                             to_groups)
+from attention_utils import (EPS32, assert_within_rule, naive_attention, naive_attention_grad,
+                             run_flash_attn_func, run_graph, to_groups)
 from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
+from popxl_flash.tolerance import grad_bounds
+
+ops = popxl.ops
 
 MASKS = {
     "causal": dict(causal=True),
@@ -60,17 +63,122 @@ def check_against_reference(q, k, v, mask, dtype, layout="BLHD"):
     return out, lse
 
 
-CASES = list(itertools.product([1, 2, 3], [1, 4], list(MASKS), ["float16", "float32"]))
+#: (Hq, Hkv): multi-head, grouped-query (4 q heads per kv head) and multi-query attention.
+HEADS = [(4, 4), (8, 2), (8, 1)]
+CASES = list(itertools.product([1, 2, 3], HEADS, list(MASKS), ["float16", "float32"]))
+CASE_IDS = [f"B{b}-H{hq}x{hkv}-{m}-{d}" for b, (hq, hkv), m, d in CASES]
 
 
-@pytest.mark.parametrize("B,H,mask,dtype", CASES,
-                         ids=[f"B{b}-H{h}-{m}-{d}" for b, h, m, d in CASES])
-def test_matches_reference(B, H, mask, dtype):
-    """B in 1..3, H in {1, 4}, Lq != Lkv (both ways), four masks, both dtypes: the 2x rule."""
-    Lq, Lkv = (21, 34) if (B + H) % 2 else (34, 19)
-    rng = np.random.default_rng(100 * B + H)
-    q, k, v = random_blhd(rng, B, Lq, Lkv, H, H, dtype)
+def _lengths(B, Hkv):
+    """Lq != Lkv, both ways round across the cases."""
+    return (21, 34) if (B + Hkv) % 2 else (34, 19)
+
+
+@pytest.mark.parametrize("B,heads,mask,dtype", CASES, ids=CASE_IDS)
+def test_matches_reference(B, heads, mask, dtype):
+    """B in 1..3, (Hq, Hkv) in {(4, 4), (8, 2), (8, 1)}, Lq != Lkv (both ways), four masks, both
+    dtypes: the 2x rule against the float64 reference (which repeats k/v heads itself)."""
+    Hq, Hkv = heads
+    rng = np.random.default_rng(100 * B + 10 * Hq + Hkv)
+    q, k, v = random_blhd(rng, B, *_lengths(B, Hkv), Hq, Hkv, dtype)
     check_against_reference(q, k, v, MASKS[mask], dtype)
+
+
+def _groups(t):
+    """In the graph: ``[B, L, H, D] -> [B*H, L, D]`` (heads batch-major, as flash_attn_func)."""
+    B, L, H, D = t.shape
+    return t.transpose((0, 2, 1, 3)).reshape((B * H, L, D))
+
+
+def _blhd_graph(t, B):
+    """In the graph: ``[B*H, L, D] -> [B, L, H, D]``."""
+    G, L, D = t.shape
+    return t.reshape((B, G // B, L, D)).transpose((0, 2, 1, 3))
+
+
+def _composed_grads(mask):
+    """Build function: dq, dk, dv from flash_attention and flash_attention_grad (stash mode)
+    composed by hand through the [B, L, H, D] layout."""
+    opts = core_options(mask)
+
+    def build(q, k, v, do):
+        groups = [_groups(t) for t in (q, k, v, do)]
+        out, lse = pf.flash_attention(*groups[:3], return_lse=True, **CHUNKS, **opts)
+        grads = pf.flash_attention_grad(groups[3], *groups[:3], out, lse, **CHUNKS, **opts)
+        return [_blhd_graph(g, q.shape[0]) for g in grads]
+    return build
+
+
+def _autodiff_grads(mask):
+    """Build function: dq, dk, dv of a graph that calls flash_attn_func, by pf.autodiff (flash's
+    backward plugged into PopXL's autodiff; the layout ops differentiated by autodiff)."""
+    def build(q, k, v, do):
+        ir = popxl.gcg().ir
+        graph = ir.create_graph(lambda q, k, v: pf.flash_attn_func(q, k, v, **CHUNKS, **mask),
+                                q, k, v)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v)
+        return ops.call(info.graph, do, inputs_dict=info.inputs_dict(call))
+    return build
+
+
+def check_grads_against_reference(q, k, v, dout, mask, dtype, route="composed"):
+    """Gradients of flash_attn_func's attention (``route``: "composed" by hand or "autodiff")
+    under the 3x rule; dk/dv come back with Hkv heads, summed over the q heads sharing each."""
+    opts = core_options(mask)
+    build = {"composed": _composed_grads, "autodiff": _autodiff_grads}[route](mask)
+    grads, _ = run_graph(build, [q, k, v, dout])
+    qg, kg, vg, dog = (to_groups(x) for x in (q, k, v, dout))
+    refs = pf.reference.attention_grad(dog, qg, kg, vg, **opts)
+    naives = naive_attention_grad(dog, qg, kg, vg, **opts)
+    mags, stash_errors = grad_bounds(dog, qg, kg, vg, dtype=dtype, **opts)
+    cfg = AttentionConfig.from_shapes(qg.shape, kg.shape, vg.shape, (dtype,) * 3, **CHUNKS,
+                                      **opts)
+    rows = cfg.group_size * cfg.chunk_q  # dk/dv block matmuls contract the folded q rows
+    steps = (cfg.num_chunks_kv + cfg.chunk_kv + D, cfg.num_chunks_q + rows + D,
+             cfg.num_chunks_q + rows + D)
+    for name, g, like, ref, naive, n, mag, stash_error in zip(
+            ("dq", "dk", "dv"), grads, (q, k, v), refs, naives, steps, mags, stash_errors):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        assert_within_rule(name, to_groups(g), naive, ref, factor=3, dtype=dtype,
+                           accum_steps=n, magnitude=mag, extra_floor=stash_error)
+
+
+GRAD_CASES = list(itertools.product([1, 2, 3], HEADS, ["causal", "full", "causal-window"],
+                                    ["float16", "float32"]))
+
+
+@pytest.mark.parametrize("route", ["composed", "autodiff"])
+@pytest.mark.parametrize("B,heads,mask,dtype", GRAD_CASES,
+                         ids=[f"B{b}-H{hq}x{hkv}-{m}-{d}" for b, (hq, hkv), m, d in GRAD_CASES])
+def test_grads_match_reference(B, heads, mask, dtype, route):
+    """dq [B, Lq, Hq, D] and dk, dv [B, Lkv, Hkv, D] under the 3x rule, Lq != Lkv: composed by
+    hand from flash_attention_grad, and through pf.autodiff on a graph calling flash_attn_func."""
+    Hq, Hkv = heads
+    rng = np.random.default_rng(1000 + 100 * B + 10 * Hq + Hkv)
+    q, k, v = random_blhd(rng, B, *_lengths(B, Hkv), Hq, Hkv, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    check_grads_against_reference(q, k, v, dout, MASKS[mask], dtype, route)
+
+
+def test_grouped_query_reads_kv_head_h_over_r():
+    """flash-attn's head convention, checked directly: with Hq = 4, Hkv = 2, q heads 0, 1 read
+    kv head 0 and heads 2, 3 read kv head 1, per batch entry: the result equals multi-head
+    attention on k/v heads repeated that way, to float32 accumulation error (the folded matmul
+    may sum in another order than the per-head one)."""
+    rng = np.random.default_rng(11)
+    q, k, v = random_blhd(rng, 2, 9, 13, 4, 2, "float32")
+    k4, v4 = (np.repeat(x, 2, axis=2) for x in (k, v))  # [B, L, 4, D]: head h -> kv head h // 2
+    out, lse, _ = run_flash_attn_func(q, k, v, causal=True, num_chunks_kv=1)
+    out4, lse4, _ = run_flash_attn_func(q, k4, v4, causal=True, num_chunks_kv=1)
+    # one kv chunk of 13, D = 16: 4 * (n + c + D) * eps32 * max|.| per result (attention_utils)
+    tol = 2 * 4 * (1 + 13 + D) * EPS32 * max(np.abs(v).max(), np.abs(lse).max())
+    np.testing.assert_allclose(out, out4, rtol=0, atol=tol)
+    np.testing.assert_allclose(lse, lse4, rtol=0, atol=tol)
+    # the interleaved assignment (head h -> kv head h % 2) is far from it
+    k_mod, v_mod = (np.stack([x[:, :, h % 2] for h in range(4)], axis=2) for x in (k, v))
+    out_mod, _, _ = run_flash_attn_func(q, k_mod, v_mod, causal=True, num_chunks_kv=1)
+    assert np.abs(out_mod - out).max() > 100 * tol
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -150,10 +258,10 @@ BAD = [
     ("v shape", dict(v=(2, 7, 4, 16)), {}, ValueError, "v must have the shape of k (2, 6, 4, 16)"),
     ("heads not multiple", dict(k=(2, 6, 3, 16), v=(2, 6, 3, 16)), {}, ValueError,
      "Hq=4 must be a multiple of k/v's Hkv=3"),
-    ("gqa", dict(k=(2, 6, 2, 16), v=(2, 6, 2, 16)), {}, NotImplementedError,
-     "grouped-query / multi-query attention (Hq=4 q heads, Hkv=2 k/v heads) is not supported"),
-    ("mqa", dict(k=(2, 6, 1, 16), v=(2, 6, 1, 16)), {}, NotImplementedError,
-     "repeat each k/v head 4 times"),
+    ("Hkv > Hq", dict(k=(2, 6, 8, 16), v=(2, 6, 8, 16)), {}, ValueError,
+     "Hq=4 must be a multiple of k/v's Hkv=8"),
+    ("v heads differ from k", dict(k=(2, 6, 2, 16), v=(2, 6, 4, 16)), {}, ValueError,
+     "v must have the shape of k (2, 6, 2, 16), got v shape (2, 6, 4, 16)"),
     ("layout", {}, dict(layout="BLDH"), ValueError, "layout must be one of ('BLHD', 'BHLD')"),
     ("scale kw", {}, dict(scale=0.5), TypeError,
      "flash_attn_func() got an unexpected keyword argument 'scale': flash_attn_func calls it "
@@ -202,8 +310,8 @@ def test_errors_create_nothing():
     with ir.main_graph:
         q, k, v = _var(QKV["q"]), _var((2, 6, 2, 16)), _var((2, 6, 2, 16))
         before = len(ir.main_graph.tensors)
-        for options in (dict(), dict(softmax_scale="x"), dict(causal=2)):
-            with pytest.raises((NotImplementedError, TypeError)):
+        for options in (dict(softmax_scale="x"), dict(causal=2), dict(num_chunks_kv=7)):
+            with pytest.raises((ValueError, TypeError)):
                 pf.flash_attn_func(q, k, v, **options)
         assert len(ir.main_graph.tensors) == before
         assert ir.main_graph.called_graphs == ()

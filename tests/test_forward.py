@@ -24,8 +24,13 @@ MAX_BLOCKS = 256
 
 @st.composite
 def attention_cases(draw, max_len=300, max_dim=80):
-    """Shapes, chunk counts and options over the whole documented space."""
+    """Shapes, chunk counts and options over the whole documented space.
+
+    ``kv_groups`` is a divisor of G: multi-head (Gk = G, where shrinking leads), grouped-query
+    and multi-query (Gk = 1) attention.
+    """
     G = draw(st.integers(1, 4))
+    Gk = draw(st.sampled_from([d for d in range(G, 0, -1) if G % d == 0]))
     Lq = draw(st.integers(1, max_len))
     Lkv = draw(st.integers(1, max_len))
     D = draw(st.integers(1, max_dim))
@@ -36,6 +41,7 @@ def attention_cases(draw, max_len=300, max_dim=80):
     window = draw(st.one_of(st.none(), st.tuples(side, side)))
     return dict(
         shape=(G, Lq, Lkv, D),
+        kv_groups=Gk,
         options=dict(num_chunks_q=nq, num_chunks_kv=nkv, causal=draw(st.booleans()),
                      scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), window=window),
         dtype=draw(st.sampled_from(["float32", "float16"])),
@@ -47,7 +53,8 @@ def check_forward(case):
     """Run one case and hold out and lse to the tolerance rule; return the session."""
     G, Lq, Lkv, D = case["shape"]
     opts, dtype = case["options"], case["dtype"]
-    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, dtype)
+    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, dtype,
+                         case["kv_groups"])
     out, lse, session = run_flash(q, k, v, **opts)
     ref_out, ref_lse = pf.reference.attention(q, k, v, causal=opts["causal"],
                                               scale=opts["scale"], window=opts["window"])
@@ -85,7 +92,8 @@ def test_result_independent_of_chunking(case, data):
     """The same float32 inputs with two different chunkings agree to accumulation error."""
     G, Lq, Lkv, D = case["shape"]
     opts = case["options"]
-    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, "float32")
+    q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, Lq, Lkv, D, "float32",
+                         case["kv_groups"])
     other = dict(opts, num_chunks_q=data.draw(st.integers(1, Lq)),
                  num_chunks_kv=data.draw(st.integers(1, Lkv)))
     out_a, lse_a, _ = run_flash(q, k, v, **opts)
@@ -147,9 +155,11 @@ def test_window_without_causal():
 @emulator_only
 @given(attention_cases(max_len=96, max_dim=16))
 def test_executed_flops_and_iterations_equal_planner_count(case):
-    """No hidden work: the profile's matmul FLOPs are exactly the planner's executed count (so no
-    block marked skip runs a matmul, and a split block skips its invisible quadrant), and the
-    loop runs exactly one iteration per visited block: no skip iterations, whatever the mask."""
+    """No hidden work: the profile's matmul FLOPs are exactly the planner's executed count for G
+    q groups (so no block marked skip runs a matmul, a split block skips its invisible quadrant,
+    and grouped-query attention, Gk < G, executes exactly the FLOPs of multi-head attention on
+    the same q), and the loop runs exactly one iteration per visited block: no skip iterations,
+    whatever the mask."""
     session, cfg = check_forward(case)
     schedule = cfg.schedule
     assert session.profile.matmul_flops == schedule.forward_flops(cfg.head_dim, cfg.groups).executed

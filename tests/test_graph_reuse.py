@@ -59,6 +59,13 @@ def blhd(q, k, v, layer):
     pf.flash_attn_func(x, x, x, causal=True)
 
 
+def grouped_query(q, k, v, layer):
+    """Multi-query attention (k, v of one group) forward and backward."""
+    k1, v1 = (ops.slice(t, start=[0], stop=[1], axis=[0]) for t in (k, v))  # [1, L, D]
+    out, lse = pf.flash_attention(q, k1, v1, return_lse=True)
+    pf.flash_attention_grad(out, q, k1, v1, out, lse)
+
+
 def layer_graph(q, k, v, layer):
     """A model layer as its own graph (traced anew per layer) that calls flash attention."""
     def body(q, k, v):
@@ -68,7 +75,7 @@ def layer_graph(q, k, v, layer):
 
 
 @pytest.mark.parametrize("build", [forward, forward_backward, recompute_backward, packed, blhd,
-                                   layer_graph], ids=lambda f: f.__name__)
+                                   grouped_query, layer_graph], ids=lambda f: f.__name__)
 def test_twelve_calls_build_the_graphs_of_one(build):
     one = count_graphs(build, 1)
     assert one > 1

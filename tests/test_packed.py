@@ -64,10 +64,12 @@ def check_grads(grads, dout, q, k, v, refs, mask, dtype, cfg):
     """3x rule on dq, dk, dv; padding and unseen rows exactly 0, nothing NaN."""
     naives = naive_attention_grad(dout, q, k, v, **mask)
     mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **mask)
+    segs = {n: mask[n] for n in SEGMENT_KEYS if n in mask}
     visible = pf.reference.mask(q.shape[1], k.shape[1], causal=mask["causal"],
-                                window=mask["window"], **{n: mask[n] for n in SEGMENT_KEYS
-                                                          if n in mask})  # [1, Lq, Lkv]
-    unseen = (~visible.any(-1), ~visible.any(-2), ~visible.any(-2))  # rows of dq, dk, dv
+                                window=mask["window"], groups=q.shape[0], **segs)
+    visible = np.broadcast_to(visible, (q.shape[0],) + visible.shape[-2:])  # [G, Lq, Lkv]
+    seen_kv = visible.any(-2).reshape(k.shape[0], -1, k.shape[1]).any(1)  # [Gk, Lkv]
+    unseen = (~visible.any(-1), ~seen_kv, ~seen_kv)  # rows of dq, dk, dv
     D = q.shape[-1]
     steps = (cfg.num_chunks_kv + cfg.chunk_kv + D, cfg.num_chunks_q + cfg.chunk_q + D,
              cfg.num_chunks_q + cfg.chunk_q + D)
@@ -222,3 +224,69 @@ def test_executed_flops_track_block_granular_per_sequence_work(packing, chunk, c
     # fall below whole-block work, never below the visible pairs'.
     assert useful <= run.profile.matmul_flops <= 1.5 * block_work, (
         run.profile.matmul_flops, block_work)
+
+
+@pytest.mark.parametrize("kv_rows", ["shared", "per_kv_group"])
+def test_segment_ids_with_grouped_query_attention(kv_rows):
+    """G = 4 q groups over Gk = 2 kv groups: kv ids of one row or of one row per kv group
+    (here each kv group packs differently), against the reference (2x / 3x rules)."""
+    G, Gk, D, dtype = 4, 2, 8, "float32"
+    rng = np.random.default_rng(11)
+    L = 40
+    q = rng.standard_normal((G, L, D)).astype(dtype)
+    k, v = (rng.standard_normal((Gk, L, D)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    packs = [Packing((9, 20, 7), (9, 20, 7), q_pad=4, kv_pad=4),
+             Packing((30, 6), (30, 6), q_pad=4, kv_pad=4)]
+    if kv_rows == "shared":
+        qi, ki = packs[0].segment_ids()
+    else:  # q group g reads kv group g // 2: its q ids follow that kv group's packing
+        ids = [p.segment_ids()[0] for p in packs]
+        qi, ki = np.concatenate([ids[0], ids[0], ids[1], ids[1]]), np.concatenate(ids)
+    opts = dict(num_chunks_q=3, num_chunks_kv=4, causal=True, window=None)
+
+    def build(do, q, k, v, qi, ki):
+        ids = dict(q_segment_ids=qi, kv_segment_ids=ki)
+        out, lse = pf.flash_attention(q, k, v, return_lse=True, **opts, **ids)
+        return [out, lse, *pf.flash_attention_grad(do, q, k, v, out, lse, **opts, **ids)]
+    (out, lse, *grads), _ = run_graph(build, [dout, q, k, v, qi, ki], fp_checks=FP_CHECKS)
+    named = dict(causal=True, scale=None, window=None, q_segment_ids=qi, kv_segment_ids=ki)
+    ref = pf.reference.attention(q, k, v, **named)
+    refs = pf.reference.attention_grad(dout, q, k, v, **named)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, num_chunks_q=3,
+                                      num_chunks_kv=4)
+    check_forward(out, lse, q, k, v, ref, named, dtype, cfg)
+    check_grads(grads, dout, q, k, v, refs, named, dtype, cfg)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False, window_size=(4, 2))])
+def test_varlen_differentiable_through_pf_autodiff(mask):
+    """A layer calling flash_attn_varlen_func, differentiated by pf.autodiff: the segment ids
+    and positions are integer forward inputs of the flash graph without a gradient; q, k, v
+    gradients equal each sequence's alone (3x rule), padding gets 0."""
+    packing = Packing((7, 12, 3), (9, 5, 3), q_pad=2, kv_pad=3, empty=1)
+    H, D, dtype = 2, 4, "float32"
+    rng = np.random.default_rng(5)
+    q, k, v = packed_inputs(rng, packing, H, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    cu_q, cu_k = packing.cu_seqlens()
+    to_thd = (lambda x: np.ascontiguousarray(x.transpose(1, 0, 2)))
+    opts = dict(num_chunks_q=4, num_chunks_kv=3, **mask)
+
+    def layer(q, k, v, cu_q, cu_k):
+        return pf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, **opts)
+
+    def build(q, k, v, cu_q, cu_k, dy):
+        graph = pf.popxl.gcg().ir.create_graph(layer, q, k, v, cu_q, cu_k)
+        info = pf.autodiff(graph)  # grads_required: the float inputs q, k, v
+        call = pf.popxl.ops.call_with_info(graph, q, k, v, cu_q, cu_k)
+        return pf.popxl.ops.call(info.graph, dy, inputs_dict=info.inputs_dict(call))
+    grads, _ = run_graph(build, [to_thd(q), to_thd(k), to_thd(v), cu_q, cu_k, to_thd(dout)],
+                         fp_checks=FP_CHECKS)
+    causal, window = mask.get("causal", False), mask.get("window_size")
+    refs = pf.reference.attention_varlen_grad(dout, q, k, v, cu_q, cu_k, causal=causal,
+                                              window=window)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3,
+                                      num_chunks_q=4, num_chunks_kv=3)
+    named = dict(causal=causal, scale=None, window=window, **host_segments(packing))
+    check_grads([g.transpose(1, 0, 2) for g in grads], dout, q, k, v, refs, named, dtype, cfg)

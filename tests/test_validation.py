@@ -25,8 +25,17 @@ BAD_FORWARD = [
     # (description, shapes/dtypes override, options, exception, message fragment)
     ("q rank", dict(q=(8, 4)), {}, ValueError, "q must have rank 3"),
     ("k rank", dict(k=(2, 6, 4, 1)), {}, ValueError, "k must have rank 3"),
-    ("G mismatch", dict(k=(3, 6, 4), v=(3, 6, 4)), {}, ValueError, "k must have shape [G=2"),
-    ("D mismatch", dict(k=(2, 6, 5), v=(2, 6, 5)), {}, ValueError, "D=4"),
+    ("Gk not dividing G", dict(k=(3, 6, 4), v=(3, 6, 4)), {}, ValueError,
+     "k must have a group count Gk that divides q's G=2 (Gk = G for multi-head attention; "
+     "Gk < G is grouped-query attention, q group g reading kv group g // (G // Gk)), got k "
+     "shape (3, 6, 4) for q shape (2, 8, 4)"),
+    ("Gk > G", dict(k=(4, 6, 4), v=(4, 6, 4)), {}, ValueError,
+     "k must have a group count Gk that divides q's G=2"),
+    ("v groups differ from k", dict(k=(1, 6, 4)), {}, ValueError,
+     "v must have the shape of k (1, 6, 4), got v shape (2, 6, 4)"),
+    ("D mismatch", dict(k=(2, 6, 5), v=(2, 6, 5)), {}, ValueError,
+     "k must have q's head dim D=4 ([Gk, Lkv, D=4] to match q (2, 8, 4)), got k shape "
+     "(2, 6, 5)"),
     ("v mismatch", dict(v=(2, 7, 4)), {}, ValueError, "v must have the shape of k"),
     ("int dtype", dict(dtype=np.int32), {}, TypeError, "expected one of ('float16', 'float32')"),
     ("chunks 0", {}, dict(num_chunks_q=0), ValueError, "num_chunks_q must be in [1, 8]"),
@@ -102,6 +111,21 @@ def test_grad_checks_specs():
         build(bad_dout)
     with pytest.raises(ValueError, match=r"lse must have shape \(1, 4\) and dtype float32"):
         build(bad_lse)
+
+
+def test_grad_checks_grouped_query_specs():
+    """With Gk < G, dout/out/lse follow q (G groups) and k/v keep Gk groups."""
+    def bad_dout():
+        q, kv = _tensor((4, 4, 2)), _tensor((2, 3, 2))
+        pf.flash_attention_grad(_tensor((2, 4, 2)), q, kv, kv)
+
+    def bad_kv():
+        q, kv = _tensor((4, 4, 2)), _tensor((3, 3, 2))
+        pf.flash_attention_grad(q, q, kv, kv)
+    with pytest.raises(ValueError, match=r"dout must have shape \(4, 4, 2\)"):
+        build(bad_dout)
+    with pytest.raises(ValueError, match="k must have a group count Gk that divides q's G=4"):
+        build(bad_kv)
 
 
 
