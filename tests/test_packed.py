@@ -290,3 +290,23 @@ def test_varlen_differentiable_through_pf_autodiff(mask):
                                       num_chunks_q=4, num_chunks_kv=3)
     named = dict(causal=causal, scale=None, window=window, **host_segments(packing))
     check_grads([g.transpose(1, 0, 2) for g in grads], dout, q, k, v, refs, named, dtype, cfg)
+
+
+def test_varlen_grouped_query_attention():
+    """flash_attn_varlen_func with Hq = 4 q heads over Hkv = 2 k/v heads, different q/kv
+    packings, causal: each sequence alone (2x rule)."""
+    packing = Packing((11, 5, 14), (8, 9, 14), q_pad=3, kv_pad=2)
+    Hq, Hkv, D, dtype = 4, 2, 8, "float16"
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((Hq, packing.total_q, D)).astype(dtype)
+    k, v = (rng.standard_normal((Hkv, packing.total_k, D)).astype(dtype) for _ in range(2))
+    cu_q, cu_k = packing.cu_seqlens()
+    to_thd = (lambda x: np.ascontiguousarray(x.transpose(1, 0, 2)))
+    (out, lse), _ = run_graph(lambda q, k, v, a, b: pf.flash_attn_varlen_func(
+        q, k, v, a, b, 14, 14, causal=True, return_lse=True, num_chunks_q=4, num_chunks_kv=3),
+        [to_thd(q), to_thd(k), to_thd(v), cu_q, cu_k], fp_checks=FP_CHECKS)
+    ref = pf.reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, num_chunks_q=4,
+                                      num_chunks_kv=3)
+    named = dict(causal=True, scale=None, window=None, **host_segments(packing))
+    check_forward(out.transpose(1, 0, 2), lse, q, k, v, ref, named, dtype, cfg)
