@@ -11,7 +11,8 @@ on with the next case.
 The matrix covers float16 and float32; causal, non-causal and windowed masks; ``Lq != Lkv``;
 padded tail chunks; chunk length 1; rows that see no key (causal with ``Lq > Lkv``, a narrow
 window); a large softmax scale; grouped- and multi-query attention (k/v with fewer groups than
-q); and, without ``--quick``, one long sequence.
+q); packed sequences with padding (segment ids, causal and windowed); and, without
+``--quick``, one long sequence.
 """
 import argparse
 import sys
@@ -39,6 +40,7 @@ class Case:
     options: dict = field(default_factory=dict)
     quick: bool = True
     Gk: Optional[int] = None
+    packing: Optional[tuple] = None  # sequence lengths packed into Lq = Lkv; the rest padding
 
     @property
     def kv_groups(self):
@@ -47,8 +49,16 @@ class Case:
     def describe(self):
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
         groups = f"G={self.G}" + (f" Gk={self.Gk}" if self.Gk is not None else "")
+        packed = f" packed {list(self.packing)}" if self.packing else ""
         return (f"{self.name}: {self.dtype} {groups} Lq={self.Lq} Lkv={self.Lkv} D={self.D}"
-                + (f" ({opts})" if opts else ""))
+                + packed + (f" ({opts})" if opts else ""))
+
+    def segment_ids(self):
+        """int32 ``[1, L]`` ids of :attr:`packing` (-1 on padding), or ``None``."""
+        if self.packing is None:
+            return None
+        ids = np.repeat(np.arange(len(self.packing)), self.packing)
+        return np.pad(ids, (0, self.Lq - len(ids)), constant_values=-1).astype(np.int32)[None]
 
 
 #: The fixed matrix. ``quick=False`` cases run only without ``--quick``.
@@ -71,6 +81,10 @@ CASES = (
     Case("grouped-query", 8, 160, 160, 32, "float16", dict(causal=True), Gk=2),
     Case("multi-query-window-tails", 4, 70, 103, 16, "float32",
          dict(causal=False, window=(20, 5), num_chunks_q=3, num_chunks_kv=4), Gk=1),
+    Case("packed-causal-padding", 2, 200, 200, 32, "float16",
+         dict(causal=True, num_chunks_q=5, num_chunks_kv=5), packing=(37, 80, 5, 60)),
+    Case("packed-window-fp32", 2, 150, 150, 16, "float32",
+         dict(causal=True, window=(20, 0), num_chunks_q=6, num_chunks_kv=4), packing=(70, 1, 64)),
     Case("long-causal", 2, 4096, 4096, 64, "float16", dict(causal=True), quick=False),
     Case("long-window", 1, 4096, 4096, 128, "float16",
          dict(causal=True, window=(512, 0)), quick=False),
@@ -87,9 +101,10 @@ def _inputs(case, seed):
 
 
 def _build(options):
-    def build(q, k, v, dout):
-        out, lse = pf.flash_attention(q, k, v, return_lse=True, **options)
-        dq, dk, dv = pf.flash_attention_grad(dout, q, k, v, out, lse, **options)
+    def build(q, k, v, dout, *ids):
+        segs = dict(q_segment_ids=ids[0], kv_segment_ids=ids[0]) if ids else {}
+        out, lse = pf.flash_attention(q, k, v, return_lse=True, **options, **segs)
+        dq, dk, dv = pf.flash_attention_grad(dout, q, k, v, out, lse, **options, **segs)
         return [out, lse, dq, dk, dv]
     return build
 
@@ -108,11 +123,15 @@ def check_case(case, device, seed=0, fp_checks=True):
         passes) or to a string naming a failed exact property.
     """
     q, k, v, dout = _inputs(case, seed)
-    result = harness.run_graph(_build(case.options), [q, k, v, dout], device=device,
-                               fp_checks=fp_checks)
+    ids = case.segment_ids()
+    result = harness.run_graph(_build(case.options), [q, k, v, dout] + ([ids] if ids is not None
+                                                                         else []),
+                               device=device, fp_checks=fp_checks)
     out, lse, dq, dk, dv = result.outputs
     mask = {key: case.options.get(key, default)
             for key, default in (("causal", True), ("scale", None), ("window", None))}
+    if ids is not None:
+        mask.update(q_segment_ids=ids, kv_segment_ids=ids)
     cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (case.dtype,) * 3,
                                       **case.options)
     ratios = _check_forward(case, cfg, (q, k, v), out, lse, mask)
