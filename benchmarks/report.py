@@ -322,7 +322,7 @@ def plot(result, path):
     from matplotlib import pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    fig, (ax_mem, ax_flops, ax_ratio) = plt.subplots(1, 3, figsize=(18, 5.5))
+    fig, (ax_mem, ax_flops, ax_ratio) = plt.subplots(1, 3, figsize=(18, 7))
     emulator = pf.BACKEND == "emulator"
     lengths = sorted({r["case"]["seq_len"] for r in result.rows})
     for index, (label, rows) in enumerate(_series(result.rows).items()):
@@ -365,11 +365,13 @@ def plot(result, path):
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("sequence length L")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small", ncol=1 + len(ax.get_lines()) // 12)
+        # below the axes: a legend inside would cover points of the series it names
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                  ncol=2 + len(ax.get_lines()) // 8)
     ax_ratio.yaxis.set_major_formatter(ScalarFormatter())
     fig.suptitle(f"popxl_flash vs naive attention ({pf.BACKEND})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -161,9 +161,11 @@ def _ops(weights, blist):
 
 def _bytes_copied(sched, G, Gk, D, item, backward):
     """Lowering copies of one pass: per step, the repeat's carried state out of and back into
-    the body, and the taken branch's inputs and outputs (one conditional level); once, the
-    by-reference results written back to the caller. Each term is per q group (times G) or
-    per kv group (times Gk: k, v blocks and the dk, dv accumulators)."""
+    the body, the taken branch's inputs and outputs (one conditional level), and the
+    by-reference results (``out``, ``lse``; ``dq``, ``dk``, ``dv``) into and out of the body:
+    ``dynamic_update_`` marks the whole tensor modified, so the body's call copies it both
+    ways every step (the emulator profile's model, reference page 3.2). Each term is per q
+    group (times G) or per kv group (times Gk: k, v blocks and the dk, dv accumulators)."""
     cq, ckv = sched.chunk_q, sched.chunk_kv
     if backward:
         carried = (0, 2 * ckv * D * _F32 + 4)  # (q side, kv side): dk_j, dv_j, step counter
@@ -177,8 +179,8 @@ def _bytes_copied(sched, G, Gk, D, item, backward):
         results = (sched.nq * cq * (D * item + _F32), 0)
     total = 0
     for side, groups in ((0, G), (1, Gk)):
-        per_step = 4 * carried[side] + operands[side] + outputs[side]
-        total += groups * (sched.visited_blocks * per_step + results[side])
+        per_step = 4 * carried[side] + operands[side] + outputs[side] + 2 * results[side]
+        total += groups * sched.visited_blocks * per_step
     return total
 
 
