@@ -320,7 +320,8 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
 
 def _check_stash_options(cfg, **stash):
     """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
-    window options returned (its gradients would be silently wrong), or a pair from two calls.
+    window options (or with segment ids where the backward has none, or the reverse) returned
+    (its gradients would be silently wrong), or a pair from two calls.
 
     Only the very tensors ``flash_attention`` returned in this Ir are known (see
     :mod:`popxl_flash.provenance`); chunk counts may differ, they do not change the result.
@@ -332,6 +333,12 @@ def _check_stash_options(cfg, **stash):
             raise ValueError(f"{name} was produced by flash_attention with options "
                              f"{rec.attention_options()}, but flash_attention_grad was given "
                              f"{wanted}; pass the forward's causal, scale and window")
+        if rec is not None and (rec.config.segments is None) != (cfg.segments is None):
+            given = "without" if cfg.segments is None else "with"
+            raise ValueError(f"{name} was produced by flash_attention "
+                             f"{'without' if given == 'with' else 'with'} segment ids, but "
+                             f"flash_attention_grad was called {given} them; pass the "
+                             "forward's q_segment_ids and kv_segment_ids")
     calls = {rec.call for rec in records.values() if rec is not None}
     if len(calls) > 1:
         raise ValueError("out and lse come from two different flash_attention calls; pass the "

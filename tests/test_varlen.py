@@ -140,3 +140,19 @@ def test_core_hints_for_varlen_keywords():
         return pf.flash_attention(q, q, q, cu_seqlens_q=None)
     with pytest.raises(TypeError, match="pf.flash_attn_varlen_func takes flash-attn's cu_seqlens"):
         build(fn)
+
+
+def test_grad_refuses_stash_of_a_call_with_other_segment_ids():
+    def fn(forward_ids, backward_ids):
+        q = _tensor((1, 4, 2))
+        ids = dict(q_segment_ids=_tensor((1, 4), np.int32),
+                   kv_segment_ids=_tensor((1, 4), np.int32))
+        out, lse = pf.flash_attention(q, q, q, return_lse=True, **(ids if forward_ids else {}))
+        return pf.flash_attention_grad(q, q, q, q, out, lse, **(ids if backward_ids else {}))
+    with pytest.raises(ValueError, match="produced by flash_attention with segment ids, but "
+                                         "flash_attention_grad was called without them"):
+        build(lambda: fn(True, False))
+    with pytest.raises(ValueError, match="without segment ids, but flash_attention_grad was "
+                                         "called with them"):
+        build(lambda: fn(False, True))
+    assert len(build(lambda: fn(True, True))) == 3
