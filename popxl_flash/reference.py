@@ -11,12 +11,13 @@ Same semantics as :func:`popxl_flash.flash_attention` (see ``docs/user-guide.md`
 * a row that sees no key has output 0, lse ``-inf`` and zero gradient.
 
 Packed sequences (``q_segment_ids [G or 1, Lq]``, ``kv_segment_ids [Gk or 1, Lkv]``, integer):
-row ``i`` of group ``g`` sees column ``j`` only if ``q_segment_ids[g, i] == kv_segment_ids[g', j]
->= 0`` (``g'`` the kv group of ``g``) (a negative id is padding: it sees nothing and nothing sees it) and the mask above allows
-``(i, j)``. With ``q_positions``/``kv_positions`` (integer ``[G or 1, L]``) the causal and window
-conditions compare positions instead of indices: ``kv_pos <= q_pos`` (causal) and
-``q_pos - left <= kv_pos <= q_pos + right`` (window). :func:`varlen_segments` gives flash-attn's
-varlen masks in these terms, and :func:`attention_varlen` is the per-sequence oracle.
+row ``i`` of group ``g`` sees column ``j`` only if ``q_segment_ids[g, i] == kv_segment_ids[g',
+j] >= 0`` (``g'`` the kv group of ``g``; a negative id is padding: it sees nothing and nothing
+sees it) and the mask above allows ``(i, j)``. With ``q_positions``/``kv_positions`` (integer,
+the ids' shapes) the causal and window conditions compare positions instead of indices:
+``kv_pos <= q_pos`` (causal) and ``q_pos - left <= kv_pos <= q_pos + right`` (window).
+:func:`varlen_segments` gives flash-attn's varlen masks in these terms, and
+:func:`attention_varlen` is the per-sequence oracle.
 
 Everything is computed in float64 whatever the input dtype. Grouped-query attention is done the
 obvious way, in the oracle only: each kv group is repeated for the ``G // Gk`` q groups that read

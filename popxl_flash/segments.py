@@ -240,9 +240,10 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
             positions of the same shapes, or ``None``.
 
     Returns:
-        ``(tensors, classes)`` (kv ids of ``Gk`` rows repeated to ``G``, :func:`kv_rows`): the padded ``[q_ids, kv_ids]`` (-1 on padding), plus
-        ``[q_pos, kv_pos]`` with positions, which the loop reads by reference; and the int32
-        ``[nq, nkv]`` block classes of :func:`classify_blocks`.
+        ``(tensors, classes)`` (kv ids of ``Gk`` rows repeated to ``G``, :func:`kv_rows`):
+        the padded ``[q_ids, kv_ids]`` (-1 on padding), plus ``[q_pos, kv_pos]`` with
+        positions, which the loop reads (read-only inputs); and the int32 ``[nq, nkv]`` block
+        classes of :func:`classify_blocks`.
     """
     q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
     kv_ids = expand_kv_rows(cfg, pad_ids(kv_ids, cfg.padded_kv_len, -1))
