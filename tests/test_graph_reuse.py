@@ -66,6 +66,21 @@ def grouped_query(q, k, v, layer):
     pf.flash_attention_grad(out, q, k1, v1, out, lse)
 
 
+def segments(q, k, v, layer):
+    """Segment ids (new id tensors each call, equal specs) forward and backward."""
+    ids = popxl.variable(np.zeros((1, L), np.int32))
+    out, lse = pf.flash_attention(q, k, v, return_lse=True, q_segment_ids=ids,
+                                  kv_segment_ids=ids)
+    pf.flash_attention_grad(out, q, k, v, out, lse, q_segment_ids=ids, kv_segment_ids=ids)
+
+
+def varlen(q, k, v, layer):
+    """flash_attn_varlen_func on [L, G, D] views with its own cu_seqlens each call."""
+    cu = popxl.variable(np.array([0, 5, L], np.int32))
+    x = q.transpose((1, 0, 2))
+    pf.flash_attn_varlen_func(x, x, x, cu, cu, L, L, causal=True)
+
+
 def layer_graph(q, k, v, layer):
     """A model layer as its own graph (traced anew per layer) that calls flash attention."""
     def body(q, k, v):
@@ -75,7 +90,8 @@ def layer_graph(q, k, v, layer):
 
 
 @pytest.mark.parametrize("build", [forward, forward_backward, recompute_backward, packed, blhd,
-                                   grouped_query, layer_graph], ids=lambda f: f.__name__)
+                                   grouped_query, segments, varlen, layer_graph],
+                         ids=lambda f: f.__name__)
 def test_twelve_calls_build_the_graphs_of_one(build):
     one = count_graphs(build, 1)
     assert one > 1
