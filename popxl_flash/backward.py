@@ -177,7 +177,9 @@ class FlashAttentionGrad(popxl.Module):
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **self.options)
-        cfg = cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
+        cfg = cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                automatic)
         for name, t in (("dout", dout), ("out", out)):
             cfg.check_like(name, t.shape, t.dtype.name, q.shape, cfg.dtype)
         cfg.check_like("lse", lse.shape, lse.dtype.name, (cfg.groups, cfg.q_len), "float32")

@@ -11,7 +11,8 @@ FLOPs (see :func:`explain`). For a given count
 ``n`` the chunk length is ``ceil(L / n)`` and the number of chunks actually used is
 ``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted). That count is
 ``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6`` gives chunks of
-2, so 5 chunks: a sixth would hold padding only).
+2, so 5 chunks: a sixth would hold padding only). With segment ids, automatic chunks are cut to at
+most ``SEGMENT_CHUNK_LEN`` (128) rows (:meth:`AttentionConfig.with_segments`).
 """
 import math
 import numbers
@@ -24,6 +25,10 @@ from popxl_flash import costmodel
 from popxl_flash import schedule as _schedule
 from popxl_flash.schedule import normalise_window
 from popxl_flash.segments import MAX_LEN, SegmentConfig
+
+#: Longest automatic chunk with segment ids: runtime skipping works per block, and a chunk
+#: longer than the packed sequences straddles several of them.
+SEGMENT_CHUNK_LEN = 128
 
 #: dtypes the kernels support (the IPU has no bfloat16).
 SUPPORTED_DTYPES = ("float16", "float32")
@@ -280,7 +285,8 @@ class AttentionConfig:
             raise ValueError(f"{name} must have shape {tuple(expected_shape)} and dtype "
                              f"{expected_dtype}, got shape {tuple(shape)} and dtype {dtype}")
 
-    def with_segments(self, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None):
+    def with_segments(self, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None,
+                      automatic=(False, False)):
         """Validate segment-id (and position) tensor specs; return the config with them.
 
         Args:
@@ -288,6 +294,9 @@ class AttentionConfig:
                 ``[G or 1, Lq]``; kv_segment_ids: int32 ``[Gk or 1, Lkv]``; given together.
             q_positions, kv_positions: ``None`` or int32 specs shaped like the ids (internal:
                 the varlen API's bottom-right positions; causal and window then compare them).
+            automatic: whether the q and kv chunk counts were chosen automatically; with
+                segment ids those chunks are cut to at most :data:`SEGMENT_CHUNK_LEN` rows (the
+                cost model does not see the packing, and longer chunks straddle sequences).
 
         Returns:
             ``self`` without segment ids, else a copy whose ``segments`` is set.
@@ -310,7 +319,14 @@ class AttentionConfig:
             for name, ids, t in (("q_positions", q_segment_ids, q_positions),
                                  ("kv_positions", kv_segment_ids, kv_positions)):
                 self.check_like(name, t.shape, t.dtype.name, ids.shape, "int32")
-        return replace(self, segments=SegmentConfig(gq, gk, positions))
+        chunks = {}
+        for side, auto, length, chunk in (("q", automatic[0], self.q_len, self.chunk_q),
+                                          ("kv", automatic[1], self.kv_len, self.chunk_kv)):
+            if auto and chunk > SEGMENT_CHUNK_LEN:
+                n = math.ceil(length / SEGMENT_CHUNK_LEN)
+                chunks[f"chunk_{side}"], chunks[f"num_chunks_{side}"] = resolve_num_chunks(
+                    f"num_chunks_{side}", length, n)
+        return replace(self, segments=SegmentConfig(gq, gk, positions), **chunks)
 
     @property
     def static_mask(self) -> Tuple[bool, Tuple[int, int]]:

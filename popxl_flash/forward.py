@@ -165,7 +165,9 @@ class FlashAttention(popxl.Module):
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **self.options)
-        return cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
+        return cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                 automatic)
 
     def build(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
               kv_positions=None):
