@@ -7,7 +7,10 @@ import pytest
 
 import popxl_flash as pf
 
-from attention_utils import EPS32, random_qkv, rounding_floor, run_flash, run_flash_grad
+from popxl_flash import popxl
+
+from attention_utils import (EPS32, random_qkv, rounding_floor, run_flash, run_flash_grad,
+                             run_graph)
 
 torch = pytest.importorskip("torch")
 
@@ -54,3 +57,51 @@ def test_matches_pytorch(Lq, Lkv, dtype, mask):
         g_floor = rounding_floor(r_np, dtype) + steps * EPS32 * float(np.abs(r_np).max())
         p_err = float(np.abs(p.grad.double().numpy() - r_np).max())
         assert np.abs(g.astype(np.float64) - r_np).max() <= 3 * p_err + g_floor
+
+
+def _sdpa(q, k, v, dout, *, causal, dtype):
+    """PyTorch ``scaled_dot_product_attention`` with ``enable_gqa`` on ``[B, L, H, D]`` arrays,
+    bottom-right causal (flash-attn's alignment, as an explicit mask); returns
+    ``[out, dq, dk, dv]`` in float64, computed in ``dtype``."""
+    tq, tk, tv = (torch.tensor(a.astype(np.float64)).to(dtype).transpose(1, 2).requires_grad_()
+                  for a in (q, k, v))
+    Lq, Lkv = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        mask = torch.arange(Lkv)[None, :] <= torch.arange(Lq)[:, None] + (Lkv - Lq)
+    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                                         enable_gqa=True)
+    o.backward(torch.tensor(dout.astype(np.float64)).to(dtype).transpose(1, 2))
+    return [o.transpose(1, 2).detach().double().numpy()] + [
+        t.grad.transpose(1, 2).double().numpy() for t in (tq, tk, tv)]
+
+
+@pytest.mark.parametrize("B,Lq,Lkv,Hq,Hkv,D,causal,dtype", [
+    (2, 64, 64, 8, 2, 32, True, "float32"), (1, 50, 90, 4, 1, 16, False, "float32"),
+    (3, 40, 40, 8, 8, 16, True, "float16"), (2, 77, 77, 8, 1, 64, True, "float16"),
+    (1, 33, 65, 4, 4, 32, False, "float16")])
+def test_flash_attn_func_autodiff_matches_sdpa(B, Lq, Lkv, Hq, Hkv, D, causal, dtype):
+    """``pf.flash_attn_func`` (GQA/MQA included) differentiated by ``pf.autodiff`` against SDPA
+    with ``enable_gqa``: 2x (out) / 3x (gradients) the error of SDPA in the same precision,
+    plus the rounding floor and a float32 accumulation floor (see attention_utils)."""
+    rng = np.random.default_rng(B + Lq + Hkv)
+    q = rng.standard_normal((B, Lq, Hq, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, Lkv, Hkv, D)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+
+    def build(q, k, v, do):
+        graph = popxl.gcg().ir.create_graph(
+            lambda q, k, v: pf.flash_attn_func(q, k, v, causal=causal), q, k, v)
+        info = pf.autodiff(graph)
+        call = popxl.ops.call_with_info(graph, q, k, v)
+        grads = popxl.ops.call(info.graph, do, inputs_dict=info.inputs_dict(call))
+        return [call.outputs[0], *grads]
+    flash, _ = run_graph(build, [q, k, v, dout])
+    ref = _sdpa(q, k, v, dout, causal=causal, dtype=torch.float64)
+    same = _sdpa(q, k, v, dout, causal=causal,
+                 dtype=torch.float16 if dtype == "float16" else torch.float32)
+    steps = 4 * (Lkv + D + (Hq // Hkv) * Lq)  # accumulation over keys, D, folded q rows
+    for name, x, r, s, factor in zip(("out", "dq", "dk", "dv"), flash, ref, same, (2, 3, 3, 3)):
+        floor = rounding_floor(r, dtype) + steps * EPS32 * float(np.abs(r).max())
+        bound = factor * float(np.abs(s - r).max()) + floor
+        assert np.abs(x.astype(np.float64) - r).max() <= bound, name
