@@ -21,6 +21,7 @@ import numpy as np
 import popxl_flash as pf
 from popxl_flash import devices
 from popxl_flash.harness import run_graph
+from popxl_flash.config import SEGMENT_CHUNK_LEN
 
 
 def packing(seq_len, num_seqs, seed):
@@ -131,7 +132,7 @@ def parse_args(argv):
                    help="input dtype (default: float16)")
     p.add_argument("--chunks", type=int, default=None,
                    help="chunk count each way, the same for the three graphs (default: "
-                        "ceil(L / 128))")
+                        "ceil(L / 64), the automatic chunk length with segment ids)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default: 0)")
     p.add_argument("--device", choices=devices.NAMES, default=devices.default_device(),
                    help="PopXL device (default: ipu_hw with the Poplar SDK, else ipu_model)")
@@ -146,7 +147,7 @@ def parse_args(argv):
     if args.chunks is not None and not 1 <= args.chunks <= args.seq_len:
         p.error(f"--chunks must be in [1, {args.seq_len}], got {args.chunks}")
     if args.chunks is None:
-        args.chunks = -(-args.seq_len // 128)
+        args.chunks = -(-args.seq_len // SEGMENT_CHUNK_LEN)
     return args
 
 

@@ -36,7 +36,7 @@ ops = popxl.ops
 
 #: Longest automatic chunk: chunks no longer than the typical sequence keep the blocks that
 #: straddle two sequences (which runtime skipping cannot drop) few.
-VARLEN_CHUNK_LEN = 128
+VARLEN_CHUNK_LEN = 64
 
 #: Keywords of ``flash_attn_func`` or PyTorch that the varlen function spells differently.
 VARLEN_KEYWORD_HINTS = {
@@ -90,7 +90,7 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
 
 
 def _auto_chunks(total, max_seqlen):
-    """Default chunk count: chunks of ``min(128, max_seqlen, total)`` rows."""
+    """Default chunk count: chunks of ``min(64, max_seqlen, total)`` rows."""
     chunk = min(VARLEN_CHUNK_LEN, max_seqlen, total)
     return -(-total // chunk)
 
@@ -112,7 +112,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             padding. Not validated on the device (offsets beyond ``total`` read as padding).
         max_seqlen_q, max_seqlen_k: ints >= 1, upper bounds on the sequence lengths (as in
             flash-attn; not checked on the device); they set the automatic chunk length
-            ``min(128, max_seqlen, total)``.
+            ``min(64, max_seqlen, total)``.
         softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
         causal: causal mask aligned bottom-right per sequence. Default ``False``.
         window_size: ``(left, right)`` around each sequence's bottom-right diagonal, ``-1``

@@ -158,18 +158,20 @@ def test_grad_refuses_stash_of_a_call_with_other_segment_ids():
     assert len(build(lambda: fn(True, True))) == 3
 
 
-def test_segment_ids_cap_automatic_chunks_at_128_rows():
-    """With segment ids, automatic chunks are at most 128 rows (the cost model would pick 256
-    or more for a row of 4096); explicit counts are kept."""
+def test_segment_ids_cap_automatic_chunks():
+    """With segment ids, automatic chunks are at most SEGMENT_CHUNK_LEN (64) rows (the cost
+    model would pick 256 or more for a row of 4096); explicit counts are kept."""
+    from popxl_flash.config import SEGMENT_CHUNK_LEN
+    assert SEGMENT_CHUNK_LEN == 64
     spec = popxl.TensorSpec
     q = spec((2, 4096, 64), popxl.float16)
     ids = spec((1, 4096), popxl.int32)
     plain = pf.FlashAttention(causal=True).config(q, q, q)
-    assert plain.chunk_q > 128
+    assert plain.chunk_q > 64
     cfg = pf.FlashAttention(causal=True).config(q, q, q, ids, ids)
-    assert (cfg.chunk_q, cfg.num_chunks_q, cfg.chunk_kv, cfg.num_chunks_kv) == (128, 32, 128, 32)
+    assert (cfg.chunk_q, cfg.num_chunks_q, cfg.chunk_kv, cfg.num_chunks_kv) == (64, 64, 64, 64)
     grad = pf.FlashAttentionGrad(causal=True).config(q, q, q, q, q, spec((2, 4096), popxl.float32),
                                                      ids, ids)
-    assert (grad.chunk_q, grad.chunk_kv) == (128, 128)
+    assert (grad.chunk_q, grad.chunk_kv) == (64, 64)
     explicit = pf.FlashAttention(causal=True, num_chunks_q=8).config(q, q, q, ids, ids)
-    assert (explicit.chunk_q, explicit.chunk_kv) == (512, 128)
+    assert (explicit.chunk_q, explicit.chunk_kv) == (512, 64)
