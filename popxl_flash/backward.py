@@ -109,8 +109,9 @@ def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk:
     """Repeat body: one visited block of the kv-major block list.
 
     Carried: step ``t [1]`` and the running ``dk_j, dv_j [Gk, ckv, D]`` (float32; fresh after a
-    kv chunk's last block). Invariant, by reference: padded ``q, do``, ``lse, dvec
-    [G, Lq_pad, 1]``, ``k, v`` (read-only) and the float32 accumulators ``dq [G, Lq_pad, D]``
+    kv chunk's last block). Invariant: padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]``,
+    ``k, v`` by value (read-only, so the lowering can alias them) and, by reference, the
+    float32 accumulators ``dq [G, Lq_pad, D]``
     (chunk i read and written back every step) and ``dk, dv [Gk, Lkv_pad, D]`` (chunk j written
     every step: zeros until the kv chunk's last block writes the result). With segment ids,
     ``seg`` holds the padded ids (and positions) and the steps' runtime branches (read-only,

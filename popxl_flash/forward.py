@@ -117,8 +117,9 @@ def _block_body(cfg, step, t, m_i, l_i, acc, q, k, v, out: ByRef, lse: ByRef, *s
     """Repeat body: one visited block of the q-major block list.
 
     Carried: step ``t [1]`` and the running state ``m_i, l_i [G, cq, 1]``, ``acc [G, cq, D]``
-    (float32; fresh after a q chunk's last block). Invariant, by reference: padded q, k, v
-    (read-only) and the results ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
+    (float32; fresh after a q chunk's last block). Invariant: padded q, k, v by value
+    (read-only, so the lowering can alias them) and, by reference, the results
+    ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
     its q chunk of out and lse (zeros until the chunk's last block writes the result: the
     chunk's blocks are consecutive, so the last write wins). With segment ids, ``seg`` holds
     the padded ids (and positions) and the steps' runtime branches (read-only, by value).
