@@ -49,6 +49,10 @@ def build_plans(ir, fp_checks=False):
         (main plan, {id(graph): plan}).
     """
     plans, building = {}, set()
+    # A repeat body's loop-invariant inputs (index >= N outputs) are read by every iteration:
+    # their storage lives for the whole loop, not only until their last read in one iteration.
+    invariant_from = {id(op.attrs["graph"]): len(op.attrs["graph"].outputs)
+                      for g in ir._graphs for op in g._ops if op.kind == "repeat"}
 
     def plan_of(g):
         if id(g) in plans:
@@ -56,7 +60,7 @@ def build_plans(ir, fp_checks=False):
         if id(g) in building:
             raise PopartError(f"graph {g.name} calls itself (recursion is not allowed)")
         building.add(id(g))
-        plans[id(g)] = _build(g, plan_of, fp_checks)
+        plans[id(g)] = _build(g, plan_of, fp_checks, invariant_from.get(id(g)))
         building.discard(id(g))
         return plans[id(g)]
 
@@ -87,7 +91,7 @@ def _check_device_dtypes(g):
                               "(device dtypes: bool, int32, uint32, float16, float32)")
 
 
-def _build(g, plan_of, fp_checks):
+def _build(g, plan_of, fp_checks, invariant_from=None):
     _check_device_dtypes(g)
     _check_call_specs(g)
     for op in g._ops:
@@ -105,8 +109,11 @@ def _build(g, plan_of, fp_checks):
     out_roots = {id(al.find(o)) for o in g._outputs}
     _plan_inputs(g, plan, slot, modified, last, out_roots)
     _plan_outputs(g, plan, slot, al, pinned)
+    held = set(pinned)  # storage no step frees: pinned, and a repeat body's invariant inputs
+    if invariant_from is not None:
+        held.update(id(al.find(t)) for t in g._inputs[invariant_from:])
     for k, op in enumerate(g._ops):
-        step = _step(op, k, slot, al, pinned, last, members, out_roots, plan_of)
+        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of)
         if fp_checks and step[4] != CONTROL:  # a control op's callee ops check themselves
             step = (checking(step[0], op),) + step[1:]
         plan.steps.append(step)

@@ -196,3 +196,32 @@ def test_call_input_dead_after_copy_unless_read_again(read_after):
     prof = _profile(ir, {stream: np.ones(n, np.float32)})
     # After the call: y + (x or nothing) + z; the callee's peak dominates either way.
     assert prof.peak_live_bytes - prof.const_bytes == (12 * n if read_after else 8 * n)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_repeat_invariant_input_lives_through_the_loop(count):
+    """A repeat body's loop-invariant input is read by every iteration, so its storage lives for
+    the whole loop: the peak must not depend on whether the body reads it before or after its
+    big temporaries (LoopOpx copies/aliases it once, before the loop; reference page 3.2).
+    Before this rule the profile freed it after its last read within an iteration."""
+    def body_early(c, a):
+        s = ops.sum(a, axis=0, keepdims=True)  # [1]: last read of a, before the temporaries
+        t = ops.init((4096,), f32, init_type="zero")
+        return c + ops.sum(t + s, axis=0, keepdims=True)
+
+    def body_late(c, a):
+        t = ops.init((4096,), f32, init_type="zero")
+        u = ops.sum(t + 1.0, axis=0, keepdims=True)
+        return c + u + ops.sum(a, axis=0, keepdims=True)  # last read of a, after them
+
+    peaks = []
+    for body in (body_early, body_late):
+        ir = popxl.Ir()
+        with ir.main_graph:
+            c = popxl.constant(np.zeros(1, np.float32)) + 0.0
+            a = ops.init((2048,), f32, init_type="zero")
+            g = ir.create_graph(body, c, a)
+            (y,) = ops.repeat(g, count, c, a)
+            store(y)
+        peaks.append(_profile(ir).peak_live_bytes)
+    assert peaks[0] == peaks[1]
