@@ -50,6 +50,20 @@ def _blhd(shape, layout):
     return (b, x, y, d) if layout == "BLHD" else (b, y, x, d)
 
 
+def check_kv_heads(k, v, Hq, Hkv):
+    """v must have k's shape, and the q head count must be a multiple of the k/v one.
+
+    Args:
+        k, v: tensors. Hq, Hkv: head counts of q and of k/v.
+    """
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
+                         f"{tuple(v.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"q's head count Hq={Hq} must be a multiple of k/v's Hkv={Hkv} "
+                         "(grouped-query attention)")
+
+
 def _check_shapes(q, k, v, layout):
     """Validate ranks and sizes of q, k, v in ``layout``.
 
@@ -72,12 +86,7 @@ def _check_shapes(q, k, v, layout):
     if (Bk, Dk) != (B, D):
         raise ValueError(f"k must have q's batch B={B} and head dim D={D} ({order}), got k "
                          f"shape {tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
-                         f"{tuple(v.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"q's head count Hq={Hq} must be a multiple of k/v's Hkv={Hkv} "
-                         "(grouped-query attention)")
+    check_kv_heads(k, v, Hq, Hkv)
     return Dims(B, Lq, Lkv, Hq, Hkv, D)
 
 

@@ -28,7 +28,7 @@ Layouts::
 from popxl_flash.backend import popxl
 from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
-from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims
+from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, check_kv_heads
 from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
 from popxl_flash.segments import varlen_segments
 
@@ -65,12 +65,7 @@ def _check_packed(q, k, v):
     if Dk != D:
         raise ValueError(f"k must have q's head dim D={D} ([total_k, Hkv, D]), got k shape "
                          f"{tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
-                         f"{tuple(v.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"q's head count Hq={Hq} must be a multiple of k/v's Hkv={Hkv} "
-                         "(grouped-query attention)")
+    check_kv_heads(k, v, Hq, Hkv)
     return Dims(1, total_q, total_k, Hq, Hkv, D)
 
 
