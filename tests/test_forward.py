@@ -173,10 +173,10 @@ def test_peak_memory_far_below_naive(dtype):
     """L = 2048, D = 64, auto chunking: peak live bytes at least 10x below a naive PopXL attention.
 
     Naive holds two float32 [L, L] score/probability matrices (32 MiB) plus the [L, L] mask and
-    q, k, v. Flash's peak is in the loop phase: q, k, v and out in the module's frame, the copies
-    of the outer loop's by-reference inputs Poplar's lowering makes (k, v, out, lse: PopART
-    treats a by-ref input as modified), and O(chunk^2) blocks: naive / flash is 17.8 in float16
-    and 9.5 in float32 (below 10: the by-value restructuring of issue 11 brings it to 14).
+    q, k, v. Flash's peak is in the loop phase: q, k, v (loop-invariant, live for the whole
+    loop) and out, the copies of the by-reference results Poplar's lowering makes into and out
+    of the loop body (out, lse: PopART treats a by-ref input as modified), and O(chunk^2)
+    blocks: naive / flash is 24.3 in float16 and 12.9 in float32 (docs/benchmarks*.md).
     """
     q, k, v = random_qkv(np.random.default_rng(2), 1, 2048, 2048, 64, dtype)
     _, _, flash_session = run_flash(q, k, v)
