@@ -23,6 +23,19 @@ DEVICE = "ipu_model"
 FP_CHECKS = True
 
 
+def zeros_variable(shape, dtype=np.float32):
+    """A zero ``popxl.variable`` of ``shape`` in the current (main) graph."""
+    return popxl.variable(np.zeros(shape, dtype))
+
+
+def build_only(fn):
+    """Run ``fn`` inside a fresh main graph, without a session: for errors that must come at
+    graph-build time."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        return fn()
+
+
 def run_graph(build, inputs, *, fp_checks=False):
     """Build a main graph from host arrays and run it once on :data:`DEVICE`.
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from attention_utils import (EPS32, assert_within_rule, naive_attention, naive_attention_grad,
-                             run_flash_attn_func, run_graph, to_groups)
+from attention_utils import (EPS32, assert_within_rule, build_only, naive_attention,
+                             naive_attention_grad, run_flash_attn_func, run_graph, to_groups,
+                             zeros_variable)
 from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
 from popxl_flash.tolerance import grad_bounds
@@ -235,16 +236,6 @@ def test_softmax_scale_and_numpy_options():
 # Errors at build time
 
 
-def _var(shape, dtype=np.float32):
-    return popxl.variable(np.zeros(shape, dtype))
-
-
-def _build(fn):
-    ir = popxl.Ir()
-    with ir.main_graph:
-        return fn()
-
-
 QKV = dict(q=(2, 8, 4, 16), k=(2, 6, 4, 16), v=(2, 6, 4, 16))
 
 BAD = [
@@ -292,23 +283,23 @@ def test_rejects(desc, override, options, exc, fragment):
     dtype = override.get("dtype", np.float32)
 
     def fn():
-        q, k, v = (_var(shapes[n], dtype) for n in "qkv")
+        q, k, v = (zeros_variable(shapes[n], dtype) for n in "qkv")
         pf.flash_attn_func(q, k, v, **options)
     with pytest.raises(exc, match=re.escape(fragment)):
-        _build(fn)
+        build_only(fn)
 
 
 def test_options_are_keyword_only():
     """flash-attn's 4th positional is dropout_p: a positional option here is an error."""
     with pytest.raises(TypeError):
-        _build(lambda: pf.flash_attn_func(*(_var(QKV[n]) for n in "qkv"), 0.0))
+        build_only(lambda: pf.flash_attn_func(*(zeros_variable(QKV[n]) for n in "qkv"), 0.0))
 
 
 def test_errors_create_nothing():
     """Validation happens before any graph, op or tensor is created."""
     ir = popxl.Ir()
     with ir.main_graph:
-        q, k, v = _var(QKV["q"]), _var((2, 6, 2, 16)), _var((2, 6, 2, 16))
+        q, k, v = zeros_variable(QKV["q"]), zeros_variable((2, 6, 2, 16)), zeros_variable((2, 6, 2, 16))
         before = len(ir.main_graph.tensors)
         for options in (dict(softmax_scale="x"), dict(causal=2), dict(num_chunks_kv=7)):
             with pytest.raises((ValueError, TypeError)):

@@ -7,16 +7,7 @@ import pytest
 import popxl_flash as pf
 from popxl_flash import popxl
 
-
-def _tensor(shape, dtype=np.float32):
-    return popxl.variable(np.zeros(shape, dtype))
-
-
-def build(fn):
-    """Run ``fn`` inside a fresh main graph (no session: errors must come at build time)."""
-    ir = popxl.Ir()
-    with ir.main_graph:
-        return fn()
+from attention_utils import build_only as build, zeros_variable as _tensor
 
 
 GOOD = dict(q=(2, 8, 4), k=(2, 6, 4), v=(2, 6, 4))
