@@ -22,7 +22,8 @@ module builds those entries:
 
 Flash forward graphs are recognised by the record the functional API keeps
 (:mod:`popxl_flash.provenance`), so only graphs made by :func:`popxl_flash.flash_attention` (or
-its packed form) are found; a hand-made ``ir.create_graph(FlashAttention(...), ...)`` is not.
+the functions that call it: the packed form, ``flash_attn_func``, ``flash_attn_varlen_func``)
+are found; a hand-made ``ir.create_graph(FlashAttention(...), ...)`` is not.
 
 Gradients through ``lse``: the hand-written backward takes no gradient of ``lse``. If ``lse`` (or
 anything computed from it) reaches a tensor whose gradient is provided, PopART would silently

@@ -9,7 +9,7 @@ Graph structure::
       Dvec = rowsum(dout * out)                   [G, Lq]    float32, once
       pad everything to whole chunks
       repeat V x block_body                        # one step per visited block, kv-major
-        i, j, branch, pattern_id = block_list[t]   # planner constants
+        i, j, branch = block_list[t]               # planner constants (pattern ids: in partials)
         q_i, do_i, lse_i, Dvec_i, dq_i = dynamic_slice(..., i); k_j, v_j = dynamic_slice(..., j)
         conditional(branch, ...)                   # (full|partial, whole|split, last) graphs
                                                    # last block of kv chunk j: fresh dk_j, dv_j

@@ -70,7 +70,7 @@ class StepTables:
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        block_list: the schedule's :class:`popxl_flash.schedule.BlockList` of this loop nest.
+        block_list: the schedule's :class:`popxl_flash.schedule.BlockList` of this loop.
         branch_ids: ``int[V]`` branch of each step (see :class:`BlockStep`), or ``None`` when
             the loop has a single branch.
     """

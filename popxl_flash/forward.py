@@ -5,7 +5,7 @@ Graph structure (all static; the op count does not grow with L or the chunk coun
     build(q, k, v)                      # module graph
       pad q, k, v to whole chunks
       repeat V x block_body             # one step per visited block, q-major (planner's list)
-        i, j, branch, pattern_id = block_list[t]               # planner constants
+        i, j, branch = block_list[t]    # planner constants (pattern ids: in partial branches)
         q_i, k_j, v_j = dynamic_slice(q, i), dynamic_slice(k, j), dynamic_slice(v, j)
         conditional(branch, ...)        # one branch graph per (full|partial, whole|split, last)
           online-softmax update (split blocks: two sub-blocks, skipping an invisible quadrant)

@@ -12,7 +12,7 @@ The matrix covers float16 and float32; causal, non-causal and windowed masks; ``
 padded tail chunks; chunk length 1; rows that see no key (causal with ``Lq > Lkv``, a narrow
 window); a large softmax scale; grouped- and multi-query attention (k/v with fewer groups than
 q); packed sequences with padding (segment ids, causal and windowed); and, without
-``--quick``, one long sequence.
+``--quick``, two long sequences (causal, and a 512-token window).
 """
 import argparse
 import sys
