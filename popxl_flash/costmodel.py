@@ -22,7 +22,8 @@ Modelled time of one pass::
       + bytes_copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
 
 Choice: candidates are the target chunk lengths :data:`CANDIDATE_CHUNKS`, each balanced over
-the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads little). A candidate is **eligible** if (1) its working set fits the usable tile memory
+the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads little). A
+candidate is **eligible** if (1) its working set fits the usable tile memory
 (``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``), (2) one step's temporaries are at most
 the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
 naive attention), and (3) its forward executed/useful FLOP ratio is at most
