@@ -94,21 +94,6 @@ class PbGraph:
 
     id = property(lambda self: self._graph.id)
 
-    def getIr(self):  # noqa: N802
-        return PbIr(self._graph.ir)
-
-    def getTensor(self, tensor_id):  # noqa: N802
-        try:
-            return PbTensor(self._graph.get_tensor(tensor_id))
-        except KeyError:
-            raise KeyError(f"No tensor {tensor_id!r} in graph {self._graph.id}") from None
-
-    def getInputIds(self):  # noqa: N802
-        return [t.id for t in self._graph.inputs]
-
-    def getOutputIds(self):  # noqa: N802
-        return [t.id for t in self._graph.outputs]
-
     def getOps(self):  # noqa: N802
         """Returns: the graph's ops in creation (a topological) order."""
         return [PbOp(op) for op in self._graph._ops]
@@ -132,7 +117,7 @@ class PbIr:
 
     def getSessionOptions(self):  # noqa: N802
         """Returns: the Ir's (mutable) SessionOptions, read when a Session compiles it."""
-        return self._ir._pb.getSessionOptions()
+        return self._ir._session_options
 
     def getGraph(self, graph_id):  # noqa: N802
         for g in self._ir._graphs:

@@ -6,10 +6,10 @@ On an IPU the option makes tiles trap on invalid operations, division by zero an
 * arithmetic ops (everything not listed below: add, sub, mul, div, exp, log, matmul, sums,
   softmax, casts, ...) trap when a float input holds an infinity or a NaN, or when a float
   output is not finite (overflow, x/0, log(0), 0*inf, inf-inf, ...);
-* comparisons and max/min (``greater``, ``equal``, ``maximum``, max/min reductions, argmax)
+* comparisons and max/min (``greater``, ``equal``, ``maximum``, max/min reductions)
   trap only on a NaN input;
 * data movement (``where``, slices, reshapes, concat, dynamic slice/update, copies, ``init``
-  including ``"undef"``, host IO, ``isnan``/``isinf``/``isfinite``) never traps, so selecting
+  including ``"undef"``, host IO (runtime steps, never wrapped), ``isnan``/``isinf``/``isfinite``) never traps, so selecting
   a constant ``-inf`` is clean.
 
 A trap raises ``FloatingPointError`` naming the op kind, its graph and its first output.
@@ -19,14 +19,14 @@ import numpy as np
 
 #: Ops that only move or select data (or classify it): never trap.
 MOVE = frozenset((
-    "where", "init", "identity", "concat", "concat_", "split", "slice", "slice_", "subsample",
-    "reshape", "reshape_", "flatten", "flatten_", "squeeze", "transpose", "transpose_",
+    "where", "init", "identity", "concat", "split", "slice", "slice_", "subsample",
+    "reshape", "reshape_", "transpose", "transpose_",
     "detach", "detach_", "dynamic_slice", "dynamic_update", "dynamic_update_", "gather",
-    "host_load", "host_store", "copy_var_update_", "accumulator_zero_",
+    "copy_var_update_", "accumulator_zero_",
     "isnan", "isinf", "isfinite",
     "logical_and", "logical_or", "logical_not"))
 #: Ordered comparisons and selections by value: trap only on NaN.
-COMPARE = frozenset(("greater", "equal", "maximum", "max", "min", "argmax", "argmin"))
+COMPARE = frozenset(("greater", "equal", "maximum", "max", "min"))
 
 
 def _is_float(a):

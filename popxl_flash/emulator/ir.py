@@ -141,18 +141,6 @@ class Graph:
         return op
 
 
-class _PbIr:
-    """The part of PopART's ``_ir.Ir`` binding scripts use to set session options."""
-
-    def __init__(self):
-        from .popart import SessionOptions
-        self._options = SessionOptions()
-
-    def getSessionOptions(self):
-        """Returns: the (mutable) SessionOptions, read when a Session compiles the Ir."""
-        return self._options
-
-
 class Ir:
     """A PopXL IR: a main graph plus subgraphs, host streams and run settings.
 
@@ -169,7 +157,8 @@ class Ir:
         self._replication = 1
         self.replication_factor = replication
         self._main = Graph._create(self, "main")
-        self._pb = _PbIr()
+        from .popart import SessionOptions
+        self._session_options = SessionOptions()  # read when a Session compiles the Ir
 
     main_graph = property(lambda self: self._main)
     @property

@@ -51,8 +51,11 @@ def build_plans(ir, fp_checks=False):
     plans, building = {}, set()
     # A repeat body's loop-invariant inputs (index >= N outputs) are read by every iteration:
     # their storage lives for the whole loop, not only until their last read in one iteration.
-    invariant_from = {id(op.attrs["graph"]): len(op.attrs["graph"].outputs)
-                      for g in ir._graphs for op in g._ops if op.kind == "repeat"}
+    # (Plans are per graph: a graph that is also called or branched to keeps the plain rule.)
+    sites = [op for g in ir._graphs for op in g._ops if op.subgraphs]
+    other = {id(s) for op in sites if op.kind != "repeat" for s in op.subgraphs}
+    invariant_from = {id(op.attrs["graph"]): len(op.attrs["graph"].outputs) for op in sites
+                      if op.kind == "repeat" and id(op.attrs["graph"]) not in other}
 
     def plan_of(g):
         if id(g) in plans:
@@ -221,19 +224,21 @@ def _plan_outputs(g, plan, slot, al, pinned):
         seen.add(root)
 
 
-def _step(op, k, slot, al, pinned, last, members, out_roots, plan_of):
+def _step(op, k, slot, al, held, last, members, out_roots, plan_of):
+    """One step tuple of a plan (module docstring). ``held``: storage roots no step frees
+    (pinned storage, and a repeat body's loop-invariant inputs)."""
     alloc = 0 if op.alias else sum(t.nbytes for t in op.outputs)
     freed, free = 0, []
     roots = {id(al.find(t)): al.find(t) for t in op.inputs + op.outputs}
     for rid, root in roots.items():
-        if last[rid] == k and rid not in pinned and rid not in out_roots:
+        if last[rid] == k and rid not in held and rid not in out_roots:
             freed += root.nbytes
             free.extend(members[rid])
     ins = tuple(slot[id(t)] for t in op.inputs)
     outs = tuple(slot[id(t)] for t in op.outputs)
     if op.kind in RUNTIME:
         data = PREPARE[op.kind](op, plan_of)
-        code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, pinned, out_roots)
+        code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, held, out_roots)
     else:
         code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
     return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)

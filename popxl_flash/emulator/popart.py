@@ -55,10 +55,13 @@ class DeviceInfo:
 
     @property
     def memory_bytes(self):
-        """Emulator-only: total tile memory in bytes, or ``None`` for the host CPU device."""
+        """Emulator-only: tile memory of one IPU in bytes, or ``None`` for the host CPU device.
+
+        One IPU, whatever ``numIpus``: the emulator runs everything on IPU 0 (and one replica's
+        values), so its peak is to be compared with a single IPU's memory."""
         if self._type == DeviceType.Cpu:
             return None
-        return self._num_ipus * self._tiles * BYTES_PER_TILE[self._version]
+        return self._tiles * BYTES_PER_TILE[self._version]
 
     def __repr__(self):
         return (f"Device(type={self._type.name} numIPUs={self._num_ipus} "

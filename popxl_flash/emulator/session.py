@@ -32,8 +32,8 @@ class Session:
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
-        self._fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
-        self._main, plans = build_plans(ir, fp_checks=self._fp_checks)
+        fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
+        self._main, plans = build_plans(ir, fp_checks=fp_checks)
         self._const_bytes = sum(p.const_bytes for p in plans.values())
         ir._prepared = True
         self._vars = list(ir.main_graph.variables)

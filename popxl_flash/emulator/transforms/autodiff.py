@@ -20,10 +20,6 @@ class ExpectedConnectionType(Enum):
     def _from_pb(cls, type_):
         return cls.Fwd if type_ == _ir.ExpectedConnectionType.Fwd else cls.FwdGrad
 
-    def _to_pb(self):
-        return (_ir.ExpectedConnectionType.Fwd if self is ExpectedConnectionType.Fwd
-                else _ir.ExpectedConnectionType.FwdGrad)
-
 
 class ExpectedConnection:
     """A gradient-graph input/output: ``fwd_tensor`` and ``connection_type``."""
