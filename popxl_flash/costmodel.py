@@ -39,6 +39,7 @@ waste 6.2%), L = 4096 gets 256.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from popxl_flash import schedule as _schedule
@@ -249,9 +250,13 @@ def _balanced(length, target):
     return -(-length // count)
 
 
+@functools.lru_cache(maxsize=1024)
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
            chunk_kv=None, kv_groups=None):
     """Choose chunk lengths by the model (see the module docstring).
+
+    Cached (the arguments are hashable and the result immutable): the functional API validates
+    a call's configuration more than once, and every layer of a model asks the same question.
 
     Args:
         Lq, Lkv, head_dim, groups, dtype, causal, window: the attention call.
