@@ -303,6 +303,20 @@ def _select(graphs, ids, inputs, branch):
                            else_inputs=else_inputs)
 
 
+def _rank(keys):
+    """Distinct branch keys, most frequent first (ties by key), and each key's branch index.
+
+    Args:
+        keys: iterable of ``(kind, split, last)`` keys, one per use.
+
+    Returns:
+        ``(ranked keys, {key: index})``.
+    """
+    counts = Counter(keys)
+    ranked = sorted(counts, key=lambda key: (-counts[key], key))
+    return ranked, {key: b for b, key in enumerate(ranked)}
+
+
 class BlockStep:
     """The branch graphs of one loop nest: one per distinct ``(kind, split, last)`` among its
     steps, most frequent first.
@@ -324,9 +338,7 @@ class BlockStep:
         if cfg.segments is None:
             keys = [(int(k), int(s), bool(f))
                     for k, s, f in zip(blist.kind, blist.split, blist.last)]
-            counts = Counter(keys)
-            self.keys = sorted(counts, key=lambda key: (-counts[key], key))
-            index = {key: b for b, key in enumerate(self.keys)}
+            self.keys, index = _rank(keys)
             self.branch_ids = np.array([index[key] for key in keys], dtype=INDEX_DTYPE)
             self.has_partial = bool((blist.kind == PARTIAL).any())
         else:
@@ -397,9 +409,7 @@ def segment_branches(cfg, order):
         masked = (PARTIAL, int(split), bool(last))
         full = (FULL, WHOLE, bool(last)) if kind == FULL else masked
         rows.append([(SKIP, WHOLE, bool(last)), full, masked])
-    counts = Counter(key for row in rows for key in row)
-    keys = sorted(counts, key=lambda key: (-counts[key], key))
-    index = {key: b for b, key in enumerate(keys)}
+    keys, index = _rank(key for row in rows for key in row)
     candidates = np.array([[index[key] for key in row] for row in rows], INDEX_DTYPE).T
     return keys, np.ascontiguousarray(candidates)
 
