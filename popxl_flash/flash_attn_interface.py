@@ -64,6 +64,33 @@ def check_kv_heads(k, v, Hq, Hkv):
                          "(grouped-query attention)")
 
 
+def core_options(dims, qkv, *, num_chunks_q, num_chunks_kv, causal, softmax_scale, window_size,
+                 return_lse):
+    """flash-attn's option names turned into the core API's options, and the whole call
+    validated as the core will see it (``[B·H, L, D]`` groups), before any graph or scope is
+    opened.
+
+    Args:
+        dims: the call's :class:`Dims`. qkv: the tensors (for their dtypes).
+        num_chunks_q, num_chunks_kv, causal, softmax_scale, window_size, return_lse: the
+            caller's options (flash-attn names).
+
+    Returns:
+        ``(options, return_lse)``: keyword arguments of :func:`popxl_flash.flash_attention` and
+        the checked ``return_lse``.
+    """
+    options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                   causal=check_bool("causal", causal),
+                   scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
+                   window=check_window(window_size, name="window_size"))
+    return_lse = check_bool("return_lse", return_lse)
+    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+    kv_shape = (Gk, dims.kv_len, dims.head_dim)
+    AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
+                                tuple(t.dtype.name for t in qkv), **options)
+    return options, return_lse
+
+
 def _check_shapes(q, k, v, layout):
     """Validate ranks and sizes of q, k, v in ``layout``.
 
@@ -134,15 +161,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     """
     check_tensors(q=q, k=k, v=v)
     dims = _check_shapes(q, k, v, layout)
-    options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                   causal=check_bool("causal", causal),
-                   scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
-                   window=check_window(window_size, name="window_size"))
-    return_lse = check_bool("return_lse", return_lse)
-    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
-    kv_shape = (Gk, dims.kv_len, dims.head_dim)
-    AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
-                                (q.dtype.name, k.dtype.name, v.dtype.name), **options)
+    options, return_lse = core_options(
+        dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse)
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
         out, lse = flash_attention(*groups, return_lse=True, **options)

@@ -26,9 +26,8 @@ Layouts::
     lse [Hq, total_q]                                     (flash-attn's varlen softmax_lse)
 """
 from popxl_flash.backend import popxl
-from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
-                                check_window)
-from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, check_kv_heads
+from popxl_flash.config import _check_int
+from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, check_kv_heads, core_options
 from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
 from popxl_flash.segments import varlen_segments
 
@@ -126,17 +125,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     max_q = _check_int("max_seqlen_q", max_seqlen_q, low=1)
     max_k = _check_int("max_seqlen_k", max_seqlen_k, low=1)
-    options = dict(
+    options, return_lse = core_options(
+        dims, (q, k, v),
         num_chunks_q=_auto_chunks(dims.q_len, max_q) if num_chunks_q is None else num_chunks_q,
         num_chunks_kv=(_auto_chunks(dims.kv_len, max_k) if num_chunks_kv is None
                        else num_chunks_kv),
-        causal=check_bool("causal", causal),
-        scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
-        window=check_window(window_size, name="window_size"))
-    return_lse = check_bool("return_lse", return_lse)
-    kv_shape = (dims.kv_heads, dims.kv_len, dims.head_dim)
-    AttentionConfig.from_shapes((dims.q_heads, dims.q_len, dims.head_dim), kv_shape, kv_shape,
-                                (q.dtype.name, k.dtype.name, v.dtype.name), **options)
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        return_lse=return_lse)
     with popxl.name_scope("flash_attn_varlen_func"):
         q_ids, q_pos = varlen_segments(cu_seqlens_q, dims.q_len)  # [1, total_q]
         kv_ids, kv_pos = varlen_segments(cu_seqlens_k, dims.kv_len)  # [1, total_k]
