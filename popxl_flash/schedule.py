@@ -189,7 +189,7 @@ class BlockSchedule:
         per_element = _FLOPS_PER_MAC * _FORWARD_MATMULS * _positive_int("head_dim", head_dim)
         per_element *= _positive_int("groups", groups)
         return FlopCount(
-            executed=per_element * self._visited_elements(),
+            executed=per_element * self.executed_elements,
             useful=per_element * self.visible_elements,
         )
 
@@ -214,7 +214,7 @@ class BlockSchedule:
             raise ValueError(f"mode={mode!r} is not supported; expected 'stash' or 'recompute'")
         per_element = _FLOPS_PER_MAC * _BACKWARD_MATMULS * _positive_int("head_dim", head_dim)
         per_element *= _positive_int("groups", groups)
-        executed = per_element * self._visited_elements()
+        executed = per_element * self.executed_elements
         if mode == "recompute":
             executed += self.forward_flops(head_dim, groups).executed
         return FlopCount(executed=executed, useful=per_element * self.visible_elements)
@@ -258,9 +258,6 @@ class BlockSchedule:
         tables = 16 * self.visited_blocks + self.patterns.nbytes
         flash = io_bytes + lse + accumulator + running_stats + block_scores + tables
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
-
-    def _visited_elements(self) -> int:
-        return self.executed_elements
 
     def block_list(self, order: str) -> "BlockList":
         """The visited blocks of one loop nest, in execution order (from the planner).
