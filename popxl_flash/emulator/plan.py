@@ -96,7 +96,6 @@ def _check_device_dtypes(g):
 
 def _build(g, plan_of, fp_checks, invariant_from=None):
     _check_device_dtypes(g)
-    _check_call_specs(g)
     for op in g._ops:
         if op.kind in COMPILE_CHECKS:
             COMPILE_CHECKS[op.kind](op)
@@ -123,36 +122,6 @@ def _build(g, plan_of, fp_checks, invariant_from=None):
     plan.n_ops = len(g._ops)
     plan.flops = sum(FLOPS[op.kind](op) for op in g._ops if op.kind in FLOPS)
     return plan
-
-
-def _check_call_specs(g):
-    for op in g._ops:
-        if op.kind == "repeat":
-            body = op.attrs["graph"]
-            for i, (o, x) in enumerate(zip(body.outputs, body.inputs)):
-                if (o.shape, o.dtype) != (x.shape, x.dtype):
-                    raise PopartError(f"repeat of {body.name}: output {i} {o.dtype.name}"
-                                      f"{list(o.shape)} does not match loop-carried input {i} "
-                                      f"{x.dtype.name}{list(x.shape)}")
-        elif op.kind == "conditional":
-            t, e = op.attrs["then"], op.attrs["else"]
-            _check_branch_has_ops(t, e)
-            for i, (a, b) in enumerate(zip(t.outputs, e.outputs)):
-                if (a.shape, a.dtype) != (b.shape, b.dtype):
-                    raise PopartError(f"conditional: else_branch output {i} {b.dtype.name}"
-                                      f"{list(b.shape)} does not match then_branch output "
-                                      f"{a.dtype.name}{list(a.shape)}")
-
-
-def _check_branch_has_ops(*branches):
-    """An op-less branch graph has no program fragments, and ``IfOpx`` calls the branch's
-    fragments directly (``willow/src/popx/op/ifx.cpp``, ``PopPrograms::scopeFragments`` in
-    ``willow/src/popx/popprograms.cpp``): lowering fails."""
-    for g in branches:
-        if not g._ops:
-            raise PopartError(f"There are no scope fragments for subgraph '{g.id}' (an "
-                              "ops.conditional branch needs at least one op; e.g. return "
-                              "ops.identity(x))")
 
 
 def _pinned(g, tensors, plan, slot):

@@ -256,7 +256,18 @@ def _run_repeat(rt, plan, args):
     return vals[:n]
 
 
+def _check_repeat(op):
+    """Compile-time check of a repeat: each carried output matches its input (LoopOp)."""
+    body = op.attrs["graph"]
+    for i, (o, x) in enumerate(zip(body.outputs, body.inputs)):
+        if (o.shape, o.dtype) != (x.shape, x.dtype):
+            raise PopartError(f"repeat of {body.name}: output {i} {o.dtype.name}"
+                              f"{list(o.shape)} does not match loop-carried input {i} "
+                              f"{x.dtype.name}{list(x.shape)}")
+
+
 register("repeat", _repeat_rule, _run_repeat, runtime=True)
+COMPILE_CHECKS["repeat"] = _check_repeat
 
 
 def _prepare_repeat(op, plan_of):
@@ -320,6 +331,20 @@ def _run_cond(rt, data, args):
 
 
 def _check_cond(op):
+    """Compile-time checks of a conditional (``Session()``)."""
+    then, other = op.attrs["then"], op.attrs["else"]
+    # An op-less branch graph has no program fragments, and IfOpx calls the branch's fragments
+    # directly (willow/src/popx/op/ifx.cpp, PopPrograms::scopeFragments in popprograms.cpp).
+    for g in (then, other):
+        if not g._ops:
+            raise PopartError(f"There are no scope fragments for subgraph '{g.id}' (an "
+                              "ops.conditional branch needs at least one op; e.g. return "
+                              "ops.identity(x))")
+    for i, (a, b) in enumerate(zip(then.outputs, other.outputs)):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise PopartError(f"conditional: else_branch output {i} {b.dtype.name}"
+                              f"{list(b.shape)} does not match then_branch output "
+                              f"{a.dtype.name}{list(a.shape)}")
     # IfOp::setup (willow/src/op/if.cpp) does not look at `cond`; IfOpx reshapes it to a scalar
     # for poplar::program::If (willow/src/popx/op/ifx.cpp): more than one element fails there,
     # and a non-bool predicate is not what PopXL documents: both refused at compile time.
