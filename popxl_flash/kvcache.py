@@ -71,10 +71,11 @@ MAX_DECODE_Q = 16
 PREFILL_CHUNK_Q = 64
 #: Cache fills the automatic choice averages its modelled time over.
 MODEL_FILLS = (0.1, 0.5, 1.0)
-#: Ops executed per decode step, fitted on the emulator (see ``tests/test_kvcache.py``):
-#: ``fixed + per_row * B + per_step * steps + per_executed * executed steps
-#: (+ combine with splits)``.
-OPS_DECODE = dict(fixed=60, per_row=4, per_step=14, per_executed=33, combine=30)
+#: Ops executed by one call, fitted on the emulator to this version's graphs (least squares
+#: over B in {1, 2, 4}, 4 to 16 steps, 1 split or 2, three fills: within 3%; held to the
+#: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
+#: + per_executed * executed steps (+ combine with splits)``.
+OPS_DECODE = dict(fixed=153, per_row=9, per_step=18, per_executed=22, combine=23)
 
 
 @dataclass(frozen=True)
@@ -234,10 +235,15 @@ def _balanced(length, target):
     return -(-length // count)
 
 
-def evaluate(dims, splits, chunk_kv, dtype="float16"):
+def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
-    FLOPs are exact for a step whose longest row holds ``fill x Lcache`` rows: the executed
+    Args:
+        dims: the call's :class:`Dims`; splits, chunk_kv: the structure; dtype: its name.
+        lengths: the longest row's ``cache_seqlens + Lnew`` at which to count (``None``: the
+            fills :data:`MODEL_FILLS` of the cache).
+
+    FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
     ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies are the loop's
     carried state and the step's operands per step (the forward's lowering model,
@@ -256,8 +262,9 @@ def evaluate(dims, splits, chunk_kv, dtype="float16"):
                            + 2 * (nq * cq * (D * item + 4)))
                       + Gk * 2 * chunk_kv * D * item)
     copied = steps * per_step_bytes
-    for fill in MODEL_FILLS:
-        rows = max(1, math.ceil(fill * Lc))
+    if lengths is None:
+        lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
+    for rows in lengths:
         executed = -(-rows // granule) * nq
         f = 4 * G * cq * chunk_kv * D * executed
         o = round(OPS_DECODE["fixed"] + OPS_DECODE["per_row"] * dims.batch
@@ -265,7 +272,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16"):
                   + (OPS_DECODE["combine"] if splits > 1 else 0))
         flops.append(f)
         op_counts.append(o)
-        seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(MODEL_FILLS)
+        seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(lengths)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
                            granule=granule, flops=tuple(flops), ops=tuple(op_counts),
                            bytes_copied=copied, seconds=seconds)
