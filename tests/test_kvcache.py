@@ -285,3 +285,42 @@ def test_k_without_v_and_dtype_mismatch():
         return pf.flash_attn_with_kvcache(q, c, c, cache_seqlens=0)
     with pytest.raises(TypeError, match="must share one dtype"):
         build_only(mixed)
+
+
+# -- optional PyTorch cross-check ---------------------------------------------------------------
+def _sdpa(q, k, v, n, causal, dtype):
+    """PyTorch SDPA of one batch row's ``q [Lq, Hq, D]`` over its valid prefix ``k, v [n, Hkv,
+    D]`` (explicit bottom-right causal mask; grouped-query via ``enable_gqa``)."""
+    import torch
+    tq, tk, tv = (torch.tensor(a.astype(np.float64)).to(dtype).transpose(0, 1)[None]
+                  for a in (q, k[:n], v[:n]))  # [1, H, L, D]
+    Lq = q.shape[0]
+    mask = None
+    if causal:
+        mask = torch.arange(n)[None, :] <= torch.arange(Lq)[:, None] + (n - Lq)
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                                           enable_gqa=True)
+    return out[0].transpose(0, 1).double().numpy()  # [Lq, Hq, D]
+
+
+@pytest.mark.parametrize("Lq,dtype,splits", [(1, "float16", None), (1, "float32", 3),
+                                             (4, "float16", 1)])
+def test_matches_pytorch_sdpa_on_valid_prefix(Lq, dtype, splits):
+    """Outputs and updated caches against PyTorch SDPA on each row's valid prefix (2x the
+    same-precision SDPA's error against float64 SDPA, plus the rule's floor)."""
+    torch = pytest.importorskip("torch")
+    Lc = 50
+    q, kc, vc, kn, vn, seqlens = make_case(7, 3, Lq, Lc, 4, 2, 16, dtype,
+                                           seqlens=[Lc - Lq, 13, 30])
+    out, _, kc2, vc2, _ = run_kvcache(q, kc, vc, kn, vn, seqlens, causal=True,
+                                      num_splits=splits)
+    k, v = expected_caches(kc, vc, kn, vn, seqlens)
+    np.testing.assert_array_equal(kc2, k)
+    np.testing.assert_array_equal(vc2, v)
+    low = torch.float16 if dtype == "float16" else torch.float32
+    for b in range(3):
+        n = int(seqlens[b]) + Lq
+        ref = _sdpa(q[b], k[b], v[b], n, True, torch.float64)
+        same = _sdpa(q[b], k[b], v[b], n, True, low)
+        assert_within_rule(f"out[{b}]", out[b], same, ref, factor=2, dtype=dtype,
+                           accum_steps=n + 16 + 64, magnitude=float(np.abs(v[b, :n]).max()))
