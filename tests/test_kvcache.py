@@ -324,3 +324,29 @@ def test_matches_pytorch_sdpa_on_valid_prefix(Lq, dtype, splits):
         same = _sdpa(q[b], k[b], v[b], n, True, low)
         assert_within_rule(f"out[{b}]", out[b], same, ref, factor=2, dtype=dtype,
                            accum_steps=n + 16 + 64, magnitude=float(np.abs(v[b, :n]).max()))
+
+
+def test_docstring_names_every_parameter():
+    import inspect
+    doc = inspect.getdoc(pf.flash_attn_with_kvcache)
+    params = inspect.signature(pf.flash_attn_with_kvcache).parameters
+    assert not [p for p in params if not re.search(rf"\b{p}\b", doc)]
+
+
+def test_benchmark_section_replaces_its_markers(tmp_path):
+    """benchmarks/kvcache.py on a small cache: counts per fill, the section replaced in place."""
+    from benchmarks import kvcache as bench
+    out = tmp_path / "bench.md"
+    out.write_text("# Title\n\nkept\n")
+    argv = ["--cache-len", "512", "--fills", "0.25,1", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--batch", "1", "--markdown", str(out)]
+    rows = bench.main(argv)
+    bench.main(argv)  # a second run replaces the section, it does not append another
+    text = out.read_text()
+    assert text.startswith("# Title\n\nkept\n") and text.count(bench.BEGIN) == 1
+    if pf.BACKEND == "emulator":
+        by = {(r["fill"], r["graph"].split(" (")[0]): r for r in rows}
+        naive = [r for r in rows if r["graph"] == "naive over the cache"]
+        assert naive[0]["matmul_flops"] == naive[1]["matmul_flops"]  # whatever the fill
+        auto = [r for k, r in by.items() if k[1] == "flash auto"]
+        assert auto[0]["matmul_flops"] < auto[1]["matmul_flops"]  # follows the fill
