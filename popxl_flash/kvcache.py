@@ -159,6 +159,10 @@ def _check_seqlens(cache_seqlens, dims):
             raise ValueError("cache_seqlens is required with new rows k, v (where to write "
                              "them); got cache_seqlens=None")
         return dims.cache_len
+    if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim:
+        raise TypeError(f"cache_seqlens must be an int32 [B={dims.batch}] popxl.Tensor or an "
+                        "int, got a numpy array (load it with ops.host_load, or make it a "
+                        "popxl.constant or variable)")
     if not isinstance(cache_seqlens, popxl.Tensor):
         return _check_int("cache_seqlens", cache_seqlens, low=0, high=high)
     check_tensors(cache_seqlens=cache_seqlens)
@@ -278,43 +282,45 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
                            bytes_copied=copied, seconds=seconds)
 
 
-def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, new_len=None,
-                  dtype="float16", num_splits=None, chunk_kv=None):
+def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
+                  num_splits=None, chunk_kv=None):
     """Compare one long kv loop against split-KV for a cache call and choose.
 
-    Candidates: chunks :data:`DECODE_CHUNKS` (balanced over the cache, capped at its length)
-    times splits :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split),
-    whose granule ``splits x chunk`` is at most :data:`MAX_GRANULE` rows (so a step's executed
-    work follows the fill within one granule). The least modelled time averaged over the fills
-    :data:`MODEL_FILLS` wins (ties: fewer splits, then the shorter chunk).
+    Candidates: chunks :data:`DECODE_CHUNKS` (balanced over each part, capped at its length)
+    times splits :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split).
+    Those whose granule ``splits x chunk`` is at most :data:`MAX_GRANULE` rows (a step's
+    executed work then follows the fill within one granule) are preferred; among them the least
+    modelled time averaged over the fills :data:`MODEL_FILLS` wins (ties: fewer splits, then
+    the shorter chunk).
 
     Args:
         batch, q_len, cache_len, q_heads, kv_heads, head_dim: the call's sizes.
-        new_len: ``Lnew`` (only for the figures' record; ``None``: ``q_len``).
         dtype: ``"float16"`` or ``"float32"``.
         num_splits, chunk_kv: fix that part of the structure (``None``: choose).
 
     Returns:
         :class:`DecodeChoice`.
     """
-    dims = Dims(batch, q_len, cache_len, q_len if new_len is None else new_len, q_heads,
-                kv_heads, head_dim)
-    split_options = (DECODE_SPLITS if q_len <= MAX_DECODE_Q else (1,)) \
-        if num_splits is None else (num_splits,)
+    dims = Dims(batch, q_len, cache_len, q_len, q_heads, kv_heads, head_dim)
+    if num_splits is not None:
+        split_options = (num_splits,)
+    else:
+        split_options = DECODE_SPLITS if q_len <= MAX_DECODE_Q else (1,)
     candidates = []
     for s in split_options:
         part = -(-cache_len // s)
         chunks = (chunk_kv,) if chunk_kv is not None else sorted(
             {_balanced(part, c) for c in DECODE_CHUNKS})
-        for c in chunks:
-            if num_splits is None and chunk_kv is None and s > 1 and s * c > MAX_GRANULE:
-                continue
-            candidates.append(evaluate(dims, s, c, dtype))
+        candidates.extend(evaluate(dims, s, c, dtype) for c in chunks)
     granular = [c for c in candidates if c.granule <= MAX_GRANULE] or candidates
     chosen = min(granular, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
-    reason = (f"least modelled time over fills {MODEL_FILLS} with granule <= {MAX_GRANULE} "
-              "rows" if len(granular) < len(candidates) or chosen.granule <= MAX_GRANULE
-              else "fixed by the caller")
+    fixed = [name for name, value in (("num_splits", num_splits), ("chunk", chunk_kv))
+             if value is not None]
+    reason = f"least modelled time over fills {MODEL_FILLS}"
+    if len(granular) < len(candidates) or chosen.granule <= MAX_GRANULE:
+        reason += f" with granule <= {MAX_GRANULE} rows"
+    if fixed:
+        reason += f"; {' and '.join(fixed)} fixed by the caller"
     return DecodeChoice(chosen=chosen, candidates=tuple(candidates), reason=reason)
 
 

@@ -247,6 +247,8 @@ BAD = [
      "cache_seqlens must have dtype int32 [B=2], got dtype float32"),
     (dict(seqlens=None), ValueError, "cache_seqlens is required with new rows"),
     (dict(seqlens=16), ValueError, "cache_seqlens must be in [0, 15], got cache_seqlens=16"),
+    (dict(seqlens=np.array([1, 2], np.int32)), TypeError,
+     "cache_seqlens must be an int32 [B=2] popxl.Tensor or an int, got a numpy array"),
     (dict(new=(2, 17, 2, 8)), ValueError, "k has Lnew=17 new rows, more than the cache holds "
                                           "(Lcache=16)"),
     (dict(new=(2, 1, 1, 8)), ValueError, "k must have shape [B=2, Lnew, Hkv=2, D=8]"),
