@@ -410,8 +410,8 @@ def _segments(lengths, dims, splits, chunk_kv, per_part):
     kv_valid = ops.greater(lengths.reshape((B, 1, 1, 1)), rows_c)  # [B, 1, S, P]
     zero = _i32(np.zeros((1, Hkv, 1, 1)))
     kv_ids = ops.where(kv_valid, zero, _i32(-1)).reshape((B * Hkv * splits, P))
-    kv_pos = _i32(np.broadcast_to(rows.reshape(1, 1, splits, P), (B, Hkv, splits, P))
-                  .reshape(B * Hkv * splits, P))
+    # broadcast on the device: no constant of the cache's row count per group
+    kv_pos = (rows_c + _i32(np.zeros((B, Hkv, 1, 1)))).reshape((B * Hkv * splits, P))
     q_offsets = _i32((np.arange(Lq) - Lq).reshape(1, 1, 1, 1, Lq))
     zeros_q = _i32(np.zeros((1, Hkv, splits, r, 1)))
     q_pos = (lengths.reshape((B, 1, 1, 1, 1)) + q_offsets + zeros_q).reshape(
