@@ -167,8 +167,9 @@ def test_caches_as_variables_are_updated_in_place():
 
 @settings(max_examples=25)
 @given(Lc=st.integers(1, 70), data=st.data(), Lq=st.integers(1, 5), splits=st.integers(1, 4),
-       causal=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_hypothesis_cache_lengths_and_chunks(Lc, data, Lq, splits, causal, seed):
+       causal=st.booleans(), window=st.sampled_from([(-1, -1), (3, -1), (2, 1), (0, 0)]),
+       seed=st.integers(0, 2 ** 16))
+def test_hypothesis_cache_lengths_and_chunks(Lc, data, Lq, splits, causal, window, seed):
     Lnew = data.draw(st.integers(0, min(Lq, Lc)), label="Lnew")
     seqlens = data.draw(st.lists(st.integers(0, Lc - Lnew), min_size=2, max_size=2),
                         label="seqlens")
@@ -177,7 +178,8 @@ def test_hypothesis_cache_lengths_and_chunks(Lc, data, Lq, splits, causal, seed)
     splits = min(splits, Lc)
     nkv = data.draw(st.integers(1, Lc), label="num_chunks_kv")
     case = make_case(seed, 2, Lq, Lc, 2, 1, 4, "float32", Lnew=Lnew, seqlens=seqlens)
-    check_case(case, "float32", causal=causal, num_splits=splits, num_chunks_kv=nkv)
+    check_case(case, "float32", causal=causal, window=window, num_splits=splits,
+               num_chunks_kv=nkv)
 
 
 # -- run-time skipping and the cost model ------------------------------------------------------
