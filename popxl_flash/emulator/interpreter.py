@@ -5,6 +5,7 @@ bytes copied at subgraph boundaries.
 """
 import numpy as np
 
+from .copies import KINDS
 from .plan import MULTI, PLAIN
 
 _ndarray, _asarray = np.ndarray, np.asarray
@@ -24,7 +25,13 @@ class Runtime:
         self.stores = dict.fromkeys(d2h, 0)
         self.live = self.peak = base_bytes
         self.ops = self.flops = self.copied = 0
+        self.copied_by_kind = dict.fromkeys(KINDS, 0)  # lowering copies by boundary kind
         self.iterations = 0  # repeat-body executions
+
+    def add_copies(self, kind, nbytes):
+        """Count ``nbytes`` of lowering copies of boundary ``kind`` (copies.KINDS)."""
+        self.copied += nbytes
+        self.copied_by_kind[kind] += nbytes
 
     def load(self, stream):
         """Returns: a copy of the stream's next buffer entry (wrapping)."""
