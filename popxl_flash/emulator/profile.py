@@ -33,6 +33,10 @@ class RunProfile:
             (once per repeat: initial values in, invariant inputs in and back, results out),
             ``"loop_control"`` (LoopOpx's iterator and condition copies); sums to
             ``bytes_copied``.
+        copy_sites: ``{(site, kind, bytes per execution): executions}``, ``site`` naming the
+            boundary and its graph (``"call G"``, ``"repeat G"`` per repeat and per
+            iteration, ``"branch G"`` for the taken branch G); executions times bytes summed
+            over the entries is ``bytes_copied``.
     """
 
     ops_executed: int = 0
@@ -44,6 +48,7 @@ class RunProfile:
     device_bytes: Optional[int] = None
     loop_iterations: int = 0
     bytes_copied_by_kind: dict = field(default_factory=dict)
+    copy_sites: dict = field(default_factory=dict)
 
     @property
     def fits_device(self):

@@ -168,7 +168,8 @@ class Session:
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
                                   time.perf_counter() - t0, rt.copied,
                                   self._device.memory_bytes, loop_iterations=rt.iterations,
-                                  bytes_copied_by_kind=dict(rt.copied_by_kind))
+                                  bytes_copied_by_kind=dict(rt.copied_by_kind),
+                                  copy_sites=dict(rt.copy_sites))
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers
