@@ -42,9 +42,11 @@ from .tensor import Constant, Variable
 
 #: Boundary kinds of ``RunProfile.bytes_copied_by_kind``.
 KINDS = ("call", "branch", "loop_carried", "loop_in_out", "loop_control")
-#: LoopOpx's own per-iteration copies: the int32 iterator, and the bool condition output
-#: (body output 0 of the wrapper) into its clone and back into its input.
+#: LoopOpx's own copies: per iteration the int32 iterator into the body, and the bool condition
+#: output (the wrapper's body output 0) into its clone and back into its input; once per repeat
+#: ``true`` into the condition's clone and ``false`` into the exit flag.
 ITERATOR_BYTES, COND_BYTES = 4, 1
+LOOP_CONTROL_ONCE, LOOP_CONTROL_STEP = 2 * COND_BYTES, ITERATOR_BYTES + 2 * COND_BYTES
 
 
 class Aliases:
@@ -271,7 +273,7 @@ class CopyModel:
         live, lp, n = self.live(graph), self.live(parent), len(graph._outputs)
         once = dict.fromkeys(("loop_in_out", "loop_control"), 0)
         step = dict.fromkeys(("loop_carried", "loop_control", "call"), 0)
-        once["loop_control"] = COND_BYTES  # tconst into the condition's clone
+        once["loop_control"] = LOOP_CONTROL_ONCE
         for i, s in enumerate(graph._inputs):
             read = live.is_read(s)
             if i < n:  # carried: initial value into the clone, clone back into the input
@@ -287,7 +289,7 @@ class CopyModel:
             step["loop_carried"] += o.nbytes  # body output into its clone, every iteration
             if lp.used_after(op.index, op.outputs[j]):
                 once["loop_in_out"] += o.nbytes  # clone into the op output, after the loop
-        step["loop_control"] = ITERATOR_BYTES + 2 * COND_BYTES
+        step["loop_control"] = LOOP_CONTROL_STEP
         step["call"] = self.inner_call_bytes(op)
         return once, step
 

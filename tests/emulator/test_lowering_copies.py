@@ -6,8 +6,9 @@ per rule, each figure computed by hand in the docstring. PopXL sets ``aliasZeroC
 !modified)``; ``LoopOpx`` copies carried values through clones every iteration; ``IfOpx``
 copies every input and output of the taken branch; constants are always live.
 
-Sizes: N = 64 float32 = 256 bytes (B). LoopOpx's own copies (``"loop_control"``): 1 byte once
-(condition clone), 6 bytes per iteration (int32 iterator, bool condition there and back).
+Sizes: N = 64 float32 = 256 bytes (B). LoopOpx's own copies (``"loop_control"``): 2 bytes once
+(true into the condition's clone, false into the exit flag), 6 bytes per iteration (int32
+iterator, bool condition into its clone and back).
 """
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ ops = popxl.ops
 f32, i32 = popxl.float32, popxl.int32
 N = 64
 B = 4 * N
-CONTROL_ONCE, CONTROL_STEP = 1, 6
+CONTROL_ONCE, CONTROL_STEP = 2, 6
 
 
 def _profile(ir):
@@ -170,8 +171,8 @@ def test_constants_are_always_live():
         g = ir.create_graph(lambda acc, k: acc * k + 1.0, c, x)
         return ops.repeat(g, 3, c, x)[0]
     # once: c into the clone B, the clone out B; per iteration (3): clone -> input B,
-    # output -> clone B; control 1 + 3 x 6.
-    assert _profile(_main(carried_const)).bytes_copied == 2 * B + 3 * 2 * B + 1 + 3 * 6
+    # output -> clone B; control 2 + 3 x 6.
+    assert _profile(_main(carried_const)).bytes_copied == 2 * B + 3 * 2 * B + 2 + 3 * 6
 
 
 @pytest.mark.parametrize("cond", [True, False])
@@ -223,12 +224,13 @@ def test_repeat_copies_carried_values_through_the_clones(count):
     assert prof.bytes_copied_by_kind == _kinds(loop_in_out=2 * B, loop_carried=count * 2 * B,
                                                loop_control=CONTROL_ONCE + count * CONTROL_STEP)
     assert prof.bytes_copied == sum(prof.bytes_copied_by_kind.values())
+    assert prof.bytes_copied == sum(b * n for (_, _, b), n in prof.copy_sites.items())
 
 
 def test_repeat_dead_carried_input_is_not_copied_back():
     """A body that never reads its carried input: the clone -> input copy is dead code; the
     output -> clone copy is not (no check). Once: B (the initial value in: the loop's output
-    is read) + B out; per iteration (4): B; control 1 + 4 x 6."""
+    is read) + B out; per iteration (4): B; control 2 + 4 x 6."""
     def body(ir, x):
         k = ops.init((N,), f32, init_type="zero")
         g = ir.create_graph(lambda acc, kk: kk * 2.0, x, k)
@@ -282,11 +284,11 @@ def test_repeat_by_ref_dynamic_update_read_by_nobody_else_copies_no_tensor(rows)
     call's copy back after each call: no liveness overlap, aliased at both levels: no copy of x
     at all, whatever its size. Left: the carried i (int32 [1], 4 bytes): once into its clone
     (4; the loop's output is never read: no copy out), every iteration (4) clone -> input 4 and
-    output -> clone 4; control 1 + 4 x 6. Total 4 + 4 x 8 + 1 + 24 = 61."""
+    output -> clone 4; control 2 + 4 x 6. Total 4 + 4 x 8 + 2 + 24 = 62."""
     prof = _dynamic_update_loop(rows, 4, concurrent_reader=False)
     assert prof.bytes_copied_by_kind == _kinds(loop_in_out=4, loop_carried=4 * 8,
                                                loop_control=CONTROL_ONCE + 4 * CONTROL_STEP)
-    assert prof.bytes_copied == 61
+    assert prof.bytes_copied == 62
 
 
 @pytest.mark.parametrize("rows", [4, 16])
@@ -294,12 +296,15 @@ def test_repeat_by_ref_with_a_concurrent_reader_is_copied_once_per_repeat(rows):
     """(b) The same with a view of x taken before the loop and read after it: x's storage is
     live while the loop runs, overlapping and modified, so LoopOpx copies x into the wrapper
     once and back once (2 x rows x B); inside, the wrapper's own x is re-produced by each
-    call's copy back: still aliased per iteration. 61 + 2 x rows x B."""
+    call's copy back: still aliased per iteration. 62 + 2 x rows x B."""
     prof = _dynamic_update_loop(rows, 4, concurrent_reader=True)
     assert prof.bytes_copied_by_kind == _kinds(loop_in_out=4 + 2 * rows * B,
                                                loop_carried=4 * 8,
                                                loop_control=CONTROL_ONCE + 4 * CONTROL_STEP)
-    assert prof.bytes_copied == 61 + 2 * rows * B
+    assert prof.bytes_copied == 62 + 2 * rows * B
+    # The wrapper's copy of x is live during the loop next to x: the peak holds x twice.
+    alone = _dynamic_update_loop(rows, 4, concurrent_reader=False)
+    assert prof.peak_live_bytes - alone.peak_live_bytes == rows * B
 
 
 def test_modified_by_ref_input_counts_in_the_peak_only_when_copied():
