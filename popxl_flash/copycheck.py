@@ -108,8 +108,9 @@ def model_rows(pass_, case=CASE):
     return rows, prof
 
 
-def print_model(pass_, case=CASE, out=sys.stdout):
-    """Print the emulator model's table of one pass."""
+def print_model(pass_, case=CASE, out=None):
+    """Print the emulator model's table of one pass (to ``out``, default stdout)."""
+    out = sys.stdout if out is None else out
     rows, prof = model_rows(pass_, case)
     blocks = max(prof.loop_iterations, 1)
     print(f"emulator model, {pass_} ({case.describe()}), {prof.loop_iterations} visited "
@@ -190,9 +191,10 @@ def _log_config(directory):
     return path
 
 
-def sdk_pass(pass_, device, out=sys.stdout):
+def sdk_pass(pass_, device, out=None):
     """Compile one pass in a child process with PopART's log on; print the tally, then the
     emulator model of the same graph (second child). Returns: the child's exit status."""
+    out = sys.stdout if out is None else out
     with tempfile.TemporaryDirectory() as tmp:
         log, sizes_path = os.path.join(tmp, "popart.log"), os.path.join(tmp, "sizes.json")
         env = dict(os.environ, POPART_LOG_CONFIG=_log_config(tmp), POPART_LOG_DEST=log,
@@ -223,8 +225,10 @@ def sdk_pass(pass_, device, out=sys.stdout):
     return model.returncode
 
 
-def run(device, out=sys.stdout):
-    """``selfcheck --copies``. Returns: exit status (0 unless a compile failed)."""
+def run(device, out=None):
+    """``selfcheck --copies``, printing to ``out`` (default stdout). Returns: exit status (0
+    unless a compile failed)."""
+    out = sys.stdout if out is None else out
     print(f"popxl_flash selfcheck --copies: backend {pf.BACKEND}, device {device}", file=out)
     if pf.BACKEND == "emulator":
         for pass_ in PASSES:

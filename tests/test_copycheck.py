@@ -73,3 +73,13 @@ def test_parse_log_classifies_popart_lowering_lines():
         ("loop_in_out", "aliased"): [1, 20],
         ("loop_carried", "copied"): [1, 8],
     }
+
+
+@emulator_only
+def test_child_entry_points(capsys):
+    """The SDK path's second child (``model PASS``) prints the model table; a bad call is a
+    usage error (exit 2)."""
+    assert copycheck.main(["model", "backward"]) == 0
+    assert "emulator model, backward" in capsys.readouterr().out
+    assert copycheck.main(["model", "sideways"]) == 2
+    assert "usage:" in capsys.readouterr().err
