@@ -176,11 +176,37 @@ class CopyModel:
         kind, parent, op = site
         by_ref = i in op.modifies
         if kind == "call":
-            return self.live(parent).live_across(op.index, op.inputs[i], by_ref)
+            return (self.live(parent).live_across(op.index, op.inputs[i], by_ref)
+                    or self._sibling_reader(parent, op, i, first=True))
         # The wrapper graph's input of a repeat: a carried one is dead after the wrapper's call
         # (the next iteration reads the clone); an invariant one is read again by the next
-        # iteration's call, unless the copy back re-produces it (by-ref).
-        return i >= len(op.attrs["graph"]._outputs) and not by_ref
+        # iteration's call, unless the copy back re-produces it (by-ref) -- and unless it shares
+        # storage, through the loop's aliases, with another invariant input the body reads.
+        if i < len(op.attrs["graph"]._outputs):
+            return False
+        if not by_ref:
+            return True
+        return self.loop_aliased(parent, op, i) and self._sibling_reader(parent, op, i,
+                                                                          loop=True)
+
+    def _sibling_reader(self, parent, op, i, first=False, loop=False):
+        """Whether another input of ``op`` shares input ``i``'s storage in ``parent``, is read
+        by the callee and not modified there (so AliasZeroCopy aliases it into the callee, where
+        it is live while the callee runs). ``first``: only one AliasZeroCopy processes before
+        input ``i`` (larger bytes, then larger index: its priority order), whose alias then
+        makes ``i``'s storage overlap the callee. ``loop``: the repeat's wrapper inputs, which
+        only a by-ref body input modifies."""
+        graph, lp = op.attrs["graph"], self.live(parent)
+        live, root = self.live(graph), lp.root(op.inputs[i])
+        key = (graph._inputs[i].nbytes, i)
+        for j, t in enumerate(op.inputs):
+            s = graph._inputs[j]
+            modified = j in op.modifies if loop else live.is_modified(s)
+            if j == i or lp.root(t) is not root or not live.is_read(s) or modified:
+                continue
+            if not first or (s.nbytes, j) > key:
+                return True
+        return False
 
     def _conflict(self, sites, i):
         """AliasZeroCopy's ``conflict``: call sites bind input ``i`` to different storage that is
@@ -217,7 +243,9 @@ class CopyModel:
         """Whether a repeat's invariant input ``i`` is aliased into the wrapper graph (one call
         site: no conflict; modified when the body takes it by reference)."""
         by_ref = i in op.modifies
-        return not (by_ref and self.live(parent).live_across(op.index, op.inputs[i], by_ref))
+        return not (by_ref and (self.live(parent).live_across(op.index, op.inputs[i], by_ref)
+                                or self._sibling_reader(parent, op, i, first=True,
+                                                        loop=True)))
 
     # -- bytes per execution ---------------------------------------------------------------
     def call_bytes(self, parent, op):
