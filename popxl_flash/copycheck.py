@@ -1,4 +1,4 @@
-"""``python -m popxl_flash.selfcheck --copies``: lowering copies, PopART's log vs the emulator model.
+"""``python -m popxl_flash.selfcheck --copies``: lowering copies, PopART's log vs the copy model.
 
 The emulator counts the copies Poplar's lowering makes at call, repeat and conditional
 boundaries with a model of PopART's rules (``popxl_flash/emulator/copies.py``). This check

@@ -19,7 +19,7 @@ from popxl_flash import popxl
 pytestmark = emulator_only
 
 ops = popxl.ops
-f32, i32 = popxl.float32, popxl.int32
+f32 = popxl.float32
 N = 64
 B = 4 * N
 CONTROL_ONCE, CONTROL_STEP = 2, 6
