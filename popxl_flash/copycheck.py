@@ -125,15 +125,16 @@ def print_model(pass_, case=CASE, out=None):
 
 
 # -- the SDK: PopART's log --------------------------------------------------------------------
-def parse_log(text, sizes):
-    """Tally PopART's lowering-copy log lines.
+def log_records(text, sizes):
+    """PopART's lowering-copy log lines, one record each.
 
     Args:
         text: the log. sizes: ``{tensor id: bytes}``.
     Returns:
-        ``{(kind, action): [lines, bytes]}`` with action ``copied``, ``aliased`` or ``skipped``.
+        list of ``(kind, action, source id, destination id, bytes)``, action ``copied``,
+        ``aliased`` or ``skipped``.
     """
-    tally = defaultdict(lambda: [0, 0])
+    records = []
     for line in text.splitlines():
         for pattern, kind in _LINES:
             m = re.search(pattern, line)
@@ -146,11 +147,40 @@ def parse_log(text, sizes):
                 src, dst, action = groups
             if kind is None:  # copy back of a modified input: CallOpx, or LoopOpx's wrapper
                 kind = "loop_in_out" if _WRAPPER in src and _WRAPPER not in dst else "call"
-            entry = tally[(kind, action)]
-            entry[0] += 1
-            entry[1] += sizes.get(src, sizes.get(dst, 0))
+            records.append((kind, action, src, dst, sizes.get(src, sizes.get(dst, 0))))
             break
+    return records
+
+
+def parse_log(text, sizes):
+    """Tally of :func:`log_records`: ``{(kind, action): [lines, bytes]}``."""
+    tally = defaultdict(lambda: [0, 0])
+    for kind, action, _, _, nbytes in log_records(text, sizes):
+        tally[(kind, action)][0] += 1
+        tally[(kind, action)][1] += nbytes
     return dict(tally)
+
+
+def model_per_execution(rows):
+    """``{kind: bytes}`` of the model's rows summed once per site (bytes per execution of each
+    boundary's program, as PopART's log describes them)."""
+    per_kind = defaultdict(int)
+    for _, kind, nbytes, _ in rows:
+        per_kind[kind] += nbytes
+    return dict(per_kind)
+
+
+def compare(tally, model, out):
+    """Print PopART's copied bytes per kind (from its log) next to the model's, per execution
+    of each boundary."""
+    print(f"  {'kind':13} {'PopART copied':>14} {'model':>12}  note", file=out)
+    notes = {"branch": "IfOpx logs nothing: always every input and output",
+             "loop_carried": "PopART logs only the clone -> input half (the model: both)",
+             "loop_control": "not logged (iterator and condition)"}
+    for kind in ("call", "loop_in_out", "loop_carried", "branch", "loop_control"):
+        logged = tally.get((kind, "copied"), [0, 0])[1]
+        print(f"  {kind:13} {logged:>14} {model.get(kind, 0):>12}  {notes.get(kind, '')}",
+              file=out)
 
 
 def _graph_sizes(ir):
@@ -192,8 +222,9 @@ def _log_config(directory):
 
 
 def sdk_pass(pass_, device, out=None):
-    """Compile one pass in a child process with PopART's log on; print the tally, then the
-    emulator model of the same graph (second child). Returns: the child's exit status."""
+    """Compile one pass in a child process with PopART's log on; print the tally, the copied
+    tensors, and PopART's copied bytes per kind next to the emulator model of the same graph
+    (second child), then the model's table. Returns: 0, or a child's exit status."""
     out = sys.stdout if out is None else out
     with tempfile.TemporaryDirectory() as tmp:
         log, sizes_path = os.path.join(tmp, "popart.log"), os.path.join(tmp, "sizes.json")
@@ -208,21 +239,31 @@ def sdk_pass(pass_, device, out=None):
             sizes = json.load(f)
         with open(log) as f:
             text = f.read()
+    records = log_records(text, sizes)
     tally = parse_log(text, sizes)
     aliases = sum("[AliasZeroCopy] PostIRAliases" in line for line in text.splitlines())
     print(f"PopART lowering, {pass_} ({CASE.describe()}) on {device}: each boundary is lowered "
-          "once; bytes per execution of its program", file=out)
+          f"once; {aliases} [AliasZeroCopy] PostIRAliases lines", file=out)
     print(f"  {'kind':13} {'action':8} {'lines':>6} {'bytes':>12}", file=out)
     for (kind, action), (n, nbytes) in sorted(tally.items()):
         print(f"  {kind:13} {action:8} {n:>6} {nbytes:>12}", file=out)
-    print(f"  [AliasZeroCopy] PostIRAliases lines: {aliases}. Not logged (from the rules): "
-          "IfOpx copies every input and output of the taken branch; LoopOpx copies every body "
-          "output into its clone each iteration.", file=out)
+    print("  copied:", file=out)
+    for kind, action, src, dst, nbytes in records:
+        if action == "copied":
+            print(f"    {kind:13} {src} -> {dst} ({nbytes} bytes)", file=out)
     env = dict(os.environ, POPXL_FLASH_BACKEND="emulator")
-    model = subprocess.run([sys.executable, "-m", "popxl_flash.copycheck", "model", pass_],
+    child = subprocess.run([sys.executable, "-m", "popxl_flash.copycheck", "model-json", pass_],
                            env=env, capture_output=True, text=True)
-    print(model.stdout.rstrip(), file=out)
-    return model.returncode
+    if child.returncode:
+        print(f"  emulator model failed: {child.stderr.strip()}", file=out)
+        return child.returncode
+    rows = [tuple(r) for r in json.loads(child.stdout)]
+    print("  bytes per execution of each boundary's program, PopART vs the model:", file=out)
+    compare(tally, model_per_execution(rows), out)
+    table = subprocess.run([sys.executable, "-m", "popxl_flash.copycheck", "model", pass_],
+                           env=env, capture_output=True, text=True)
+    print(table.stdout.rstrip(), file=out)
+    return table.returncode
 
 
 def run(device, out=None):
@@ -241,7 +282,8 @@ def run(device, out=None):
 
 
 def main(argv=None):
-    """Child entry points: ``compile PASS DEVICE SIZES_JSON`` (SDK), ``model PASS``."""
+    """Child entry points: ``compile PASS DEVICE SIZES_JSON`` (SDK), ``model PASS`` (table),
+    ``model-json PASS`` (the model's rows as JSON)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"] and len(argv) == 4 and argv[1] in PASSES:
         compile_child(argv[1], argv[2], argv[3])
@@ -249,9 +291,12 @@ def main(argv=None):
     if argv[:1] == ["model"] and len(argv) == 2 and argv[1] in PASSES:
         print_model(argv[1])
         return 0
+    if argv[:1] == ["model-json"] and len(argv) == 2 and argv[1] in PASSES:
+        print(json.dumps(model_rows(argv[1])[0]))
+        return 0
     print("usage: python -m popxl_flash.copycheck compile {forward,backward} DEVICE SIZES_JSON"
-          " | model {forward,backward}  (run by python -m popxl_flash.selfcheck --copies)",
-          file=sys.stderr)
+          " | model {forward,backward} | model-json {forward,backward}  (run by python -m "
+          "popxl_flash.selfcheck --copies)", file=sys.stderr)
     return 2
 
 

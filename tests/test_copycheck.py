@@ -83,3 +83,50 @@ def test_child_entry_points(capsys):
     assert "emulator model, backward" in capsys.readouterr().out
     assert copycheck.main(["model", "sideways"]) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@emulator_only
+def test_comparison_sums_the_model_once_per_site(capsys):
+    """The SDK path compares PopART's copied bytes per kind (one lowered program per boundary)
+    with the model's bytes per execution summed once per site: its JSON child gives the rows."""
+    assert copycheck.main(["model-json", "forward"]) == 0
+    rows = [tuple(r) for r in __import__("json").loads(capsys.readouterr().out)]
+    assert rows == [tuple(r) for r in copycheck.model_rows("forward")[0]]
+    per_kind = copycheck.model_per_execution(rows)
+    assert per_kind["loop_control"] == 2 + 6  # once, and per iteration: one site, two rows
+    buf = io.StringIO()
+    copycheck.compare({("call", "copied"): [2, 1000]}, per_kind, buf)
+    call_line = next(line for line in buf.getvalue().splitlines() if line.split()[0] == "call")
+    assert call_line.split()[1:3] == ["1000", str(per_kind.get("call", 0))]
+
+
+@emulator_only
+def test_sdk_path_with_a_stand_in_compile(monkeypatch):
+    """The SDK path's plumbing with the compile child replaced (no SDK here): PopART's log is
+    configured through POPART_LOG_CONFIG (opx at TRACE) and POPART_LOG_DEST, its lines are
+    tallied with the sizes the child wrote, and the model children run on the emulator."""
+    import json
+    real_run = subprocess.run
+    seen = {}
+
+    def fake_run(cmd, env=None, **kw):
+        if cmd[3] != "compile":
+            assert env["POPXL_FLASH_BACKEND"] == "emulator"
+            return real_run(cmd, env=env, **kw)
+        with open(env["POPART_LOG_CONFIG"]) as f:
+            seen["config"] = json.load(f)
+        with open(cmd[6], "w") as f:
+            json.dump({"x": 100, "body/x": 100}, f)
+        with open(env["POPART_LOG_DEST"], "w") as f:
+            f.write("T: [CallOpx] Copying input x->body/x\n")
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(copycheck.subprocess, "run", fake_run)
+    buf = io.StringIO()
+    assert copycheck.sdk_pass("forward", "ipu_model", out=buf) == 0
+    assert seen["config"]["opx"] == seen["config"]["popart:opx"] == "TRACE"
+    text = buf.getvalue()
+    assert "call          x -> body/x (100 bytes)" in text
+    call_line = next(line for line in text.splitlines() if line.split()[:1] == ["call"]
+                     and len(line.split()) >= 3 and line.split()[1] == "100")
+    assert call_line
+    assert "emulator model, forward" in text
