@@ -7,8 +7,11 @@ ir.py``). Lowering then copies at subgraph boundaries as follows (PopART sdk-rel
   modified (by-ref) input copied back, unless AliasZeroCopy aliased the parent tensor with the
   callee's input. ``AliasZeroCopy::checkSubgraphInputCompatible`` (``willow/src/
   aliaszerocopy.cpp``) aliases when ``!conflict && (!overlapping || !modified)``: the callee
-  does not modify the input, or the parent's storage is not live while the callee runs;
-  ``conflict``: another call site binds a different parent that is live at the same time.
+  does not modify the input, or the parent's storage is not live while the callee runs (it
+  is when a tensor of that storage is used before and after the call, or when another input
+  of the same call shares it and was aliased into the callee first: AliasZeroCopy takes a
+  graph's inputs by bytes, then index, largest first); ``conflict``: another call site binds
+  a different parent that is live at the same time.
   An output is copied unless ``checkSubgraphOutputCompatible`` aliases it (its liveness does
   not overlap the call output's). Copies of values nobody reads afterwards are dead code
   (``AliasZeroCopy::disableDeadCodeNodes``).
