@@ -96,19 +96,20 @@ def exp_diff(a, b):
 
 
 @contextlib.contextmanager
-def in_order():
-    """``popxl.in_sequence(True)`` for the ops created inside, restored on an exception too.
+def in_order(mode=True):
+    """``popxl.in_sequence(mode)`` for the ops created inside, restored on an exception too.
 
     PopXL's ``in_sequence`` sets a flag of the global context and resets it after its
     ``yield`` without ``try``/``finally``: an exception inside would leave every later op of the
-    program chained. Leaving it here always resumes PopXL's context manager normally. Only
-    ops that must keep their order go inside (the loops that update the state in place, then,
-    in a nested ``in_sequence(False)``, the ops that read the state after them).
+    program chained. Leaving this block always resumes PopXL's context manager normally. Only
+    ops that must keep their order go inside: the loops that update the state in place, then,
+    in a nested ``in_order(False)``, the ops that read the state after them (ordered after the
+    loops, free among themselves).
     """
-    context = popxl.in_sequence(True)
+    context = popxl.in_sequence(mode)
     context.__enter__()
     try:
-        yield
+        yield mode
     finally:
         context.__exit__(None, None, None)
 

@@ -66,5 +66,5 @@ class AttentionModule(popxl.Module):
         step_classes = loops.step_classes(classes)
         with blocks.in_order():
             loops.run(operands, state, seg, step_classes)
-            with popxl.in_sequence(False):
+            with blocks.in_order(False):
                 return finish(*state)
