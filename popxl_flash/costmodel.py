@@ -151,11 +151,14 @@ class ChunkChoice:
         chosen: the chosen :class:`Candidate`.
         candidates: all candidates, ascending chunk length.
         reason: why the chosen one won (str).
+        structures: the loop structures weighed at the chosen chunking
+            (:func:`structures`), the model's choice first.
     """
 
     chosen: Candidate
     candidates: tuple
     reason: str
+    structures: tuple = ()
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``)."""
@@ -172,8 +175,13 @@ class ChunkChoice:
                          f"{c.seconds * 1e3:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-        return "\n".join(lines + [f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} "
-                                  f"({self.reason})"])
+        lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason})")
+        for n, st in enumerate(self.structures):
+            lines.append(f"{'structure' if n == 0 else '  against'}: {st.name:<11} ops "
+                         f"{st.ops}  MiB copied {st.bytes_copied / 2**20:.1f}  flop ratio "
+                         f"{st.flop_ratio:.4f}  model ms {st.seconds * 1e3:.3f}"
+                         + ("" if st.eligible else "  (over the FLOP budget)"))
+        return "\n".join(lines)
 
 
 def _ops(weights, groups):
@@ -302,4 +310,141 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     else:
         chosen = min(candidates, key=lambda c: c.working_set_bytes)
         reason = "NOTHING FITS the usable tile memory: smallest working set"
-    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason)
+    weighed = structures(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, head_dim=head_dim,
+                         groups=groups, dtype=dtype, causal=causal, window=window,
+                         kv_groups=kv_groups)
+    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, structures=weighed)
+
+
+#: Ops per pass of the loop structure before issue 16 (one loop, carried state, conditionals
+#: nested by step kind), fitted on the emulator to those graphs:
+#: ``fixed + per_step * V + per_partial * partial + per_split * split + per_last * last``.
+OPS_DISPATCH_FORWARD = dict(fixed=13, per_step=30.7, per_partial=9.7, per_split=42.6,
+                            per_last=7.8)
+OPS_DISPATCH_BACKWARD = dict(fixed=6, per_step=39.4, per_partial=8.6, per_split=47.5,
+                             per_last=3.2)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The model's figures for one loop structure at one chunking (forward + stash backward).
+
+    Attributes:
+        name: ``"grouped"`` (built: one branch-free loop per step group, state in place),
+            ``"dispatch"`` (one loop, carried state, conditionals nested by step kind, the
+            structure before issue 16) or ``"branch-free"`` (one loop, every block whole under
+            a gathered mask, all visible for full blocks; no sub-blocks).
+        ops: ops executed, forward + backward.
+        bytes_copied: lowering copies under PopART's rules, forward + backward.
+        flops: executed matmul FLOPs, forward + backward.
+        flop_ratio: forward executed / useful FLOPs.
+        seconds: modelled time (:func:`_seconds` of each pass, summed).
+        eligible: ``flop_ratio`` within :data:`MAX_FLOP_RATIO`, or at most the built
+            structure's (the wasted-work policy of the chunk choice applies to structures too).
+    """
+
+    name: str
+    ops: int
+    bytes_copied: int
+    flops: int
+    flop_ratio: float
+    seconds: float
+    eligible: bool
+
+
+def _rank_keys(blist):
+    """Step kinds ``(kind, split, last)`` of a block list, most frequent first, and the
+    conditional nesting level each runs at (two kinds: one level; n kinds: the i-th at level
+    ``min(i + 1, n - 1)``)."""
+    keys = list(zip(blist.kind.tolist(), blist.split.tolist(), blist.last.tolist()))
+    counts = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts, key=lambda key: (-counts[key], key))
+    n = len(ranked)
+    level = {key: (0 if n == 1 else min(i + 1, n - 1)) for i, key in enumerate(ranked)}
+    return keys, level
+
+
+def _dispatch_copies(sched, G, Gk, D, item, backward):
+    """PopART-rule copies of the dispatch structure: per step, the carried values into
+    LoopOpx's clones and back, and the taken branch's inputs and outputs at every nesting level
+    (``IfOpx`` never aliases); the by-reference results are aliased (nothing else reads them
+    while the loop runs)."""
+    cq, ckv = sched.chunk_q, sched.chunk_kv
+    if backward:
+        carried = Gk * 2 * ckv * D * _F32 + COUNTER_BYTES  # dk_j, dv_j, t
+        inputs = (carried - COUNTER_BYTES + G * (cq * D * _F32 + 2 * cq * D * item
+                                                 + 2 * cq * _F32) + Gk * 2 * ckv * D * item)
+        outputs = carried - COUNTER_BYTES + G * cq * D * _F32 + Gk * 2 * ckv * D * _F32
+        blist = sched.block_list("kv_major")
+    else:
+        carried = G * (2 * cq + cq * D) * _F32 + COUNTER_BYTES  # m_i, l_i, acc, t
+        inputs = carried - COUNTER_BYTES + G * cq * D * item + Gk * 2 * ckv * D * item
+        outputs = carried - COUNTER_BYTES + G * (cq * D * item + cq * _F32)
+        blist = sched.block_list("q_major")
+    keys, level = _rank_keys(blist)
+    branch = sum(level[key] for key in keys) * (inputs + outputs)
+    return 2 * carried * len(keys) + branch
+
+
+def _dispatch_ops(weights, blist):
+    partial = int((blist.kind == _schedule.PARTIAL).sum())
+    split = int((blist.split != _schedule.WHOLE).sum())
+    return round(weights["fixed"] + weights["per_step"] * len(blist)
+                 + weights["per_partial"] * partial + weights["per_split"] * split
+                 + weights["per_last"] * int(blist.last.sum()))
+
+
+def structures(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
+               kv_groups=None):
+    """The model's estimate of the loop structures it weighs, for one chunking.
+
+    The library builds ``"grouped"``. A structure is eligible if it wastes no more matmul work
+    than the policy allows (:data:`MAX_FLOP_RATIO`, or the built structure's ratio when that is
+    higher); the least modelled time among the eligible ones is the model's choice. The test
+    suite holds the choice to ``"grouped"`` at the issue's sizes, so constants that made another
+    structure win would show. (With G = 2, D = 64 the branch-free body is ~1.5% faster on the
+    model: splitting a diagonal block saves FLOPs that cost less than its second step's ops;
+    it wastes 6.2% of the matmul work at 16 chunks, against 3.1% split.)
+
+    Args:
+        as :func:`evaluate`.
+
+    Returns:
+        A tuple of :class:`Structure`: eligible ones first, each part by modelled time.
+    """
+    sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
+    G, D, item = groups, head_dim, 2 if dtype == "float16" else 4
+    Gk = groups if kv_groups is None else kv_groups
+    flops = sched.forward_flops(D, G)
+    fwd, bwd = flops.executed, sched.backward_flops(D, G).executed
+    V = sched.visited_blocks
+    budget = max(MAX_FLOP_RATIO, flops.ratio)
+    useful = max(flops.useful, 1)
+    out = []
+    grouped = evaluate(Lq, Lkv, chunk_q, chunk_kv, head_dim=D, groups=G, dtype=dtype,
+                       causal=causal, window=window, kv_groups=kv_groups)
+    out.append(Structure("grouped", grouped.ops_forward + grouped.ops_backward,
+                         grouped.bytes_copied_forward + grouped.bytes_copied_backward,
+                         fwd + bwd, flops.ratio, grouped.seconds, True))
+    ops_f = _dispatch_ops(OPS_DISPATCH_FORWARD, sched.block_list("q_major"))
+    ops_b = _dispatch_ops(OPS_DISPATCH_BACKWARD, sched.block_list("kv_major"))
+    copied_f = _dispatch_copies(sched, G, Gk, D, item, backward=False)
+    copied_b = _dispatch_copies(sched, G, Gk, D, item, backward=True)
+    out.append(Structure("dispatch", ops_f + ops_b, copied_f + copied_b, fwd + bwd,
+                         flops.ratio, _seconds(fwd, ops_f, V, copied_f, dtype)
+                         + _seconds(bwd, ops_b, V, copied_b, dtype), True))
+    whole = V * chunk_q * chunk_kv * G * D * 2  # multiply-adds x 2 per matmul cell
+    flat_f, flat_b = 2 * whole, 5 * whole
+    weights_f, weights_b = OPS_FORWARD[dtype], OPS_BACKWARD[dtype]
+    ops_f = weights_f["fixed"] + weights_f["per_loop"] + V * (weights_f["per_step"]
+                                                              + weights_f["per_masked"])
+    ops_b = weights_b["fixed"] + weights_b["per_loop"] + V * (weights_b["per_step"]
+                                                              + weights_b["per_masked"])
+    copied = 2 * COUNTER_BYTES * (V + 1)
+    ratio = flat_f / useful if flops.useful else 1.0
+    out.append(Structure("branch-free", ops_f + ops_b, 2 * copied, flat_f + flat_b, ratio,
+                         _seconds(flat_f, ops_f, V, copied, dtype)
+                         + _seconds(flat_b, ops_b, V, copied, dtype), ratio <= budget))
+    return tuple(sorted(out, key=lambda s: (not s.eligible, s.seconds)))

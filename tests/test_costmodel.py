@@ -146,3 +146,21 @@ def test_ops_per_visited_block_targets():
     model = pf.explain(4096, 4096, head_dim=64, groups=2).chosen
     assert abs(model.ops_forward - forward) <= 0.002 * forward
     assert abs(model.ops_backward - backward) <= 0.002 * backward
+
+
+@pytest.mark.parametrize("L", [2048, 4096])
+def test_model_chooses_the_built_structure(L):
+    """At the issue's sizes (causal, G = 2, D = 64, float16, automatic chunks) the model's
+    choice among the loop structures is the one the library builds: grouped loops beat the
+    nested dispatch (fewer ops, and no branch or carried-state copies under PopART's rules);
+    the branch-free whole-block body would be slightly faster but wastes twice the matmul work
+    (over the FLOP budget)."""
+    choice = pf.explain(L, L, head_dim=64, groups=2)
+    best, *others = choice.structures
+    assert best.name == "grouped" and best.eligible
+    named = {s.name: s for s in others}
+    assert named["dispatch"].seconds > best.seconds and named["dispatch"].ops > best.ops
+    assert named["dispatch"].bytes_copied > 1000 * best.bytes_copied
+    flat = named["branch-free"]
+    assert not flat.eligible and flat.flop_ratio > costmodel.MAX_FLOP_RATIO >= best.flop_ratio
+    assert "structure: grouped" in choice.table()
