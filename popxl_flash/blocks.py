@@ -6,7 +6,7 @@ block's operands and its part of the running state, applies the pass's block upd
 writes the state back in place. The state tensors enter every loop by reference and nothing
 else reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy):
 a step copies only its loop counter. There is no conditional unless segment ids are given
-(then one level: skip the block, or run it under its runtime mask). Everything here is graph
+(then: skip the block, or run it; see :func:`_dispatch`). Everything here is graph
 code: it runs inside the graph context of the module being built and uses only the documented
 PopXL API.
 """
@@ -204,15 +204,45 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, t, *operands):
     return t + 1
 
 
-def _dispatch(spec, cfg, block_class, state_slices, operands, n_seg, visible):
-    """One conditional: the block runs masked unless its runtime class is ``RT_SKIP``. Each
-    branch receives only what it reads (the skip branch: the state slices)."""
+def _unmasked_step(spec, cfg, *inputs):
+    """Branch of a segment-id step whose block is visible throughout at run time (class
+    ``RT_FULL``) in a group without a static pattern: the unmasked update. Inputs: state
+    slices, operand slices."""
+    return spec.update(cfg, *inputs, visible=None)
+
+
+def _run_step(spec, cfg, n_seg, *inputs):
+    """Branch of a segment-id step of an unmasked group that runs: the unmasked update if the
+    block's runtime class is ``RT_FULL``, else the masked one. Inputs: state slices, operand
+    slices, segment operands, then the class."""
+    *inputs, block_class = inputs
     ir = popxl.gcg().ir
-    inputs = [*state_slices, *operands] + ([visible] if visible is not None else [])
-    run = ir.create_graph(_masked_step, spec, cfg, len(state_slices), n_seg,
-                          visible is not None, *[x.spec for x in inputs])
+    plain = inputs[:len(inputs) - n_seg]
+    full = ir.create_graph(_unmasked_step, spec, cfg, *[x.spec for x in plain])
+    n_state = len(spec.state_sides)
+    masked = ir.create_graph(_masked_step, spec, cfg, n_state, n_seg, False,
+                             *[x.spec for x in inputs])
+    is_full = ops.equal(block_class, popxl.constant(np.array([segments.RT_FULL], INDEX_DTYPE)))
+    return ops.conditional(is_full, full, masked, then_inputs=plain, else_inputs=inputs)
+
+
+def _dispatch(spec, cfg, block_class, state_slices, operands, n_seg, visible):
+    """The block runs unless its runtime class is ``RT_SKIP`` (one conditional; each branch
+    receives only what it reads: the skip branch the state slices). In a group without a
+    static pattern a running block then takes the unmasked update when its class is
+    ``RT_FULL`` (a second level, inside the run branch): the cost model prices that level's
+    copies (the block's rows) far below the ~12 mask ops it saves on every runtime-full block,
+    the common case of packed long sequences and of a decoding cache."""
+    ir = popxl.gcg().ir
     skip = ir.create_graph(_skipped_step, *[x.spec for x in state_slices])
     runs = ops.greater(block_class, popxl.constant(np.array([segments.RT_SKIP], INDEX_DTYPE)))
+    if visible is None:
+        inputs = [*state_slices, *operands, block_class]
+        run = ir.create_graph(_run_step, spec, cfg, n_seg, *[x.spec for x in inputs])
+    else:
+        inputs = [*state_slices, *operands, visible]
+        run = ir.create_graph(_masked_step, spec, cfg, len(state_slices), n_seg, True,
+                              *[x.spec for x in inputs])
     return ops.conditional(runs, run, skip, then_inputs=inputs, else_inputs=state_slices)
 
 
