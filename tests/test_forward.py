@@ -198,9 +198,8 @@ def test_peak_memory_far_below_naive(dtype):
 @emulator_only
 def test_graph_size_independent_of_length_and_chunks():
     """Loops, not unrolling: the IR's op count does not grow with L or the chunk counts. It
-    depends only on which branch graphs the block list needs (full/partial x whole/split x last
-    step or not, at most 6 of them, plus their dispatch): equal for the same structure, and
-    bounded whatever the shape."""
+    depends only on which step groups the pass holds (sub-block shape, masked or not: one loop
+    body each): equal for the same structure, and bounded whatever the shape."""
     from popxl_flash.emulator import count_ops
 
     def op_count(L, nq, nkv, **mask):
@@ -216,6 +215,38 @@ def test_graph_size_independent_of_length_and_chunks():
     assert len(window) == 1, window
     odd = [op_count(L, nq, nkv) for L, nq, nkv in [(40, 3, 3), (300, 7, 11), (999, 20, 17)]]
     assert max(odd) <= 2 * max(same | window), (odd, same, window)
+
+
+@emulator_only
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False, window=(20, 3)),
+                                  dict(causal=False)])
+def test_loop_bodies_are_branch_free_and_hold_their_tables_once(mask):
+    """Without segment ids no graph holds a conditional: one loop per step group, the state
+    updated in place. Each masked loop body holds its group's pattern table as its only bool
+    constant, with no pattern twice, and the forward's and the backward's bodies hold the same
+    patterns (their step orders differ)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 300, 8), np.float16))
+        out, lse = pf.flash_attention(q, q, q, num_chunks_q=5, num_chunks_kv=6,
+                                      return_lse=True, **mask)
+        pf.flash_attention_grad(q, q, q, q, out, lse, num_chunks_q=5, num_chunks_kv=6, **mask)
+    kinds = {op.kind for g in ir._graphs for op in g._ops}
+    assert "conditional" not in kinds and "repeat" in kinds
+    patterns = {"fwd": set(), "bwd": set()}
+    for caller in ir._graphs:
+        side = "bwd" if caller.name.startswith("FlashAttentionGrad") else "fwd"
+        for op in caller._ops:
+            if op.kind != "repeat":
+                continue
+            masks = [c for c in op.attrs["graph"].constants if c.dtype == popxl.bool]
+            assert len(masks) <= 1
+            for table in masks:
+                rows = {p.tobytes() for p in table._data}
+                assert len(rows) == len(table._data)  # deduplicated
+                patterns[side] |= {(table._data.shape[1:], r) for r in rows}
+    assert patterns["fwd"] == patterns["bwd"]
+    assert bool(patterns["fwd"]) == (mask["causal"] or "window" in mask)
 
 
 @emulator_only
