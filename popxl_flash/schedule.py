@@ -1,8 +1,9 @@
 """Static block schedule of a FlashAttention mask: the Python face of the compiled planner.
 
 Each pass iterates the flat list of visited blocks (forward q-major, backward kv-major), in
-one loop per group of same-shaped steps (:mod:`popxl_flash.steps`). For every block (q chunk ``i``, kv chunk ``j``) the schedule says whether to skip
-it, run it unmasked (full) or run it with one of a few deduplicated mask patterns (partial). It is computed on the host at
+one loop per group of same-shaped steps (:mod:`popxl_flash.steps`). For every block (q chunk
+``i``, kv chunk ``j``) the schedule says whether to skip it, run it unmasked (full) or run it
+with one of a few deduplicated mask patterns (partial). It is computed on the host at
 graph-build time by ``popxl_flash._planner`` (C++, ``cpp/planner.cpp``) and cached, so every layer
 of a transformer that asks for the same shape gets the same :class:`BlockSchedule` object.
 
