@@ -65,6 +65,8 @@ def called_graphs_grad_info(graph, grads_provided=None):
     """
     if not isinstance(graph, popxl.Graph):
         raise TypeError(f"graph must be a popxl.Graph, got {type(graph).__name__}")
+    if grads_provided is None:
+        _check_not_differentiated(graph)
     provided = list(graph.outputs if grads_provided is None else grads_provided)
     flash = {}
     _find_flash_graphs(graph, flash, set())
@@ -91,13 +93,35 @@ def autodiff(graph, **kwargs):
 
     Returns:
         What ``popxl.transforms.autodiff`` returns.
+
+    Raises:
+        ValueError: ``graph`` was already differentiated by this function (autodiff added the
+            activations its gradient graph reads as outputs of ``graph``; differentiate each
+            forward graph once and reuse the first result).
     """
+    _check_not_differentiated(graph)
+    n_outputs = len(graph.outputs)
     if kwargs.get("grads_required") is None:
         kwargs["grads_required"] = [t for t in graph.inputs if t.dtype.is_floating_point]
     given = dict(kwargs.pop("called_graphs_grad_info", None) or {})
     entries = called_graphs_grad_info(graph, kwargs.get("grads_provided"))
     entries.update(given)
-    return popxl.transforms.autodiff(graph, called_graphs_grad_info=entries, **kwargs)
+    result = popxl.transforms.autodiff(graph, called_graphs_grad_info=entries, **kwargs)
+    provenance.ir_record(graph.ir).differentiated[graph.id] = n_outputs
+    return result
+
+
+def _check_not_differentiated(graph):
+    """Refuse a graph :func:`autodiff` already differentiated (naming what autodiff did)."""
+    before = provenance.ir_record(graph.ir).differentiated.get(graph.id)
+    if before is not None:
+        raise ValueError(
+            f"graph {graph.id} was already differentiated by pf.autodiff: autodiff modifies the "
+            f"forward graph in place (its outputs went from {before} to {len(graph.outputs)}: "
+            "the activations the gradient graph reads, flash's out and lse among them, became "
+            "outputs), so differentiating it again would not give its gradient. Differentiate "
+            "each forward graph once and reuse the first result (its "
+            "inputs_dict(call_info) wires every call site)")
 
 
 def _find_flash_graphs(graph, found, seen):
@@ -149,12 +173,22 @@ def _check_no_lse_gradient(graph, loss_ids, seen):
                     f"a gradient flows into lse ({outs[_LSE_OUTPUT]}) of the flash_attention call "
                     f"of {callee.id} in {graph.id}: the flash backward takes no lse gradient, "
                     "so it would be dropped. Keep lse off the loss path (or use "
-                    "popxl.ops.detach), or leave the tensors it reaches out of grads_provided")
+                    "popxl.ops.detach), or leave the tensors it reaches out of grads_provided"
+                    + _differentiated_hint(graph, outs[_LSE_OUTPUT]))
             continue
         callee_outs = [t.id for t in callee.outputs]
         sub = {callee_outs[i] for i, t in enumerate(outs) if t in reach and i < len(callee_outs)}
         if sub:
             _check_no_lse_gradient(callee, sub, seen)
+
+
+def _differentiated_hint(graph, lse_id):
+    """A hint for an lse that is an output of ``graph``: autodiff may have made it one."""
+    if lse_id not in {t.id for t in graph.outputs}:
+        return ""
+    return (f". lse is an output of {graph.id}: if {graph.id} was already differentiated, "
+            "autodiff added it (with the other activations the gradient graph reads) as an "
+            "output; differentiate each forward graph once and reuse the first result")
 
 
 def _reaching(pb_ops, targets):

@@ -163,7 +163,8 @@ def test_doc_example_runs(code, request):
 
 
 PUBLIC_FUNCTIONS = [pf.flash_attention, pf.flash_attention_qkv_packed, pf.flash_attention_grad,
-                    pf.flash_attention_qkv_packed_grad, pf.flash_attn_func, pf.reference.attention,
+                    pf.flash_attention_qkv_packed_grad, pf.flash_attn_func,
+                    pf.flash_attn_func_grad, pf.reference.attention,
                     pf.reference.attention_grad, pf.plan, pf.called_graphs_grad_info,
                     pf.autodiff, pf.flash_attn_varlen_func, pf.reference.attention_varlen,
                     pf.reference.attention_varlen_grad, pf.reference.mask,
