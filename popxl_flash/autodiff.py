@@ -38,6 +38,7 @@ on both backends except for where ``_ir`` is imported from.
 from popxl_flash import provenance
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
+from popxl_flash.graphs import reachable_graphs
 
 if BACKEND == "popxl":  # pragma: no cover - SDK only
     import popart._internal.ir as _ir
@@ -74,7 +75,7 @@ def called_graphs_grad_info(graph, grads_provided=None):
     entries = {}
     for g in flash.values():
         entries[g] = _flash_grad_info(g)
-        for d in _descendants(g):
+        for d in reachable_graphs(g):
             entries.setdefault(d, _no_grad_info(d))
     return entries
 
@@ -134,19 +135,6 @@ def _find_flash_graphs(graph, found, seen):
         return
     for g in graph.called_graphs:
         _find_flash_graphs(g, found, seen)
-
-
-def _descendants(graph):
-    """All graphs reachable from ``graph`` through called graphs (``graph`` excluded)."""
-    out, stack, seen = [], list(graph.called_graphs), {graph.id}
-    while stack:
-        g = stack.pop()
-        if g.id in seen:
-            continue
-        seen.add(g.id)
-        out.append(g)
-        stack.extend(g.called_graphs)
-    return out
 
 
 def _check_no_lse_gradient(graph, loss_ids, seen):

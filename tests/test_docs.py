@@ -167,7 +167,7 @@ PUBLIC_FUNCTIONS = [pf.flash_attention, pf.flash_attention_qkv_packed, pf.flash_
                     pf.flash_attn_func_grad, pf.reference.attention,
                     pf.reference.attention_grad, pf.plan, pf.called_graphs_grad_info,
                     pf.autodiff, pf.flash_attn_varlen_func, pf.reference.attention_varlen,
-                    pf.reference.attention_varlen_grad, pf.reference.mask,
+                    pf.reference.attention_varlen_grad, pf.reference.mask, pf.reachable_graphs,
                     pf.reference.varlen_segments]
 
 
