@@ -168,6 +168,7 @@ PUBLIC_FUNCTIONS = [pf.flash_attention, pf.flash_attention_qkv_packed, pf.flash_
                     pf.reference.attention_grad, pf.plan, pf.called_graphs_grad_info,
                     pf.autodiff, pf.flash_attn_varlen_func, pf.reference.attention_varlen,
                     pf.reference.attention_varlen_grad, pf.reference.mask, pf.reachable_graphs,
+                    pf.reference.is_packing,
                     pf.reference.varlen_segments]
 
 
