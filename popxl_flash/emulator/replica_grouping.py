@@ -130,14 +130,15 @@ class ReplicaGrouping:
 
 def _const_assignment(n, stride, group_size):
     """Fill groups greedily: group k starts at the first unassigned replica and takes every
-    ``stride``-th replica, ``group_size`` of them."""
+    ``stride``-th replica, ``group_size`` of them (by list slice assignment, as PopXL does: a
+    combination that does not tile the replicas raises ``ValueError`` from the extended slice,
+    or leaves ``None`` entries for stride 1, as there)."""
     out = [None] * n
     start = 0
     for k in range(n // group_size):
         while out[start] is not None:
             start += 1
-        for j in range(group_size):
-            out[start + j * stride] = k
+        out[start:start + group_size * stride:stride] = [k] * group_size
     return out
 
 
