@@ -79,7 +79,7 @@ def attach(popxl):
         if parent in MODULES and leaf not in vars(MODULES[parent]):
             setattr(MODULES[parent], leaf, mod)
         elif parent == "popxl" and isinstance(vars(popxl).get(leaf), types.ModuleType):
-            setattr(popxl, leaf, mod)  # replaces the bare stub module of that name
+            setattr(popxl, leaf, mod)  # replaces the stub module (or emulator module) bound
 
 
 def _build_modules(popxl):
@@ -99,7 +99,10 @@ def _build_modules(popxl):
             "op_debug_context", "_execution_context", "Context")}},
         public=("get_source_location",))
     mods["popxl.tensor"] = popxl.tensor  # HostTensor, host_tensor_types: see popxl.py
-    mods["popxl.dtypes"] = dtypes
+    mods["popxl.dtypes"] = _module("popxl.dtypes", {
+        "dtype": dtypes.dtype, **dtypes.ALL, "half": dtypes.half, "float": dtypes.float,
+        "double": dtypes.double, "np_dtype_float8_143": dtypes._F8_143,
+        "np_dtype_float8_152": dtypes._F8_152})
     mods["popxl.errors"] = _module("popxl.errors", {"UndefinedValue": errors.UndefinedValue})
     mods["popxl.graph"] = _module("popxl.graph", {"Graph": popxl.Graph})
     mods["popxl.ir"] = _module("popxl.ir", {"Ir": popxl.Ir})
