@@ -74,7 +74,7 @@ class dtype:
             return found
         try:
             return _NP[np.dtype(type_value)]
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):  # numpy 2 raises ValueError for a tensor
             pass
         if hasattr(type_value, "dtype"):
             try:
