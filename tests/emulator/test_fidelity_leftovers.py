@@ -1,0 +1,69 @@
+"""Issue 17 item 9: the remaining differences from PopXL 3.4, each settled from its source
+(graphcore/popart sdk-release-3.4, ``python/popxl/python_files/``)."""
+import numpy as np
+import pytest
+
+import popxl_flash
+from popxl_flash import popxl
+
+if popxl_flash.BACKEND != "emulator":
+    pytest.skip("checks the emulator against PopXL's source", allow_module_level=True)
+
+
+# -- dtype class API (dtypes.py) ------------------------------------------------------------
+def test_dtype_cannot_be_constructed():
+    with pytest.raises(TypeError):
+        popxl.dtype()
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("float16", "float16"), (float, "float32"), (bool, "bool"), (int, "int64"),
+    (np.float64, "float64"), (np.dtype("int32"), "int32"), (np.zeros(2, np.uint8), "uint8"),
+    ("complex64", "complex64"), ("half", "float16")])
+def test_as_dtype(value, expected):
+    assert popxl.dtype.as_dtype(value) is popxl.dtype.from_name(expected)
+
+
+@pytest.mark.parametrize("value", ["floaty", object(), [1, 2]])
+def test_as_dtype_refuses_with_value_error(value):
+    """Nothing matches: not a name, Python type, numpy dtype or array (``"half"`` above is
+    found by ``np.dtype("half")``, not as a PopXL name)."""
+    with pytest.raises(ValueError):
+        popxl.dtype.as_dtype(value)
+
+
+def test_from_name_and_flags():
+    assert popxl.dtype.from_name("float32") is popxl.float32 is popxl.float
+    with pytest.raises(ValueError):
+        popxl.dtype.from_name("double")
+    assert popxl.complex64.is_complex and not popxl.complex64.is_floating_point
+    assert not popxl.float16.is_complex and popxl.float16.is_floating_point
+    assert popxl.uint32.is_int and not popxl.uint32.is_signed
+    assert repr(popxl.int8) == "popxl.dtypes.int8"
+
+
+def test_float8_numpy_type_is_the_structured_byte():
+    assert popxl.float8_143.as_numpy() == np.dtype([("float8_143", "u1")])
+    assert popxl.float8_152.as_numpy().itemsize == 1
+
+
+def test_as_torch():
+    torch = pytest.importorskip("torch")
+    assert popxl.float16.as_torch() is torch.float16
+    assert popxl.dtype.as_dtype(torch.int32) is popxl.int32
+    assert popxl.dtype.as_dtype(torch.zeros(1)) is popxl.float32
+    with pytest.raises(TypeError):
+        popxl.uint32.as_torch()
+
+
+# -- Ir equality (ir.py) -----------------------------------------------------------------------
+def test_ir_equality_with_a_non_ir_raises_type_error():
+    """PopXL's ``Ir.__eq__`` raises TypeError for any non-Ir, so ``ir == None`` raises; ``is``
+    and ``in`` on a list of Irs (which compares Irs only) work."""
+    ir = popxl.Ir()
+    with pytest.raises(TypeError):
+        ir == None  # noqa: E711, B015
+    with pytest.raises(TypeError):
+        ir != 1  # noqa: B015
+    assert ir == ir and not ir == popxl.Ir() and ir in [popxl.Ir(), ir]
+    assert {ir: 1}[ir] == 1 and repr(ir) == f"Ir[id={ir.id}]"
