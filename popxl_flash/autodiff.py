@@ -52,7 +52,8 @@ def called_graphs_grad_info(graph, grads_provided=None):
     """Gradient-graph entries for the flash attention graphs ``graph`` calls.
 
     Args:
-        graph: the graph you will differentiate (e.g. a transformer layer).
+        graph: the graph you will differentiate (e.g. a transformer layer): a ``popxl.Graph``
+            or a popxl-addons ``GraphWithNamedArgs`` (its ``.graph`` is used).
         grads_provided: the tensors whose gradients you will provide to autodiff (default:
             ``graph.outputs``, as autodiff's default); used to refuse a gradient through lse.
 
@@ -64,8 +65,7 @@ def called_graphs_grad_info(graph, grads_provided=None):
     Raises:
         ValueError: a gradient would flow into a flash call's ``lse``.
     """
-    if not isinstance(graph, popxl.Graph):
-        raise TypeError(f"graph must be a popxl.Graph, got {type(graph).__name__}")
+    graph = _as_graph(graph)
     if grads_provided is None:
         _check_not_differentiated(graph)
     provided = list(graph.outputs if grads_provided is None else grads_provided)
@@ -78,6 +78,17 @@ def called_graphs_grad_info(graph, grads_provided=None):
         for d in reachable_graphs(g):
             entries.setdefault(d, _no_grad_info(d))
     return entries
+
+
+def _as_graph(graph):
+    """A ``popxl.Graph``, or the ``.graph`` of a popxl-addons ``GraphWithNamedArgs``."""
+    inner = getattr(graph, "graph", None)
+    if not isinstance(graph, popxl.Graph) and isinstance(inner, popxl.Graph):
+        graph = inner
+    if not isinstance(graph, popxl.Graph):
+        raise TypeError(f"graph must be a popxl.Graph or a popxl-addons GraphWithNamedArgs, got "
+                        f"{type(graph).__name__}")
+    return graph
 
 
 def autodiff(graph, **kwargs):
