@@ -67,3 +67,46 @@ def test_ir_equality_with_a_non_ir_raises_type_error():
         ir != 1  # noqa: B015
     assert ir == ir and not ir == popxl.Ir() and ir in [popxl.Ir(), ir]
     assert {ir: 1}[ir] == 1 and repr(ir) == f"Ir[id={ir.id}]"
+
+
+# -- Tensor.strides (tensor.py -> willow/include/popart/tensorinfo.hpp TensorInfo::strides) -----
+@pytest.mark.parametrize("dtype,shape,arg,expected", [
+    (popxl.float32, (2, 3, 4), None, (48, 16, 4)), (popxl.float16, (5,), None, (2,)),
+    (popxl.int32, (), None, ()), (popxl.float32, (2, 3), (0,), (4,)),
+    (popxl.float16, (2, 3), [4, 0, 2], (0, 4, 2)), (popxl.bool, (3, 2), None, (2, 1))])
+def test_tensor_strides(dtype, shape, arg, expected):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(np.zeros(shape), dtype)
+    assert t.strides(arg) == expected
+    if arg is None and shape:
+        assert t.strides() == np.zeros(shape, dtype.as_numpy()).strides
+
+
+def test_tensor_strides_shape_must_be_ints():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(np.zeros(2, np.float32))
+    with pytest.raises(TypeError):
+        t.strides([1.5])
+
+
+# -- call-site index maps (ops/call.py CallSiteInfo) -----------------------------------------
+def test_call_site_index_maps_and_parent_to_graph():
+    """PopXL names the maps ``graph_to_parent_input_index`` etc. (a CallOp's indices coincide)
+    and ``parent_to_graph`` looks only at the call's inputs (ValueError for an output)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        g = ir.create_graph(lambda a, b: a * b, popxl.TensorSpec((2,), popxl.float32),
+                            popxl.TensorSpec((2,), popxl.float32))
+        x = popxl.constant(np.ones(2, np.float32))
+        y = popxl.constant(np.ones(2, np.float32))
+        info = popxl.ops.call_with_info(g, x, y)
+    for name in ("graph_to_parent_input_index", "parent_to_graph_input_index",
+                 "graph_to_parent_output_index", "parent_to_graph_output_index"):
+        assert getattr(info, name)(1) == 1
+    assert not hasattr(info, "subgraph_in_to_op_in_index")
+    assert info.parent_to_graph(y) is g.inputs[1]
+    assert info.graph_to_parent(g.outputs[0]) is info.outputs[0]
+    with pytest.raises(ValueError):
+        info.parent_to_graph(info.outputs[0])
