@@ -139,10 +139,24 @@ class SelfAttention(addons.Module):
         q = self._to_groups(self.q(x), self.heads)  # [B*H, L, D]
         k = self._to_groups(self.k(x), self.kv_heads)  # [B*Hkv, L, D]
         v = self._to_groups(self.v(x), self.kv_heads)
-        out = flash_attention(q, k, v, **self.options)  # [B*H, L, D]
-        register_flash_entries(self)
+        out = self.attend(q, k, v)  # [B*H, L, D]
         out = out.reshape((B, self.heads, L, self.head_dim)).transpose((0, 2, 1, 3))
         return self.o(out.reshape((B, L, self.heads * self.head_dim)))
+
+    def attend(self, q, k, v):
+        """The attention between the projections (override it to compare another attention
+        on the same layer and weight names).
+
+        Args:
+            q: ``[B * heads, L, D]``; k, v: ``[B * kv_heads, L, D]``.
+
+        Returns:
+            ``[B * heads, L, D]``: :func:`popxl_flash.flash_attention` with this layer's
+            options, its gradient entries registered in ``called_graphs_grad_info``.
+        """
+        out = flash_attention(q, k, v, **self.options)
+        register_flash_entries(self)
+        return out
 
     def _to_groups(self, t, heads):
         """``[B, L, heads * D]`` -> ``[B * heads, L, D]`` (batch-major)."""
