@@ -143,6 +143,10 @@ def _build_modules(popxl):
         "DeviceType": popart.DeviceType, "DeviceInfo": popart.DeviceInfo,
         "SessionOptions": popart.SessionOptions}, public=("PyWeightsIO", "getLogger"),
         doc="The emulator's ``popart`` (install()): the names PopXL code uses next to popxl.")
-    mods["popart._internal"] = _module("popart._internal", {"ir": _internal_ir})
-    mods["popart._internal.ir"] = _internal_ir
+    pb_ir = _module("popart._internal.ir", {n: getattr(_internal_ir, n) for n in (
+        "ExpectedConnection", "ExpectedConnectionType", "BwdGraphInfo", "Graph", "Ir", "Op",
+        "Tensor", "TensorInfo", "GraphId", "TopoCons", "op", "view", "patterns",
+        "ExecutionContext")}, doc=_internal_ir.__doc__)
+    mods["popart._internal"] = _module("popart._internal", {"ir": pb_ir})
+    mods["popart._internal.ir"] = pb_ir
     return mods

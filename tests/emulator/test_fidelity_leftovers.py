@@ -110,3 +110,47 @@ def test_call_site_index_maps_and_parent_to_graph():
     assert info.graph_to_parent(g.outputs[0]) is info.outputs[0]
     with pytest.raises(ValueError):
         info.parent_to_graph(info.outputs[0])
+
+
+# -- zero-size operands ------------------------------------------------------------------------
+def _run_one(shape, fn):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros(shape, np.float32))
+        y = fn(x)
+        s = popxl.d2h_stream(y.shape, y.dtype)
+        popxl.ops.host_store(s, y)
+    with popxl.Session(ir) as sess:
+        return sess.run()[s]
+
+
+@pytest.mark.parametrize("shape,axis", [((0, 3), 0), ((0, 3), 1), ((3, 0), 1), ((3, 0), 0)])
+def test_softmax_of_an_empty_tensor_is_empty(shape, axis):
+    """Nothing to normalise: an empty result of the input's shape (no numpy error)."""
+    assert _run_one(shape, lambda x: popxl.ops.softmax(x, axis)).shape == shape
+
+
+@pytest.mark.parametrize("kind,expected", [("sum", 0.0), ("prod", 1.0)])
+def test_sum_and_prod_over_zero_elements_give_the_identity(kind, expected):
+    out = _run_one((0, 3), lambda x: getattr(popxl.ops, kind)(x, [0]))
+    np.testing.assert_array_equal(out, np.full(3, expected, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["max", "min", "mean"])
+def test_max_min_mean_over_zero_elements_are_refused_at_session(kind):
+    """PopART lowers these to PopLibs' reduce with no empty special case: unspecified by its
+    source, so the emulator refuses when the Session compiles (an empty output still runs)."""
+    from popxl_flash.emulator import PopartError
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros((0, 3), np.float32))
+        getattr(popxl.ops, kind)(x, [0])
+    with pytest.raises(PopartError):
+        popxl.Session(ir)
+    assert _run_one((0, 3), lambda x: getattr(popxl.ops, kind)(x, [1])).shape == (0,)
+
+
+def test_zero_size_elementwise_and_matmul_run():
+    assert _run_one((0, 3), lambda x: x + x).shape == (0, 3)
+    out = _run_one((0, 3), lambda x: x @ popxl.constant(np.ones((3, 2), np.float32)))
+    assert out.shape == (0, 2)
