@@ -6,10 +6,14 @@ weights on naive attention (``--attention naive``) against a float64 reference, 
 differences of a NumPy float64 twin of the loss. Tiny sizes keep the reference cheap.
 """
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+if not os.environ.get("POPXL_ADDONS_PATH", "").strip():
+    pytest.skip("set POPXL_ADDONS_PATH to a popxl-addons checkout", allow_module_level=True)
 
 from attention_utils import assert_within_rule
 from popxl_flash.config import AttentionConfig
