@@ -10,6 +10,8 @@ from popxl_flash import costmodel
 from popxl_flash.config import AttentionConfig, explain
 from popxl_flash.flash_attn_interface import flash_attn_func, flash_attn_func_grad
 from popxl_flash.forward import FlashAttention
+from popxl_flash import kvcache
+from popxl_flash.kvcache import flash_attn_with_kvcache
 from popxl_flash.fpchecks import enable_floating_point_checks
 from popxl_flash.graphs import reachable_graphs
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
@@ -24,6 +26,6 @@ __all__ = [
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
     "flash_attn_func_grad",
     "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",
-    "flash_attn_varlen_func", "reachable_graphs",
+    "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache", "reachable_graphs",
 ]
 __version__ = "0.1.0"
