@@ -144,11 +144,29 @@ def check_varlen(ns):
     assert (out[:, cu[-1]:] == 0).all() and (ref[:, cu[-1]:] == 0).all()
 
 
+def check_kvcache_decode(ns):
+    """kv-cache decode step: one row appended per batch row (cache_seqlens + 1, k written at row
+    cache_seqlens[b]); out of batch row b is attention of its query over the cache rows
+    ``[0, cache_seqlens[b]]`` (zeros, then the new row), grouped-query, under the 2x rule."""
+    B, Hq, Hkv, D = (ns[n] for n in ("B", "Hq", "Hkv", "D"))
+    lens0 = np.array([10, 37])
+    np.testing.assert_array_equal(ns["lens_after"], lens0 + 1)
+    q, k, v = (ns["data"][s] for s in ns["streams"])  # [B, 1, H, D]
+    for b in range(B):
+        np.testing.assert_array_equal(ns["k_after"][b, lens0[b]], k[b, 0])
+        kb, vb = (np.concatenate([np.zeros((lens0[b], Hkv, D), np.float16), x[b]])
+                  .transpose(1, 0, 2) for x in (k, v))  # [Hkv, len + 1, D]
+        qb = q[b].transpose(1, 0, 2)  # [Hq, 1, D]
+        n = lens0[b] + 1
+        _forward_rule("out", ns["result"][b].transpose(1, 0, 2), qb, kb, vb,
+                      chunks=(1, n), causal=True)
+
+
 #: What each runnable example computes, checked after it ran (by example id, in file order).
 CHECKS = {"README.md-0": check_usage, "user-guide.md-0": check_flash_attn_func,
           "user-guide.md-1": check_complete, "user-guide.md-2": check_training_loop,
           "user-guide.md-3": check_by_hand_step, "user-guide.md-4": check_explain,
-          "user-guide.md-5": check_varlen}
+          "user-guide.md-5": check_varlen, "user-guide.md-6": check_kvcache_decode}
 
 
 def test_every_runnable_example_has_a_check():
