@@ -115,8 +115,8 @@ def _build_modules(popxl):
         "Stream": ir.Stream, "HostToDeviceStream": popxl.HostToDeviceStream,
         "DeviceToHostStream": popxl.DeviceToHostStream, "h2d_stream": popxl.h2d_stream,
         "d2h_stream": popxl.d2h_stream})
-    mods["popxl.utils"] = _module("popxl.utils", {"to_numpy": utils.to_numpy},
-                                  public=("table_to_string",))
+    mods["popxl.utils"] = _module("popxl.utils", {"to_numpy": utils.to_numpy,
+                                                  "table_to_string": utils.table_to_string})
     mods["popxl.transforms.autodiff"] = _module("popxl.transforms.autodiff", {
         n: getattr(transforms, n) for n in ("autodiff", "GradGraphInfo", "ExpectedConnection",
                                             "ExpectedConnectionType")})
