@@ -160,9 +160,8 @@ def test_zero_size_elementwise_and_matmul_run():
 def test_table_to_string_matches_the_docstring_example():
     rows = [["num", "foo", "name"], [3, "aaab", "args"], [4, "barrrr", "kwargs"],
             [3, "me", "inspect"], [-1, "who", "popxl"]]
-    expected = ("num | foo    | name   \n"
-                + "-" * 23 + "\n"  # the header line's length, its newline included
-                
+    underline = "-" * 23 + "\n"  # as long as the header line, its newline included
+    expected = ("num | foo    | name   \n" + underline +
                 "3   | aaab   | args   \n"
                 "4   | barrrr | kwargs \n"
                 "3   | me     | inspect\n"
