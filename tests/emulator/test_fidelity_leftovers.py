@@ -154,3 +154,43 @@ def test_zero_size_elementwise_and_matmul_run():
     assert _run_one((0, 3), lambda x: x + x).shape == (0, 3)
     out = _run_one((0, 3), lambda x: x @ popxl.constant(np.ones((3, 2), np.float32)))
     assert out.shape == (0, 2)
+
+
+# -- popxl.utils (utils.py) --------------------------------------------------------------------
+def test_table_to_string_matches_the_docstring_example():
+    rows = [["num", "foo", "name"], [3, "aaab", "args"], [4, "barrrr", "kwargs"],
+            [3, "me", "inspect"], [-1, "who", "popxl"]]
+    underline = "-" * 23 + "\n"  # as long as the header line, its newline included
+    expected = ("num | foo    | name   \n" + underline +
+                "3   | aaab   | args   \n"
+                "4   | barrrr | kwargs \n"
+                "3   | me     | inspect\n"
+                "-1  | who    | popxl  \n")
+    assert popxl.utils.table_to_string(rows) == expected
+    assert popxl.utils.table_to_string(rows[:1], header=True) == "num | foo | name\n"
+
+
+@pytest.mark.parametrize("data,kwargs,dtype", [
+    ([1.0, 2.0], {}, np.float32), ([1, 2], {}, np.int32), ([1, 2], {"downcast": False}, np.int64),
+    (np.arange(3, dtype=np.float64), {"dtype": None}, np.float32),
+    ([1, 2], {"dtype": "f16"}, np.float16), (True, {}, np.bool_)])
+def test_to_numpy(data, kwargs, dtype):
+    if kwargs.get("dtype") == "f16":
+        kwargs = {"dtype": popxl.float16}
+    out = popxl.utils.to_numpy(data, **kwargs)
+    assert out.dtype == dtype and out.flags.c_contiguous
+
+
+def test_to_numpy_copy_and_memmap_rules(tmp_path):
+    a = np.ones(3, np.float32)
+    assert popxl.utils.to_numpy(a, copy=False) is a
+    assert popxl.utils.to_numpy(a) is not a
+    m = np.memmap(tmp_path / "m", np.float32, "w+", shape=(3,))
+    assert popxl.utils.to_numpy(m, copy=False) is m
+    with pytest.raises(ValueError):
+        popxl.utils.to_numpy(m, popxl.float16)
+    m64 = np.memmap(tmp_path / "d", np.float64, "w+", shape=(3,))
+    with pytest.raises(ValueError):
+        popxl.utils.to_numpy(m64)
+    with pytest.raises(RuntimeError):
+        popxl.utils.to_numpy(a, log2_scale=1)

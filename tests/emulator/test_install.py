@@ -49,6 +49,9 @@ def test_install_makes_popxl_and_popart_the_emulator():
         assert popxl.ops.add.__name__ == "add"          # attribute: the op, as in PopXL
         from popxl.ops.add import add_                   # module: its names
         assert add_ is popxl.ops.add_
+        from popxl.ops.var_updates.accumulate import accumulate_
+        assert accumulate_ is popxl.ops.var_updates.accumulate_
+        from popxl.transforms.merge_exchange import merge_exchange  # a stub, importable
         print("ok")
     """)
     assert out.strip() == "ok"
