@@ -5,10 +5,10 @@
 
 Runs the library's forward and stash-mode backward (the benchmark's graphs,
 :mod:`benchmarks.graphs`) on the emulator with ``num_chunks = L / chunk_rows`` and prints
-``profile.bytes_copied`` and ``profile.bytes_copied_by_kind`` divided by the visited blocks
-(the repeat's iterations). The copy model is the emulator's (``popxl_flash/emulator/
-copies.py``); on a Graphcore machine ``python -m popxl_flash.selfcheck --copies`` reads what
-PopART actually aliased and copied.
+``profile.bytes_copied`` and ``profile.bytes_copied_by_kind`` in bytes per visited block (the
+schedule's; the loops run one step per block and two per split block: ``iters``). The copy
+model is the emulator's (``popxl_flash/emulator/copies.py``); on a Graphcore machine
+``python -m popxl_flash.selfcheck --copies`` reads what PopART actually aliased and copied.
 """
 import argparse
 import sys
@@ -20,12 +20,14 @@ from popxl_flash.harness import run_graph
 
 
 def per_block(case):
-    """Returns: ``(visited blocks, bytes copied per block, {kind: bytes per block})``."""
+    """Returns: ``(visited blocks, bytes copied per block, {kind: bytes per block},
+    loop iterations)``. The divisor is the schedule's visited blocks, not the loop iterations:
+    a split block runs as two steps, and its copies are the block's."""
     run = run_graph(flash_graph(case), host_inputs(case))
     prof = run.profile
-    blocks = prof.loop_iterations
+    blocks = case.config().schedule.visited_blocks
     kinds = {k: v / blocks for k, v in prof.bytes_copied_by_kind.items()}
-    return blocks, prof.bytes_copied / blocks, kinds
+    return blocks, prof.bytes_copied / blocks, kinds, prof.loop_iterations
 
 
 def main(argv=None):
@@ -48,13 +50,13 @@ def main(argv=None):
         n = L // args.chunk_rows
         for pass_ in ("fwd", "bwd"):
             case = Case(pass_, L, args.head_dim, args.groups, args.dtype, args.mask[0], (n, n))
-            blocks, total, by_kind = per_block(case)
+            blocks, total, by_kind, iters = per_block(case)
             if kinds is None:
                 kinds = list(by_kind)
-                print(f"{'pass':4} {'L':>5} {'blocks':>6} {'KiB/block':>10} "
+                print(f"{'pass':4} {'L':>5} {'blocks':>6} {'iters':>6} {'B/block':>10} "
                       + " ".join(f"{k:>12}" for k in kinds))
-            print(f"{pass_:4} {L:>5} {blocks:>6} {total / 1024:>10.1f} "
-                  + " ".join(f"{by_kind[k] / 1024:>12.1f}" for k in kinds))
+            print(f"{pass_:4} {L:>5} {blocks:>6} {iters:>6} {total:>10.1f} "
+                  + " ".join(f"{by_kind[k]:>12.1f}" for k in kinds))
     return 0
 
 

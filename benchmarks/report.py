@@ -134,7 +134,7 @@ CASE_COLUMNS = [
     ("D", "head dimension", lambda r: str(r["case"]["head_dim"])),
     ("G", "groups = batch x heads", lambda r: str(r["case"]["groups"])),
     ("chunks", "q x kv chunk counts used (auto: the cost model's choice)", _chunks),
-    ("blocks", "visited blocks (loop iterations per pass: one per block, two per split block)",
+    ("blocks", "visited blocks (the loops run one step per block, two per split block: iters)",
      lambda r: _fmt(r["planner"].get("visited_blocks"), "d")),
     ("exec GFLOP", "matmul FLOPs flash executes (every visited block, whole)",
      lambda r: _fmt(r["planner"]["executed_flops"] / 1e9, ".4g")),
@@ -195,10 +195,9 @@ SDK_COLUMNS = [
 
 
 BYTES_COPIED_COLUMNS = [
-    ("KiB copied/block", "bytes copied at call/conditional/repeat boundaries (emulator "
-     "profile's bytes_copied) per visited block",
-     lambda r: _fmt(_per_block(r, "bytes_copied") and _per_block(r, "bytes_copied") / 1024,
-                    ".1f")),
+    ("B copied/block", "bytes copied at call/conditional/repeat boundaries (emulator "
+     "profile's bytes_copied, PopART's lowering rules) per visited block",
+     lambda r: _fmt(_per_block(r, "bytes_copied"), ".1f")),
 ]
 
 

@@ -55,6 +55,11 @@ class CopyCase:
         n = self.L // self.chunk
         return dict(num_chunks_q=n, num_chunks_kv=n, causal=self.causal)
 
+    def schedule(self):
+        """The pass's :class:`~popxl_flash.schedule.BlockSchedule`."""
+        n = self.L // self.chunk
+        return pf.plan(self.L, self.L, -(-self.L // n), -(-self.L // n), causal=self.causal)
+
     def describe(self):
         n = self.L // self.chunk
         return (f"G={self.G} L={self.L} D={self.D} {self.dtype} "
@@ -112,9 +117,9 @@ def print_model(pass_, case=CASE, out=None):
     """Print the emulator model's table of one pass (to ``out``, default stdout)."""
     out = sys.stdout if out is None else out
     rows, prof = model_rows(pass_, case)
-    blocks = max(prof.loop_iterations, 1)
-    print(f"emulator model, {pass_} ({case.describe()}), {prof.loop_iterations} visited "
-          "blocks:", file=out)
+    blocks = max(case.schedule().visited_blocks, 1)
+    print(f"emulator model, {pass_} ({case.describe()}), {blocks} visited blocks in "
+          f"{prof.loop_iterations} loop steps:", file=out)
     print(f"  {'boundary':44} {'kind':13} {'bytes/exec':>11} {'count':>7} {'total':>12}",
           file=out)
     for site, kind, nbytes, n in rows:

@@ -5,21 +5,26 @@ import pytest
 import popxl_flash as pf
 from benchmarks import copies
 from benchmarks.graphs import Case
+from popxl_flash import steps
 
 pytestmark = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator run profile")
 
 
 def test_per_block_figures_are_the_profile_over_the_visited_blocks():
+    """Causal 2 x 2 chunks: 3 visited blocks, the two diagonal ones split into two steps each
+    (5 loop iterations). The figures are per visited block (the schedule's), not per step."""
     case = Case("fwd", 256, 32, 2, "float16", "causal", (2, 2))
-    blocks, total, kinds = copies.per_block(case)
-    assert blocks == case.config().schedule.visited_blocks
+    blocks, total, kinds, iters = copies.per_block(case)
+    schedule = case.config().schedule
+    assert blocks == schedule.visited_blocks == 3
+    assert iters == steps.loop_steps(schedule) == 5
     assert total == pytest.approx(sum(kinds.values())) and total > 0
 
 
 def test_cli_prints_one_row_per_length_and_pass(capsys):
     assert copies.main(["--seq-len", "256", "--head-dim", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:4] == ["pass", "L", "blocks", "KiB/block"]
+    assert lines[0].split()[:5] == ["pass", "L", "blocks", "iters", "B/block"]
     assert [line.split()[:2] for line in lines[1:]] == [["fwd", "256"], ["bwd", "256"]]
 
 

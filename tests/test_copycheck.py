@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import copycheck
+from popxl_flash import copycheck, steps
+from popxl_flash.emulator.copies import LOOP_CONTROL_ONCE, LOOP_CONTROL_STEP
 
 emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator copy model")
 
@@ -93,7 +94,12 @@ def test_comparison_sums_the_model_once_per_site(capsys):
     rows = [tuple(r) for r in __import__("json").loads(capsys.readouterr().out)]
     assert rows == [tuple(r) for r in copycheck.model_rows("forward")[0]]
     per_kind = copycheck.model_per_execution(rows)
-    assert per_kind["loop_control"] == 2 + 6  # once, and per iteration: one site, two rows
+    # LoopOpx's control copies: once per repeat and once per iteration, two rows per repeat
+    # site; the forward runs one repeat per step group (causal 4 x 4: full blocks, and the
+    # diagonal's two sub-block shapes)
+    loops = len(steps.step_groups(copycheck.CASE.schedule(), "q_major"))
+    assert loops == 3
+    assert per_kind["loop_control"] == loops * (LOOP_CONTROL_ONCE + LOOP_CONTROL_STEP) == 24
     buf = io.StringIO()
     copycheck.compare({("call", "copied"): [2, 1000]}, per_kind, buf)
     call_line = next(line for line in buf.getvalue().splitlines() if line.split()[0] == "call")
