@@ -14,13 +14,19 @@ with **stated IPU facts** and a few **overhead parameters**:
   FLOPs per tile-cycle; and assumed overheads :data:`OP_CYCLES`, :data:`ITERATION_CYCLES`,
   :data:`COPY_BYTES_PER_TILE_CYCLE` (parameters, not measurements).
 
-Copies (PopART sdk-release-3.4; ``aliasZeroCopy`` is on in every PopXL ``Ir``): a loop's
-read-only inputs (q, k, v and the other operands) and its by-reference state (``m, l, acc``;
-``dq, dk, dv``, updated by ``dynamic_update_`` and read by nothing else while the loop runs)
-are aliased, not copied (``AliasZeroCopy::checkSubgraphInputCompatible``); the carried step
-counter is copied into its clone and back every iteration (``LoopOpx``); with segment ids,
-the taken branch of the step's conditional copies all its inputs and outputs (``IfOpx``):
-the block's operands and state slices. Per-step copies therefore do not grow with L.
+Copies (:func:`pass_copies`; PopART sdk-release-3.4, the rules of the emulator's copy model
+``popxl_flash/emulator/copies.py``, and the tests hold the two equal kind by kind;
+``aliasZeroCopy`` is on in every PopXL ``Ir``): a loop's read-only inputs (q, k, v and the
+other operands, the segment ids) and its by-reference state (``m, l, acc``; ``dq, dk, dv``,
+updated by ``dynamic_update_`` and read by nothing else while the loop runs) are aliased, not
+copied (``AliasZeroCopy::checkSubgraphInputCompatible``); the carried step counter is copied
+into its clone and back every iteration and its initial value once, and LoopOpx copies its
+iterator and condition (6 bytes per iteration, 2 per loop: ``loop_control``); with segment
+ids, the taken branch of each conditional level copies all its inputs and outputs
+(``IfOpx``): the state slices for a skipped block; the state slices, the block's operands and
+segment operands (and the pattern or the class) for a running one, again at the second level
+of an unmasked group. Per-step copies therefore do not grow with L: 14 bytes without segment
+ids.
 
 Modelled time of one pass::
 
@@ -49,8 +55,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from popxl_flash import schedule as _schedule
 from popxl_flash import steps as _steps
+from popxl_flash.segments import RT_FULL, RT_MASKED, RT_SKIP
 
 #: Tiles of one IPU (GC200 / Mk2: 1472 tiles, 900 MB In-Processor-Memory, 250 TFLOP/s float16
 #: and 62.5 TFLOP/s float32 peak; Graphcore's IPU-M2000 / Colossus Mk2 announcement, 2020).
@@ -94,11 +103,18 @@ OPS_FORWARD = {"float16": dict(fixed=14, per_loop=1, per_step=28, per_masked=5),
 OPS_BACKWARD = {"float16": dict(fixed=17, per_loop=1, per_step=33, per_masked=3),
                 "float32": dict(fixed=12, per_loop=1, per_step=31, per_masked=3)}
 
-#: Bytes of the carried step counter (int32 [1]), the only per-step loop copy without
-#: segment ids: body output -> clone -> body input (LoopOpx), every iteration.
+#: Bytes of the carried step counter (int32 [1]): every iteration, body output -> clone ->
+#: body input (``LoopOpx``); once per repeat, its initial value into the clone.
 COUNTER_BYTES = 4
+#: ``LoopOpx``'s own copies (``willow/src/popx/op/loopx.cpp``): every iteration the int32
+#: iterator into the body and the bool condition (the wrapper's body output 0) into its clone
+#: and back; once per repeat ``true`` into the condition's clone and ``false`` into the exit
+#: flag. Bytes once per repeat and per iteration.
+LOOP_CONTROL_ONCE, LOOP_CONTROL_STEP = 2 * 1, 4 + 2 * 1
+#: Boundary kinds of :func:`pass_copies` (those of the emulator's ``bytes_copied_by_kind``).
+COPY_KINDS = ("call", "branch", "loop_carried", "loop_in_out", "loop_control")
 
-_F32 = 4
+_F32 = _I32 = 4
 
 
 @dataclass(frozen=True)
@@ -113,7 +129,8 @@ class Candidate:
             sub-blocks (exact).
         ops_forward, ops_backward: ops executed per pass (counted model).
         bytes_copied_forward, bytes_copied_backward: lowering copies per pass under PopART's
-            rules (model; without segment ids only the step counters).
+            rules (:func:`pass_copies`, without segment ids: the step counters and loop
+            control; equal to the emulator's).
         working_set_bytes: resident tensors + one step's temporaries, larger pass (model).
         step_bytes: one step's temporaries (model; the part that grows with the chunk).
         fits: working set within the usable tile memory.
@@ -162,14 +179,14 @@ class ChunkChoice:
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``)."""
-        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "MiB copied",
+        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "KiB copied",
                 "step MiB", "work set MiB", "fits", "O(L)", "model ms")
         rows = [head]
         for c in self.candidates:
             rows.append(("*" if c is self.chosen else "", f"{c.chunk_q}x{c.chunk_kv}",
                          f"{c.flop_ratio:.4f}", str(c.iterations), str(c.ops_forward),
                          str(c.ops_backward),
-                         f"{(c.bytes_copied_forward + c.bytes_copied_backward) / 2**20:.1f}",
+                         f"{(c.bytes_copied_forward + c.bytes_copied_backward) / 2**10:.1f}",
                          f"{c.step_bytes / 2**20:.2f}", f"{c.working_set_bytes / 2**20:.1f}",
                          "yes" if c.fits else "NO", "yes" if c.linear_memory else "no",
                          f"{c.seconds * 1e3:.3f}"))
@@ -178,7 +195,7 @@ class ChunkChoice:
         lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason})")
         for n, st in enumerate(self.structures):
             lines.append(f"{'structure' if n == 0 else '  against'}: {st.name:<11} ops "
-                         f"{st.ops}  MiB copied {st.bytes_copied / 2**20:.1f}  flop ratio "
+                         f"{st.ops}  KiB copied {st.bytes_copied / 2**10:,.1f}  flop ratio "
                          f"{st.flop_ratio:.4f}  model ms {st.seconds * 1e3:.3f}"
                          + ("" if st.eligible else "  (over the FLOP budget)"))
         return "\n".join(lines)
@@ -192,11 +209,87 @@ def _ops(weights, groups):
     return int(total)
 
 
-def _bytes_copied(groups):
-    """Lowering copies of one pass under PopART's rules (module docstring): per loop, the
-    counter into its clone and out once; per iteration, body output -> clone -> body input.
-    Operands and state are aliased (AliasZeroCopy), so nothing grows with L or the chunk."""
-    return sum(2 * COUNTER_BYTES * (g.steps + 1) for g in groups)
+def _loop_copies(steps, copies):
+    """Add one ``repeat`` of ``steps`` iterations to ``copies`` (by kind): the carried counter
+    (its initial value into the clone once; body output -> clone -> body input every
+    iteration; the loop's counter output is read by nobody: no copy out) and LoopOpx's control
+    copies. Its operands, state (by reference) and segment inputs are aliased (AliasZeroCopy:
+    read-only, or modified with nobody else reading them while the loop runs)."""
+    copies["loop_in_out"] += COUNTER_BYTES
+    copies["loop_carried"] += 2 * COUNTER_BYTES * steps
+    copies["loop_control"] += LOOP_CONTROL_ONCE + LOOP_CONTROL_STEP * steps
+
+
+def _step_bytes(group, G, Gk, D, item, backward, seg):
+    """``(state, operands, segment operands)`` bytes of one step's slices of ``group``: what a
+    conditional of a segment-id step receives (``IfOpx`` copies them in; the new state out).
+
+    Forward: state ``m_i, l_i, acc_i`` float32 ``[G, rows, 1|1|D]``; operands ``q_i [G, rows,
+    D]``, ``k_j^T [Gk, D, cols]``, ``v_j [Gk, cols, D]``. Backward: state ``dq_i [G, rows,
+    D]``, ``dk_j, dv_j [Gk, cols, D]`` float32; operands ``q_i, do_i`` (input dtype), ``lse_i,
+    Dvec_i`` (float32 ``[G, rows, 1]``), ``k_j, v_j^T``. Segment operands: the int32 ids (and
+    positions) of the step's q rows (``q_groups`` rows) and kv columns (1 or G rows)."""
+    r, c = group.rows, group.cols
+    if backward:
+        state = (G * r * D + 2 * Gk * c * D) * _F32
+        operands = 2 * G * r * D * item + 2 * G * r * _F32 + 2 * Gk * c * D * item
+    else:
+        state = G * r * (2 + D) * _F32
+        operands = G * r * D * item + 2 * Gk * c * D * item
+    kv_rows = 1 if seg.kv_groups == 1 else G
+    ids = (seg.q_groups * r + kv_rows * c) * _I32
+    return state, operands, ids * (2 if seg.positions else 1)
+
+
+def _branch_copies(group, classes, G, Gk, D, item, backward, seg):
+    """``IfOpx`` copies of a segment-id group's steps (every input and output of the taken
+    branch, at every nesting level; ``blocks._dispatch``): a skipped block (``RT_SKIP``) the
+    state slices in and out; a running block of a masked group its state, operands, segment
+    operands and pattern in and the state out; in an unmasked group the run branch that (with
+    the class instead of the pattern), then at the second level the unmasked update (state and
+    operands in, state out) for an ``RT_FULL`` block or the masked one (with the segment
+    operands) for the others."""
+    state, operands, ids = _step_bytes(group, G, Gk, D, item, backward, seg)
+    cls = classes[group.q_chunk, group.kv_chunk]  # [V] runtime class of each step's block
+    skipped = int((cls == RT_SKIP).sum())
+    full = int((cls == RT_FULL).sum())
+    running = group.steps - skipped
+    total = skipped * 2 * state
+    if group.masked:
+        return total + running * (2 * state + operands + ids + group.rows * group.cols)
+    total += running * (2 * state + operands + ids + _I32)
+    return total + full * (2 * state + operands) + (running - full) * (2 * state + operands
+                                                                         + ids)
+
+
+def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, segments=None,
+                classes=None):
+    """Lowering copies of one pass by boundary kind, under PopART's rules as the emulator
+    models them (``popxl_flash/emulator/copies.py``; the tests hold the two equal).
+
+    Args:
+        sched: the :class:`~popxl_flash.schedule.BlockSchedule`; groups, head_dim, kv_groups:
+            G, D, Gk (``None``: G); dtype: ``"float16"`` or ``"float32"``.
+        backward: the stash backward (kv-major steps) instead of the forward.
+        segments: ``None``, or the :class:`~popxl_flash.segments.SegmentConfig` of segment ids
+            (the steps then run under a conditional).
+        classes: with segments, int ``[nq, nkv]`` runtime block classes (``RT_SKIP``,
+            ``RT_FULL``, ``RT_MASKED``); ``None``: every block ``RT_MASKED``.
+
+    Returns:
+        ``{kind: bytes}`` over :data:`COPY_KINDS`.
+    """
+    G, D, item = groups, head_dim, 2 if dtype == "float16" else 4
+    Gk = G if kv_groups is None else kv_groups
+    copies = dict.fromkeys(COPY_KINDS, 0)
+    if segments is not None and classes is None:
+        classes = np.full((sched.nq, sched.nkv), RT_MASKED)
+    for group in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
+        _loop_copies(group.steps, copies)
+        if segments is not None:
+            copies["branch"] += _branch_copies(group, np.asarray(classes), G, Gk, D, item,
+                                               backward, segments)
+    return copies
 
 
 def _working_set(sched, G, Gk, D, item):
@@ -240,7 +333,8 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     ops_f = _ops(OPS_FORWARD[dtype], fwd_groups)
     ops_b = _ops(OPS_BACKWARD[dtype], bwd_groups)
     kv_groups = groups if kv_groups is None else kv_groups
-    copied_f, copied_b = _bytes_copied(fwd_groups), _bytes_copied(bwd_groups)
+    copied_f, copied_b = (sum(pass_copies(sched, groups=groups, head_dim=head_dim, dtype=dtype,
+                                          backward=b).values()) for b in (False, True))
     resident, step = _working_set(sched, groups, kv_groups, head_dim, item)
     working = resident + step
     fits = working <= TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION
@@ -367,9 +461,10 @@ def _rank_keys(blist):
 
 
 def _dispatch_copies(sched, G, Gk, D, item, backward):
-    """PopART-rule copies of the dispatch structure: per step, the carried values into
-    LoopOpx's clones and back, and the taken branch's inputs and outputs at every nesting level
-    (``IfOpx`` never aliases); the by-reference results are aliased (nothing else reads them
+    """PopART-rule copies of the dispatch structure (the rules of :func:`pass_copies`): per
+    step, the carried values into LoopOpx's clones and back, LoopOpx's control copies, and the
+    taken branch's inputs and outputs at every nesting level (``IfOpx`` never aliases); once,
+    the carried initial values; the by-reference results are aliased (nothing else reads them
     while the loop runs)."""
     cq, ckv = sched.chunk_q, sched.chunk_kv
     if backward:
@@ -385,7 +480,8 @@ def _dispatch_copies(sched, G, Gk, D, item, backward):
         blist = sched.block_list("q_major")
     keys, level = _rank_keys(blist)
     branch = sum(level[key] for key in keys) * (inputs + outputs)
-    return 2 * carried * len(keys) + branch
+    return (2 * carried * len(keys) + branch + carried + LOOP_CONTROL_ONCE
+            + LOOP_CONTROL_STEP * len(keys))
 
 
 def _dispatch_ops(weights, blist):
@@ -442,7 +538,9 @@ def structures(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, w
                                                               + weights_f["per_masked"])
     ops_b = weights_b["fixed"] + weights_b["per_loop"] + V * (weights_b["per_step"]
                                                               + weights_b["per_masked"])
-    copied = 2 * COUNTER_BYTES * (V + 1)
+    loop = dict.fromkeys(COPY_KINDS, 0)
+    _loop_copies(V, loop)  # one loop of V whole-block steps
+    copied = sum(loop.values())
     ratio = flat_f / useful if flops.useful else 1.0
     out.append(Structure("branch-free", ops_f + ops_b, 2 * copied, flat_f + flat_b, ratio,
                          _seconds(flat_f, ops_f, V, copied, dtype)

@@ -37,12 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from popxl_flash import costmodel
+from popxl_flash import schedule as _schedule
 from popxl_flash.backend import popxl
 from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
 from popxl_flash.flash_attn_interface import KEYWORD_HINTS
 from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
-from popxl_flash.segments import MAX_LEN
+from popxl_flash.segments import MAX_LEN, RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
 
 ops = popxl.ops
 
@@ -239,6 +240,31 @@ def _balanced(length, target):
     return -(-length // count)
 
 
+def _decode_classes(length, q_len, chunk_q, nkv, granule):
+    """Runtime block classes (:func:`popxl_flash.segments.classify_blocks`) of a causal call
+    whose batch rows all hold ``length`` rows (``cache_seqlens + Lnew``): a step's kv chunk
+    covers cache rows ``[m g, (m + 1) g)`` over its parts (granule ``g``), the q chunk ``i``
+    positions ``length - Lq + [i cq, (i + 1) cq)``. Skip: no valid row, or every row after the
+    chunk's last query; full: every row valid and at or before its first query, no q padding.
+
+    Returns:
+        int ``[nq, nkv]``.
+    """
+    nq = -(-q_len // chunk_q)
+    classes = np.full((nq, nkv), RT_MASKED)
+    for i in range(nq):
+        q_first = length - q_len + i * chunk_q
+        q_last = length - q_len + min((i + 1) * chunk_q, q_len) - 1
+        q_pad = (i + 1) * chunk_q > q_len
+        for m in range(nkv):
+            lo, hi = m * granule, (m + 1) * granule
+            if lo >= length or lo > q_last:
+                classes[i, m] = RT_SKIP
+            elif not q_pad and hi <= length and hi - 1 <= q_first:
+                classes[i, m] = RT_FULL
+    return classes
+
+
 def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
@@ -249,11 +275,13 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
 
     FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
-    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies follow PopART's
-    rules for the forward's segment-id loop (:mod:`popxl_flash.costmodel`): every step copies
-    its counter and the taken branch's inputs and outputs, the state rows for a skipped step,
-    and for an executed one the state rows and the block's operands at two branch levels
-    (averaged over the fills, like the time).
+    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies are
+    :func:`popxl_flash.costmodel.pass_copies` of the forward's segment-id loop (PopART's rules,
+    as the emulator models them; exact) over the runtime block classes of a causal call whose
+    rows all hold that many rows (:func:`_decode_classes`): every step copies its counter and
+    LoopOpx's control values and the taken branch's inputs and outputs, the state rows for a
+    skipped step, and for an executed one the state rows, the block's operands and segment
+    operands at two branch levels (averaged over the fills, like the time).
     """
     G = dims.batch * dims.q_heads * splits
     Gk = dims.batch * dims.kv_heads * splits
@@ -263,11 +291,9 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     granule = splits * chunk_kv
     steps = -(-Lc // granule) * nq
     flops, op_counts, seconds = [], [], 0.0
-    item = 2 if dtype == "float16" else 4
-    state_rows = G * (2 * cq + cq * D) * 4  # m, l, acc rows: into a branch and out
-    operands = G * cq * D * item + Gk * 2 * chunk_kv * D * item  # q rows, k and v blocks
-    skip_bytes = 2 * state_rows + 2 * costmodel.COUNTER_BYTES
-    run_bytes = 2 * (2 * state_rows + operands) + 2 * costmodel.COUNTER_BYTES
+    sched = _schedule.plan(dims.q_len, -(-Lc // granule) * chunk_kv, cq, chunk_kv,
+                           causal=False, window=(-1, -1))  # positions decide: no static mask
+    seg = SegmentConfig(q_groups=G, kv_groups=Gk, positions=True)
     copied_mean = 0.0
     if lengths is None:
         lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
@@ -279,7 +305,10 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
                   + (OPS_DECODE["combine"] if splits > 1 else 0))
         flops.append(f)
         op_counts.append(o)
-        copied = (steps - executed) * skip_bytes + executed * run_bytes
+        classes = _decode_classes(rows, dims.q_len, cq, sched.nkv, granule)
+        copied = sum(costmodel.pass_copies(sched, groups=G, kv_groups=Gk, head_dim=D,
+                                           dtype=dtype, backward=False, segments=seg,
+                                           classes=classes).values())
         copied_mean += copied / len(lengths)
         seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(lengths)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,

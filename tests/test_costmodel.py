@@ -3,11 +3,10 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import costmodel, steps
+from popxl_flash import costmodel, segments, steps
 from popxl_flash.config import AttentionConfig
 
-from attention_utils import (loop_copies_follow_alias_zero_copy, random_qkv, run_flash,
-                             run_flash_grad)
+from attention_utils import random_qkv, run_flash, run_flash_grad, run_graph
 from test_forward import emulator_only
 
 
@@ -88,27 +87,17 @@ def test_model_ops_match_the_emulator(L, chunks, mask):
     assert model.iterations == fwd.profile.loop_iterations == steps.loop_steps(cfg.schedule)
 
 
-# The emulator's lowering-copy model now follows PopART's AliasZeroCopy (issue 16): the by-ref
-# results are no longer copied into and out of the body every step, while the cost model's
-# _bytes_copied still charges them. These cases fail until the cost model follows the same rules
-# (strict: they turn red when it does, so the marks get removed).
-_OLD_COPY_TERM = pytest.mark.xfail(strict=True, reason="cost model's copy term predates the "
-                                   "AliasZeroCopy copy model (issue 16)")
-
-
 @emulator_only
 @pytest.mark.parametrize("L, G, Gk, chunks, mask", [
-    pytest.param(512, 1, 1, (4, 4), dict(causal=True), marks=_OLD_COPY_TERM),
+    (512, 1, 1, (4, 4), dict(causal=True)),
     (256, 4, 2, (2, 2), dict(causal=True)),
-    pytest.param(300, 2, 2, (3, 5), dict(causal=False, window=(48, 16)), marks=_OLD_COPY_TERM),
-    pytest.param(256, 2, 2, (2, 4), dict(causal=False), marks=_OLD_COPY_TERM),
+    (300, 2, 2, (3, 5), dict(causal=False, window=(48, 16))),
+    (256, 2, 2, (2, 4), dict(causal=False)),
 ])
-def test_model_bytes_copied_track_the_emulator(L, G, Gk, chunks, mask):
-    """The model's lowering copies (PopART's rules: operands and by-reference state aliased,
-    only the carried step counters copied) stay within 35% of the emulator profile's, once the
-    profile follows the same AliasZeroCopy rule (issue 16)."""
-    if not loop_copies_follow_alias_zero_copy():
-        pytest.skip("the emulator's profile predates the AliasZeroCopy copy model (issue 16)")
+def test_model_bytes_copied_equal_the_emulator(L, G, Gk, chunks, mask):
+    """The model's lowering copies follow the emulator's copy model (PopART's rules: operands
+    and by-reference state aliased, the carried step counters and LoopOpx's control copies per
+    loop and step) exactly, kind by kind, forward and backward."""
     rng = np.random.default_rng(1)
     q = rng.standard_normal((G, L, 64)).astype(np.float16)
     k, v = (rng.standard_normal((Gk, L, 64)).astype(np.float16) for _ in range(2))
@@ -116,25 +105,94 @@ def test_model_bytes_copied_track_the_emulator(L, G, Gk, chunks, mask):
     _, _, fwd = run_flash(q, k, v, **options)
     _, both = run_flash_grad(q, q, k, v, **options)
     cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3, **options)
+    forward = fwd.profile.bytes_copied_by_kind
+    backward = {kind: both.profile.bytes_copied_by_kind[kind] - n
+                for kind, n in forward.items()}
+    for pass_, measured in (("forward", forward), ("backward", backward)):
+        model = costmodel.pass_copies(cfg.schedule, groups=G, kv_groups=Gk, head_dim=64,
+                                      dtype="float16", backward=pass_ == "backward")
+        assert model == measured, pass_
     model = costmodel.evaluate(L, L, cfg.chunk_q, cfg.chunk_kv, head_dim=64, groups=G,
                                kv_groups=Gk, dtype="float16", causal=mask["causal"],
                                window=cfg.window)
-    forward = fwd.profile.bytes_copied
-    backward = both.profile.bytes_copied - forward
-    assert 0.65 <= model.bytes_copied_forward / forward <= 1.35
-    assert 0.65 <= model.bytes_copied_backward / backward <= 1.35
+    assert model.bytes_copied_forward == fwd.profile.bytes_copied
+    assert model.bytes_copied_backward == both.profile.bytes_copied - fwd.profile.bytes_copied
+
+
+def _host_block_classes(ids, chunk_q, chunk_kv):
+    """Runtime classes of the blocks of one row of packed ids without positions, on the host
+    (the rule of :func:`popxl_flash.segments.classify_blocks` on the chunks' id ranges): skip
+    when the ranges are disjoint, full when both chunks are one segment without padding."""
+    def stats(chunk):
+        x = ids.reshape(-1, chunk)
+        real = x >= 0
+        return (np.where(real, x, 2**30).min(1), np.where(real, x, -1).max(1),
+                (~real).any(1))
+    (q0, q1, q_pad), (k0, k1, k_pad) = stats(chunk_q), stats(chunk_kv)
+    skip = (k0[None] > q1[:, None]) | (q0[:, None] > k1[None])
+    full = ((q0 == q1)[:, None] & (k0 == k1)[None] & (q0[:, None] == k0[None])
+            & ~q_pad[:, None] & ~k_pad[None] & ~skip)
+    return np.where(skip, segments.RT_SKIP, np.where(full, segments.RT_FULL,
+                                                     segments.RT_MASKED))
+
+
+@emulator_only
+@pytest.mark.parametrize("L, G, chunks, mask, lengths", [
+    (256, 2, (4, 4), dict(causal=True), (100, 156)),
+    (256, 2, (4, 4), dict(causal=False), (64, 64, 100, 20)),
+    (384, 1, (6, 6), dict(causal=True), (128, 200, 40)),
+    (256, 2, (2, 4), dict(causal=False, window=(30, 5)), (130, 100)),
+])
+def test_model_segment_copies_equal_the_emulator(L, G, chunks, mask, lengths):
+    """With segment ids the steps run under conditionals: the model's branch copies (IfOpx:
+    every input and output of the taken branch, at each level; skipped, runtime-full and masked
+    blocks) equal the emulator's, kind by kind, given the blocks' runtime classes. The cases
+    hold skipped, full and masked blocks, padding, and masked and unmasked step groups."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((G, L, 64)).astype(np.float16) for _ in range(3))
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    ids = np.concatenate([ids, np.full(L - len(ids), -1, np.int32)])[None]  # [1, L]
+    options = dict(num_chunks_q=chunks[0], num_chunks_kv=chunks[1], **mask)
+    seg = dict(q_segment_ids=ids, kv_segment_ids=ids)
+
+    def forward(q, k, v, a, b):
+        return pf.flash_attention(q, k, v, return_lse=True, q_segment_ids=a, kv_segment_ids=b,
+                                  **options)
+
+    def both(do, q, k, v, a, b):
+        out, lse = forward(q, k, v, a, b)
+        return pf.flash_attention_grad(do, q, k, v, out, lse, q_segment_ids=a,
+                                       kv_segment_ids=b, **options)
+
+    _, fwd = run_graph(forward, [q, k, v, ids, ids])
+    _, run = run_graph(both, [q, q, k, v, ids, ids])
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3, **options)
+    cfg = cfg.with_segments(*(pf.popxl.TensorSpec(a.shape, pf.popxl.int32)
+                              for a in seg.values()))
+    classes = _host_block_classes(ids[0], cfg.chunk_q, cfg.chunk_kv)
+    assert {segments.RT_SKIP, segments.RT_MASKED} <= set(classes.ravel().tolist())
+    forward_kinds = fwd.profile.bytes_copied_by_kind
+    backward_kinds = {kind: run.profile.bytes_copied_by_kind[kind] - n
+                      for kind, n in forward_kinds.items()}
+    for backward, measured in ((False, forward_kinds), (True, backward_kinds)):
+        model = costmodel.pass_copies(cfg.schedule, groups=G, head_dim=64, dtype="float16",
+                                      backward=backward, segments=cfg.segments,
+                                      classes=classes)
+        assert measured["branch"] > 0 and model == measured, backward
 
 
 def test_model_copies_per_step_do_not_grow_with_length():
-    """Without segment ids the loops copy only their step counters (PopART's rules), so bytes
-    copied per loop step are the same at every L and chunk length."""
+    """Without segment ids the loops copy only their step counters and LoopOpx's control
+    values (PopART's rules), so bytes copied per loop step are the same at every L and chunk
+    length: 2 x 4 counter bytes and 6 control bytes, plus 4 + 2 once per loop."""
     per_step = set()
     for L, chunk in ((1024, 128), (2048, 128), (4096, 128), (4096, 256)):
         c = costmodel.evaluate(L, L, chunk, chunk, head_dim=64, groups=2, dtype="float16",
                                causal=True, window=(-1, -1))
         loops = len(steps.step_groups(pf.plan(L, L, chunk, chunk), "q_major"))
-        per_step.add((c.bytes_copied_forward - 8 * loops) / c.iterations)
-    assert per_step == {2 * costmodel.COUNTER_BYTES}
+        once = costmodel.COUNTER_BYTES + costmodel.LOOP_CONTROL_ONCE
+        per_step.add((c.bytes_copied_forward - once * loops) / c.iterations)
+    assert per_step == {2 * costmodel.COUNTER_BYTES + costmodel.LOOP_CONTROL_STEP} == {14}
 
 
 @emulator_only

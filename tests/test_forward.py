@@ -12,7 +12,6 @@ from popxl_flash.steps import loop_steps
 from popxl_flash.naive import naive_attention as naive_attention_graph
 
 from attention_utils import (EPS32, FLASH_ATTN_SEQLENS, FP_CHECKS, assert_within_rule,
-                             loop_copies_follow_alias_zero_copy,
                              naive_attention, random_qkv, run_flash, run_graph, suite_case,
                              suite_parametrize)
 
@@ -179,13 +178,11 @@ def test_peak_memory_far_below_naive(dtype):
     Naive holds two float32 [L, L] score/probability matrices (32 MiB) plus the [L, L] mask and
     q, k, v. Flash's peak is in the loop phase: q, k, v (loop-invariant, live for the whole
     loop), the float32 state (m, l, acc [L, D]) and O(chunk^2) blocks. The pass runs several
-    loops (one per step group) over the same q, k, v: a profile that does not follow PopART's
-    AliasZeroCopy for repeat inputs holds them and the state twice while a loop that is not
-    their last reader runs, which leaves float32 below 10x (8.6x); float16 keeps 10x under both
-    models, float32 is checked once the profile follows the rule.
+    loops (one per step group) over the same q, k, v and state; under PopART's AliasZeroCopy
+    (the emulator's copy model) every loop shares them with the parent, so they are held once
+    (measured: 20.4x float16, 14.4x float32; a model that copied them into each loop held them
+    twice while a loop that is not their last reader ran: float32 8.6x).
     """
-    if dtype == "float32" and not loop_copies_follow_alias_zero_copy():
-        pytest.skip("the emulator's profile predates the AliasZeroCopy copy model (issue 16)")
     q, k, v = random_qkv(np.random.default_rng(2), 1, 2048, 2048, 64, dtype)
     _, _, flash_session = run_flash(q, k, v)
     (naive_out,), naive_session = run_graph(

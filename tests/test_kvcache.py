@@ -204,8 +204,10 @@ def test_decode_flops_follow_the_fill(splits):
 @emulator_only
 @pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
 def test_decode_model_counts_match_emulator(splits, fill):
-    """The decode model's FLOPs are the emulator's exactly and its ops within 5% (plus the
-    harness's 12: 6 host loads, 4 host stores, 2 identities)."""
+    """The decode model's FLOPs and lowering copies (PopART's rules for the segment-id loop:
+    costmodel.pass_copies over the runtime block classes of the fill) are the emulator's
+    exactly, and its ops within 5% (plus the harness's 12: 6 host loads, 4 host stores, 2
+    identities)."""
     Lc = 4096
     choice = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
                                    num_splits=splits)
@@ -214,6 +216,7 @@ def test_decode_model_counts_match_emulator(splits, fill):
                              chosen.chunk_kv, lengths=(fill + 1,))
     profile = decode_profile(Lc, fill, num_splits=splits)
     assert model.flops[0] == profile.matmul_flops
+    assert model.bytes_copied == profile.bytes_copied
     assert abs(model.ops[0] + 12 - profile.ops_executed) <= 0.05 * profile.ops_executed
     assert profile.loop_iterations == chosen.steps
 
