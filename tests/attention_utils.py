@@ -9,6 +9,7 @@ import pytest
 
 import popxl_flash as pf
 from popxl_flash import harness, popxl
+from popxl_flash.segments import RT_FULL, RT_MASKED, RT_SKIP
 from popxl_flash.tolerance import (EPS32, max_err, naive_attention,  # noqa: F401 (re-exported)
                                    naive_attention_grad, rounding_floor, rule_bound)
 
@@ -129,3 +130,19 @@ def suite_parametrize(seqlens):
         dtypes = pytest.mark.parametrize("dtype", ["float16", "float32"])
         return pytest.mark.parametrize("Lq,Lkv", seqlens)(dtypes(masks(test)))
     return decorate
+
+
+def host_block_classes(ids, chunk_q, chunk_kv):
+    """Runtime classes of the blocks of one row of packed ids without positions, on the host
+    (the rule of :func:`popxl_flash.segments.classify_blocks` on the chunks' id ranges): skip
+    when the ranges are disjoint, full when both chunks are one segment without padding."""
+    def stats(chunk):
+        x = ids.reshape(-1, chunk)
+        real = x >= 0
+        return (np.where(real, x, 2**30).min(1), np.where(real, x, -1).max(1),
+                (~real).any(1))
+    (q0, q1, q_pad), (k0, k1, k_pad) = stats(chunk_q), stats(chunk_kv)
+    skip = (k0[None] > q1[:, None]) | (q0[:, None] > k1[None])
+    full = ((q0 == q1)[:, None] & (k0 == k1)[None] & (q0[:, None] == k0[None])
+            & ~q_pad[:, None] & ~k_pad[None] & ~skip)
+    return np.where(skip, RT_SKIP, np.where(full, RT_FULL, RT_MASKED))
