@@ -162,7 +162,8 @@ def _check_forward(case, cfg, qkv, out, lse, mask):
     elif not (np.array_equal(np.isneginf(lse), empty) and (out[empty] == 0).all()):
         ratios["empty rows"] = "rows that see no key must give out 0 and lse -inf"
     ratios["out"] = _ratio(out, naive_out, ref_out, factor=2, dtype=case.dtype,
-                           accum_steps=steps, magnitude=float(np.abs(v).max()))
+                           accum_steps=steps, magnitude=float(np.abs(v).max()),
+                           parity=tolerance.probability_rounding_floor(q, k, v, **mask))
     ratios["lse"] = _ratio(lse, naive32_lse, ref_lse, factor=2, dtype="float32",
                            accum_steps=steps,
                            magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))

@@ -98,12 +98,12 @@ def random_qkv(rng, G, Lq, Lkv, D, dtype, kv_groups=None):
 
 
 def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magnitude,
-                       extra_floor=0.0):
-    """Assert ``max|x - ref| <= factor * max|naive - ref| + floor`` (see
+                       extra_floor=0.0, parity=0.0):
+    """Assert ``max|x - ref| <= max(factor * max|naive - ref|, parity) + floor`` (see
     :mod:`popxl_flash.tolerance`, whose arguments these are)."""
     err = max_err(x, ref)
     bound = rule_bound(naive, ref, factor=factor, dtype=dtype, accum_steps=accum_steps,
-                       magnitude=magnitude, extra_floor=extra_floor)
+                       magnitude=magnitude, extra_floor=extra_floor, parity=parity)
     assert err <= bound, (f"{name}: max error {err:.3e} > bound {bound:.3e} "
                           f"({factor}x naive + floor)")
 
