@@ -29,7 +29,7 @@ too, so on large problems the naive error, a maximum over many entries with that
 each, is the larger. On tiny ones (one output entry, ``D = 1``, a few keys) the naive error is
 a single sample that can be ten times below its typical size by luck, and the 2x rule alone
 then fails an implementation at parity with it (``G = 1, Lq = 1, Lkv = 9, D = 1``, scale 0.05:
-about 3% of random inputs). Taking the larger, not the sum, leaves the bound of every problem
+6 random inputs of 400). Taking the larger, not the sum, leaves the bound of every problem
 where the naive error covers the rounding unchanged.
 
 Flash keeps scores, statistics and accumulators in float32 even for float16 inputs, so it is
