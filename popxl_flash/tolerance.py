@@ -160,7 +160,8 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
     return mags, (*through(ds_stash), 0.0)
 
 
-def probability_rounding_floor(q, k, v, *, causal, scale, window, **segments):
+def probability_rounding_floor(q, k, v, *, causal, scale=None, window=None,
+                               **segments):
     """Error bound of rounding the block probabilities to the input dtype before ``P V``.
 
     Flash multiplies ``fl(p_j) v_j`` with ``p_j = exp(s_j - m) <= 1`` rounded to the input
