@@ -136,7 +136,8 @@ CASE_COLUMNS = [
     ("chunks", "q x kv chunk counts used (auto: the cost model's choice)", _chunks),
     ("blocks", "visited blocks (the loops run one step per block, two per split block: iters)",
      lambda r: _fmt(r["planner"].get("visited_blocks"), "d")),
-    ("exec GFLOP", "matmul FLOPs flash executes (every visited block, whole)",
+    ("exec GFLOP", "matmul FLOPs flash executes (every visited block; a split block skips its "
+     "invisible quadrant)",
      lambda r: _fmt(r["planner"]["executed_flops"] / 1e9, ".4g")),
     ("useful GFLOP", "matmul FLOPs on visible (query, key) pairs only",
      lambda r: _fmt(r["planner"]["useful_flops"] / 1e9, ".4g")),
