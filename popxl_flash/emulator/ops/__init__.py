@@ -13,6 +13,7 @@ from .io import host_load, host_store
 from .matmul import matmul
 from .misc import init
 from .nn import gelu, gelu_, group_norm, layer_norm
+from .random import dropout, random_normal, random_uniform, split_random_seed
 from .reduce import max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
                     reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
