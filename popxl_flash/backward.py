@@ -24,7 +24,7 @@ Per visited block (5 matmuls; statistics and accumulators float32)::
     dq_i += scale * dS k_j
     dk_j += scale * dS^T q_i
 """
-from popxl_flash import blocks, segments
+from popxl_flash import blocks, score_mods, segments
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
@@ -36,7 +36,8 @@ _mm = blocks.matmul_f32
 _fold, _unfold = blocks.fold_heads, blocks.unfold_heads
 
 
-def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible=None):
+def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible=None,
+                      extra=None):
     """One block of the backward.
 
     Args:
@@ -47,12 +48,15 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
             so dk_j and dv_j sum over the q groups sharing a kv group inside the matmul).
         lse_i, dvec_i: float32 ``[G, cq, 1]``.
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` (partial block).
+        extra: with score modifiers, the block's operands (:mod:`popxl_flash.score_mods`).
 
     Returns:
         Updated ``(dq_i, dk_j, dv_j)``.
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    if extra is not None:  # softcap, ALiBi, score_mod; chain: dS of the modified scores -> dS
+        s, chain = score_mods.modify(cfg, s, extra, backward=True)
     if visible is None:
         p = ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
     else:
@@ -63,10 +67,15 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j,
         x = ops.where(visible, s - lse_safe, blocks.scalar(blocks.MASKED_SCORE, f32))
         p = ops.exp(x)  # [G, cq, ckv]
     do_f = _fold(cfg, do_i)  # [Gk, r*cq, D]
-    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, ckv, r*cq]
+    p_drop = p if extra is None else score_mods.drop(cfg, p, extra)  # dropout: P * keep / (1-p)
+    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))  # [Gk, ckv, r*cq]
     dv_j = dv_j + _mm(p_t, do_f)  # [Gk, ckv, D]
     dp = _unfold(cfg, _mm(do_f, v_j.transpose((0, 2, 1))))  # [G, cq, ckv]
-    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*cq, ckv]
+    if extra is None:
+        ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*cq, ckv]
+    else:  # dP = dP_dropped * keep / (1 - p); dS through the score modifiers
+        ds = chain(p * (score_mods.drop(cfg, dp, extra) - dvec_i))
+        ds = _fold(cfg, blocks.to_input_dtype(cfg, ds))
     dq_i = dq_i + _unfold(cfg, _mm(ds, k_j)) * cfg.scale  # [G, cq, D]
     dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i)) * cfg.scale  # [Gk, ckv, D]
     return dq_i, dk_j, dv_j
@@ -118,11 +127,14 @@ def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk:
     by value).
     """
     cq, ckv = cfg.chunk_q, cfg.chunk_kv
+    seg, extras = score_mods.split_loop_inputs(cfg, seg)
     *seg, branches = seg or (None,)
     i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
     q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
     k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [Gk, ckv, D]
     seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
+    if cfg.mods is not None:
+        seg_operands += score_mods.step_operands(cfg, extras, i0, j0, seg_operands)
     dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
         t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, *seg_operands))
     blocks.write_rows_(dq, i0, dq_i)
@@ -162,34 +174,35 @@ class FlashAttentionGrad(popxl.Module):
             sharing each kv group);
         lse: float32 ``[G, Lq]`` from :class:`popxl_flash.FlashAttention`.
         q_segment_ids, kv_segment_ids, q_positions, kv_positions: optional, the forward's.
+        then the forward's score-modifier inputs (alibi slopes, seed, score_mod inputs).
 
     Returns:
         dq, dk, dv with the shapes and dtype of q, k, v.
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None):
+                 window=None, mods=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
+                            causal=causal, scale=scale, window=window, mods=mods)
 
-    def config(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None) -> AttentionConfig:
+    def config(self, dout, q, k, v, out, lse, *inputs) -> AttentionConfig:
         """Validate all specs against the options."""
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        options = {n: o for n, o in self.options.items() if n != "mods"}
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
-                                          **self.options)
+                                          **options)
         automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        cfg = cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                automatic)
+        cfg = cfg.with_segments(*segment_inputs, automatic)
+        cfg = score_mods.check_extras(cfg, self.options["mods"], extras)
         for name, t in (("dout", dout), ("out", out)):
             cfg.check_like(name, t.shape, t.dtype.name, q.shape, cfg.dtype)
         cfg.check_like("lse", lse.shape, lse.dtype.name, (cfg.groups, cfg.q_len), "float32")
         return cfg
 
-    def build(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
-              q_positions=None, kv_positions=None):
-        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-        cfg = self.config(dout, q, k, v, out, lse, *segment_inputs)
+    def build(self, dout, q, k, v, out, lse, *inputs):
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        cfg = self.config(dout, q, k, v, out, lse, *inputs)
         f32 = blocks.float32()
         G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
         with popxl.in_sequence():  # the loops write dq/dk/dv in place: read them after
@@ -207,6 +220,8 @@ class FlashAttentionGrad(popxl.Module):
             if cfg.segments is not None and steps:
                 seg, classes = segments.prepare(cfg, *segment_inputs)
                 seg.append(blocks.runtime_branches(cfg, "kv_major", classes))
+            if cfg.mods is not None and steps:
+                seg += score_mods.prepare(cfg, extras)
             if steps:
                 body = _build_loop_graph(cfg, *padded, k_pad, v_pad, seg)
                 ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), *padded, k_pad,

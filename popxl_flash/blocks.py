@@ -12,7 +12,7 @@ from typing import Callable, Tuple
 
 import numpy as np
 
-from popxl_flash import segments
+from popxl_flash import score_mods, segments
 from popxl_flash.backend import popxl
 from popxl_flash.schedule import FULL, LOWER, PARTIAL, SKIP, UPPER, WHOLE
 
@@ -231,6 +231,7 @@ def run_block(spec, cfg, split, tensors, visible):
     n_seg = len(segments.operand_specs(cfg)) if cfg.segments is not None else 0
     lengths = {"q": cfg.chunk_q, "kv": cfg.chunk_kv}
     block, operands = list(tensors[:n]), list(tensors[n:])
+    operands, extra = score_mods.split_operands(cfg, operands)
     for row_span, col_span in _sub_blocks(cfg, split):
         spans = {"q": row_span, "kv": col_span}
         parts = [_part(t, spans[r], lengths[r]) for t, r in zip(block + operands, spec.roles)]
@@ -240,7 +241,8 @@ def run_block(spec, cfg, split, tensors, visible):
             mask = _part(_part(mask, row_span, cfg.chunk_q), col_span, cfg.chunk_kv, axis=2)
             if n_seg:  # the runtime mask of the segment ids (masked branches only)
                 mask = ops.logical_and(mask, segments.block_mask(cfg, seg_parts))
-        new = spec.update(cfg, *parts, visible=mask)
+        new = spec.update(cfg, *parts, visible=mask, **score_mods.sub_block(cfg, extra,
+                                                                          row_span, col_span))
         block = [_put(t, u, spans[r], lengths[r]) for t, u, r in zip(block, new, spec.roles)]
     return block
 
@@ -333,6 +335,8 @@ class BlockStep:
     def __init__(self, spec, cfg):
         if cfg.segments is not None:
             spec = with_segment_operands(spec, cfg)
+        if cfg.mods is not None:
+            spec = score_mods.with_operands(spec, cfg)
         self.spec, self.cfg = spec, cfg
         blist = cfg.schedule.block_list(spec.order)
         if cfg.segments is None:

@@ -200,6 +200,8 @@ class AttentionConfig:
         window: ``(left, right)``, ``-1`` = unbounded.
         segments: ``None``, or the :class:`~popxl_flash.segments.SegmentConfig` of runtime
             segment ids (and positions) given with the data.
+        mods: ``None``, or the :class:`~popxl_flash.score_mods.ScoreMods` of the call
+            (softcap, ALiBi, score_mod, dropout).
     """
     groups: int
     kv_groups: int
@@ -215,6 +217,7 @@ class AttentionConfig:
     scale: float
     window: Tuple[int, int]
     segments: Optional[SegmentConfig] = None
+    mods: Optional[object] = None
 
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,

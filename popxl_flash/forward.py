@@ -24,7 +24,7 @@ Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
 """
 import numpy as np
 
-from popxl_flash import blocks, segments
+from popxl_flash import blocks, score_mods, segments
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
@@ -32,7 +32,7 @@ ops = popxl.ops
 ByRef = popxl.TensorByRef
 
 
-def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
+def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None, extra=None):
     """One block of the online softmax.
 
     Args:
@@ -42,12 +42,15 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
         q_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
             grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`).
         visible: ``None`` (full block) or bool ``[1, cq, ckv]`` mask pattern (partial block).
+        extra: with score modifiers, the block's operands (:mod:`popxl_flash.score_mods`).
 
     Returns:
         Updated ``(m_i, l_i, acc)``.
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    if extra is not None:  # softcap, ALiBi, score_mod
+        s = score_mods.modify(cfg, s, extra)
     s_max = s
     if visible is not None:
         s_max = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
@@ -64,6 +67,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
     seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
     alpha = ops.exp(ops.where(seen, m_i, m_new) - m_new)  # [G, cq, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
+    if extra is not None:  # dropout: P V with P * keep / (1 - p); l_i keeps the full P
+        p = score_mods.drop(cfg, p, extra)
     p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*cq, ckv]
     pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, cq, D]
     return m_new, l_new, alpha * acc + pv
@@ -122,13 +127,17 @@ def _block_body(cfg, step, t, m_i, l_i, acc, q, k, v, out: ByRef, lse: ByRef, *s
     ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
     its q chunk of out and lse (zeros until the chunk's last block writes the result: the
     chunk's blocks are consecutive, so the last write wins). With segment ids, ``seg`` holds
-    the padded ids (and positions) and the steps' runtime branches (read-only, by value).
+    the padded ids (and positions) and the steps' runtime branches (read-only, by value);
+    with score modifiers, their loop-invariant tensors follow (:mod:`popxl_flash.score_mods`).
     """
+    seg, extras = score_mods.split_loop_inputs(cfg, seg)
     *seg, branches = seg or (None,)
     i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
     q_i = blocks.rows(q, i0, cfg.chunk_q)  # [G, cq, D]
     k_j, v_j = blocks.rows(k, j0, cfg.chunk_kv), blocks.rows(v, j0, cfg.chunk_kv)
     seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
+    if cfg.mods is not None:
+        seg_operands += score_mods.step_operands(cfg, extras, i0, j0, seg_operands)
     m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j,
                                                        *seg_operands))
     blocks.write_rows_(out, i0, out_i)
@@ -150,30 +159,33 @@ class FlashAttention(popxl.Module):
             (packed sequences, -1 = padding; see :mod:`popxl_flash.segments`).
         q_positions, kv_positions: optional int32, the ids' shapes (the varlen API's
             bottom-right positions: causal and window compare them).
+        then, with ``mods`` (a :class:`popxl_flash.score_mods.ScoreMods`): ``alibi_slopes``
+            float32 ``[G]`` (if ``mods.alibi``), ``seed`` uint32 ``[2]`` (if dropout), the
+            score_mod inputs (positional, after the segment inputs given).
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None):
+                 window=None, mods=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
+                            causal=causal, scale=scale, window=window, mods=mods)
 
-    def config(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-               kv_positions=None) -> AttentionConfig:
+    def config(self, q, k, v, *inputs) -> AttentionConfig:
         """Validate the inputs' specs against the options."""
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        options = {n: o for n, o in self.options.items() if n != "mods"}
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
-                                          **self.options)
+                                          **options)
         automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        return cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                 automatic)
+        cfg = cfg.with_segments(*segment_inputs, automatic)
+        return score_mods.check_extras(cfg, self.options["mods"], extras)
 
-    def build(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-              kv_positions=None):
-        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-        cfg = self.config(q, k, v, *segment_inputs)
+    def build(self, q, k, v, *inputs):
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        cfg = self.config(q, k, v, *inputs)
         G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
         with popxl.in_sequence():  # the q loop writes out/lse in place: read them after it
             q_pad = blocks.pad_rows(q, cfg.padded_q_len)
@@ -188,6 +200,8 @@ class FlashAttention(popxl.Module):
             if cfg.segments is not None and steps:
                 seg, classes = segments.prepare(cfg, *segment_inputs)
                 seg.append(blocks.runtime_branches(cfg, "q_major", classes))
+            if cfg.mods is not None and steps:
+                seg += score_mods.prepare(cfg, extras)
             if steps:
                 body = build_loop_graph(cfg, q_pad, k_pad, v_pad, seg)
                 ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), q_pad, k_pad,

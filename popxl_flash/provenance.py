@@ -31,9 +31,21 @@ class ForwardRecord:
     call: int = -1
 
     def attention_options(self):
-        """The options that change the result: ``causal``, ``scale`` and ``window``."""
-        return dict(causal=self.config.causal, scale=self.config.scale,
-                    window=self.config.window)
+        """The options that change the result (:func:`attention_options`)."""
+        return attention_options(self.config)
+
+
+def attention_options(config):
+    """The options of a configuration that change the result: ``causal``, ``scale`` and
+    ``window``; with score modifiers also those (``mods``), and with dropout the chunk
+    lengths (the keep masks are drawn per block)."""
+    options = dict(causal=config.causal, scale=config.scale, window=config.window)
+    mods = config.mods
+    if mods is not None:
+        options["mods"] = mods
+        if mods.dropout > 0:
+            options["chunks"] = (config.chunk_q, config.chunk_kv)
+    return options
 
 
 @dataclass
