@@ -21,7 +21,10 @@ from collections import namedtuple
 
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
-from popxl_flash.functional import check_tensors, flash_attention, keyword_hints
+from popxl_flash.functional import (check_tensors, flash_attention, keyword_hints,
+                                   modifier_inputs)
+
+ops = popxl.ops
 
 #: Accepted ``layout`` values: flash-attn's ``[B, L, H, D]`` and PyTorch SDPA's ``[B, H, L, D]``.
 LAYOUTS = ("BLHD", "BHLD")
@@ -33,11 +36,9 @@ KEYWORD_HINTS = {
     "window": "flash_attn_func calls it window_size= (window= is pf.flash_attention's name)",
     "is_causal": "flash_attn_func calls it causal= (PyTorch SDPA's is_causal)",
     "attn_mask": "mask tensors are not supported; use causal= and window_size=",
-    "dropout_p": "attention dropout is not supported",
-    "softcap": "score soft-capping is not supported",
-    "alibi_slopes": "ALiBi is not supported",
-    "return_attn_probs": "the probabilities are never materialised; return_lse=True returns "
-                         "(out, lse)",
+    "dropout": "flash_attn_func calls it dropout_p= (dropout= is pf.flash_attention's name)",
+    "return_dropout_mask": "flash_attn_func calls it return_attn_probs= (it returns the "
+                           "dropout keep mask)",
 }
 
 #: The sizes of one call, in flash-attn's names.
@@ -133,8 +134,11 @@ def _from_groups(t, batch, heads, layout):
 
 
 @keyword_hints(KEYWORD_HINTS)
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    return_lse=False, layout="BLHD", num_chunks_q=None, num_chunks_kv=None):
+def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    return_attn_probs=False, return_lse=False, layout="BLHD",
+                    num_chunks_q=None, num_chunks_kv=None, seed=None, score_mod=None,
+                    score_mod_inputs=()):
     """flash-attn's ``flash_attn_func`` on PopXL tensors: exact attention, O(L) memory.
 
     The options are keyword-only (flash-attn's fourth positional parameter is ``dropout_p``,
@@ -154,19 +158,82 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         layout: ``"BLHD"`` (flash-attn, default) or ``"BHLD"`` (PyTorch SDPA) for q, k, v and
             out.
         num_chunks_q, num_chunks_kv: chunk counts, as :func:`popxl_flash.flash_attention`.
+        dropout_p: dropout probability on the attention probabilities, in ``[0, 1)``; needs
+            ``seed``, a uint32 ``[2]`` tensor (PopXL's random seed).
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)``.
+        alibi_slopes: ``None`` or float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: scores get
+            ``-slope * |i + Lkv - Lq - j|``.
+        return_attn_probs: also return the dropout keep mask, bool ``[B, Hq, Lq, Lkv]``
+            (needs ``dropout_p > 0``; O(Lq Lkv): tests at small sizes). flash-attn returns
+            its ``S_dmask`` there.
+        score_mod, score_mod_inputs: as :func:`popxl_flash.flash_attention` (``g`` is the
+            ``b * Hq + h`` group index).
 
     Returns:
         out ``[B, Lq, Hq, D]`` (``[B, Hq, Lq, D]``) in q's dtype; with ``return_lse``,
-        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` where a row sees no key).
+        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` where a row sees no key);
+        with ``return_attn_probs``, ``(out, lse, keep_mask)``.
     """
     check_tensors(q=q, k=k, v=v)
     dims = _check_shapes(q, k, v, layout)
     options, return_lse = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse)
+    return_probs = check_bool("return_attn_probs", return_attn_probs)
+    modifiers = modifier_options(dims, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 score_mod=score_mod, score_mod_inputs=score_mod_inputs,
+                                 dropout_p=dropout_p, seed=seed,
+                                 return_attn_probs=return_probs)
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
-        out, lse = flash_attention(*groups, return_lse=True, **options)
+        modifiers = group_slopes(modifiers, dims)
+        result = flash_attention(*groups, return_lse=True, return_dropout_mask=return_probs,
+                                 **options, **modifiers)
+        out, lse = result[0], result[1]
         out = _from_groups(out, dims.batch, dims.q_heads, layout)
         lse = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
+        if return_probs:  # [B*H, Lq, Lkv] -> [B, H, Lq, Lkv]
+            mask = result[2].reshape((dims.batch, dims.q_heads, dims.q_len, dims.kv_len))
+            return out, lse, mask
     return (out, lse) if return_lse else out
+
+
+def modifier_options(dims, *, softcap, alibi_slopes, score_mod, score_mod_inputs, dropout_p,
+                     seed, return_attn_probs):
+    """flash-attn's score-modifier and dropout options -> the core's keywords, validated
+    (before any graph or scope is opened).
+
+    Args:
+        dims: the call's :class:`Dims`; the rest: flash-attn's names.
+
+    Returns:
+        Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
+        ``[H]`` or ``[B, H]``: :func:`group_slopes` reshapes it inside the scope).
+    """
+    if alibi_slopes is not None:
+        check_tensors(alibi_slopes=alibi_slopes)
+        shape = tuple(alibi_slopes.shape)
+        if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
+                alibi_slopes.dtype.name != "float32":
+            raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
+                             f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
+                             f"{alibi_slopes.dtype.name}")
+    mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                              score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed,
+                              dropout_name="dropout_p")
+    if return_attn_probs and (mods is None or mods.dropout == 0):
+        raise ValueError("return_attn_probs=True needs dropout_p > 0 (it returns the dropout "
+                         "keep mask; the probabilities are never materialised)")
+    return dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
+
+
+def group_slopes(modifiers, dims):
+    """``alibi_slopes`` ``[H]`` or ``[B, H]`` -> the core's float32 ``[G]`` (``G = B * H``,
+    batch-major; ``[H]`` is repeated for every batch entry)."""
+    slopes = modifiers.get("alibi_slopes")
+    if slopes is None:
+        return modifiers
+    if len(slopes.shape) == 1 and dims.batch > 1:
+        slopes = ops.concat([slopes.reshape((1, dims.q_heads))] * dims.batch, axis=0)
+    return dict(modifiers, alibi_slopes=slopes.reshape((dims.batch * dims.q_heads,)))

@@ -241,6 +241,9 @@ def modifier_inputs(*, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod
     named.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("seed", seed))
                   if t is not None})
     check_tensors(**named)
+    if seed is not None and (tuple(seed.shape) != (2,) or seed.dtype.name != "uint32"):
+        raise ValueError(f"seed must be a uint32 [2] tensor (PopXL's random seed), got "
+                         f"{tuple(seed.shape)} {seed.dtype.name}")
     try:
         mods = score_mods.options(softcap, alibi_slopes is not None, score_mod, len(inputs),
                                   dropout)
@@ -313,22 +316,37 @@ def _unpack(qkv, options, segments=(None, None)):
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, causal=True,
                                scale=None, window=None, return_lse=False, q_segment_ids=None,
-                               kv_segment_ids=None):
+                               kv_segment_ids=None, return_dropout_mask=False, **modifiers):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
 
     Args:
         qkv: ``[3, G, L, D]`` float16 or float32; ``qkv[0]``, ``qkv[1]``, ``qkv[2]`` are q, k, v.
         num_chunks_q, num_chunks_kv, causal, scale, window, return_lse, q_segment_ids,
-            kv_segment_ids: as :func:`flash_attention`.
+            kv_segment_ids, return_dropout_mask: as :func:`flash_attention`.
+        modifiers: ``softcap``, ``alibi_slopes``, ``score_mod``, ``score_mod_inputs``,
+            ``dropout``, ``seed``, as :func:`flash_attention`.
 
     Returns:
         out ``[G, L, D]`` (and lse float32 ``[G, L]`` with ``return_lse``).
     """
+    _check_modifier_names("flash_attention_qkv_packed", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    modifier_inputs(**modifiers)
     return flash_attention(*_unpack(qkv, options, tuple(segments.values())),
-                           return_lse=return_lse, **options, **segments)
+                           return_lse=return_lse, return_dropout_mask=return_dropout_mask,
+                           **options, **segments, **modifiers)
+
+
+#: The score-modifier keywords of the core functions.
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "score_mod", "score_mod_inputs", "dropout", "seed")
+
+
+def _check_modifier_names(fn, modifiers):
+    for name in modifiers:
+        if name not in MODIFIER_NAMES:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
@@ -428,7 +446,7 @@ def _check_stash_options(cfg, **stash):
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks_q=None,
                                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                                    q_segment_ids=None, kv_segment_ids=None):
+                                    q_segment_ids=None, kv_segment_ids=None, **modifiers):
     """Gradient of :func:`flash_attention_qkv_packed` with respect to the packed ``qkv``.
 
     Args:
@@ -436,14 +454,17 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
             :func:`flash_attention_grad`) or both ``None``.
         num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
             the forward's options and segment ids.
+        modifiers: the forward's score modifiers (:func:`flash_attention_qkv_packed`).
 
     Returns:
         dqkv ``[3, G, L, D]`` in qkv's dtype.
     """
+    _check_modifier_names("flash_attention_qkv_packed_grad", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    modifier_inputs(**modifiers)
     q, k, v = _unpack(qkv, options, tuple(segments.values()))
-    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments)
+    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments, **modifiers)
     with popxl.name_scope("flash_attention_qkv_packed_grad"):
         return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)
