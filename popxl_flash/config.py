@@ -364,7 +364,8 @@ class AttentionConfig:
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
-            num_chunks_q=None, num_chunks_kv=None, kv_groups=None) -> "costmodel.ChunkChoice":
+            num_chunks_q=None, num_chunks_kv=None, kv_groups=None, score_mod=None,
+            score_mod_inputs=()) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -376,18 +377,31 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
             fixes that axis's chunk length and only the other is chosen.
         kv_groups: Gk, the groups of k and v (``None``: ``groups``; grouped-query attention:
             a divisor of ``groups``).
+        score_mod, score_mod_inputs: a ``score_mod`` function and the ``popxl.TensorSpec`` of
+            its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
+            Ir; the chunk choice itself does not see it).
 
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
         ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
         (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
-        and ``table()`` to print them.
+        and ``table()`` to print them. With ``score_mod``, ``.score_mod`` holds its
+        :class:`popxl_flash.score_mods.ScoreModCost` and ``table()`` ends with its line.
     """
     kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
     cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
                                       num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                                       causal=causal, window=window)
-    return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
-                            causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
-                            chunk_q=None if num_chunks_q is None else cfg.chunk_q,
-                            chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+    choice = costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                              causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
+                              chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                              chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+    if score_mod is None:
+        return choice
+    from popxl_flash import score_mods
+    chosen = choice.chosen
+    mod_cost = score_mods.cost(score_mod, groups=groups, chunk_q=chosen.chunk_q,
+                               chunk_kv=chosen.chunk_kv, visited_blocks=chosen.iterations,
+                               input_specs=tuple(score_mod_inputs))
+    return score_mods.ChoiceWithScoreMod(choice.chosen, choice.candidates, choice.reason,
+                                         mod_cost)

@@ -433,17 +433,6 @@ def _call_score_mod(cfg, s, x, backward):
     return out, mod_grad
 
 
-def score_mod_ops(cfg):
-    """Ops of the score_mod graph of a whole block (0 without one), for the cost report."""
-    if cfg.mods is None or cfg.mods.score_mod is None:
-        return 0
-    graphs = getattr(popxl.gcg().ir, _GRAPHS_ATTR, {})
-    for key, (graph, _) in graphs.items():
-        if key[0] is cfg.mods.score_mod:
-            return len(graph._pb_graph.getOps())
-    return 0
-
-
 # -- the returned dropout mask ------------------------------------------------------------------
 def dropout_mask(cfg, seed):
     """The keep mask of every block, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
@@ -463,3 +452,74 @@ def dropout_mask(cfg, seed):
     if (cfg.padded_q_len, cfg.padded_kv_len) != (cfg.q_len, cfg.kv_len):
         mask = ops.slice(mask, start=[0, 0], stop=[cfg.q_len, cfg.kv_len], axis=[1, 2])
     return mask
+
+
+# -- cost report (pf.explain) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoreModCost:
+    """What a ``score_mod`` adds to one attention call (:func:`cost`).
+
+    Attributes:
+        ops: ops of its graph on one whole block (forward; the backward runs them again).
+        grad_ops: ops of its gradient graph (``popxl.transforms.autodiff``), backward only.
+        block_elements: ``G * cq * ckv``.
+        visited_blocks: blocks per pass.
+        forward_flops, backward_flops: ``ops (+ grad_ops) * block_elements * visited_blocks``,
+            counting one FLOP per op and block element: an upper bound (ops on the broadcast
+            index tensors touch fewer elements).
+    """
+    ops: int
+    grad_ops: int
+    block_elements: int
+    visited_blocks: int
+    forward_flops: int
+    backward_flops: int
+
+    def line(self):
+        """One line for :meth:`ChunkChoice.table`."""
+        return (f"score_mod: {self.ops} ops/block forward, +{self.grad_ops} gradient ops/block "
+                f"backward; <= {self.forward_flops:,} FLOPs forward, <= "
+                f"{self.backward_flops:,} backward ({self.visited_blocks} blocks of "
+                f"{self.block_elements:,} elements)")
+
+
+def cost(score_mod, *, groups, chunk_q, chunk_kv, visited_blocks, input_specs=()):
+    """Build ``score_mod``'s graph and gradient in a scratch ``popxl.Ir`` and count their ops.
+
+    Args:
+        score_mod: the function. groups, chunk_q, chunk_kv: the block shape.
+        visited_blocks: blocks per pass. input_specs: ``popxl.TensorSpec`` of its inputs.
+
+    Returns:
+        :class:`ScoreModCost`.
+    """
+    ir = popxl.Ir()
+    with ir.main_graph:
+        spec, i32 = popxl.TensorSpec, popxl.int32
+        graph = ir.create_graph(_score_mod_body, score_mod, groups,
+                                spec((groups, chunk_q, chunk_kv), popxl.float32),
+                                spec((1, chunk_q, 1), i32), spec((1, 1, chunk_kv), i32),
+                                *input_specs)
+        grad = popxl.transforms.autodiff(graph, grads_provided=graph.outputs[:1],
+                                         grads_required=graph.inputs[:1])
+    ops_f, ops_b = (len(g._pb_graph.getOps()) for g in (graph, grad.graph))
+    elements = groups * chunk_q * chunk_kv
+    return ScoreModCost(ops_f, ops_b, elements, visited_blocks,
+                        ops_f * elements * visited_blocks,
+                        (ops_f + ops_b) * elements * visited_blocks)
+
+
+def _choice_class():
+    from popxl_flash.costmodel import ChunkChoice
+
+    @dataclass(frozen=True)
+    class ChoiceWithScoreMod(ChunkChoice):
+        """A :class:`~popxl_flash.costmodel.ChunkChoice` with the cost of a ``score_mod``."""
+        score_mod: ScoreModCost = None
+
+        def table(self):
+            return super().table() + "\n" + self.score_mod.line()
+    return ChoiceWithScoreMod
+
+
+ChoiceWithScoreMod = _choice_class()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import popxl_flash as pf
-from popxl_flash import popxl, score_mods
+from popxl_flash import popxl
 
 from attention_utils import build_only, random_qkv, run_graph, zeros_variable
 from score_mod_utils import alibi_slopes, check_rule, run_modified
@@ -350,11 +350,34 @@ def _scaled(score, g, q_idx, kv_idx, t):
     return score * t
 
 
-def test_score_mod_ops_counted():
-    """pf.explain's score_mod cost comes from the ops of its graph (score_mods.score_mod_ops)."""
-    ir = popxl.Ir()
-    with ir.main_graph:
-        q = zeros_variable((2, 16, 8))
-        pf.flash_attention(q, q, q, score_mod=_mod_a, num_chunks_q=2, num_chunks_kv=2)
-        cfg = next(iter(ir._popxl_flash_graphs))[1]
-        assert score_mods.score_mod_ops(cfg) >= 1
+def test_explain_reports_score_mod_cost():
+    """pf.explain counts the score_mod graph's ops (and its gradient's) at the chosen chunking;
+    FLOPs are ops x block elements x visited blocks."""
+    def two_ops(score, g, q_idx, kv_idx, t):
+        return score * t + 1.0
+    spec = popxl.TensorSpec((4, 1, 1), popxl.float32)
+    choice = pf.explain(256, 256, head_dim=32, groups=4, causal=False, num_chunks_q=4,
+                        num_chunks_kv=4, score_mod=two_ops, score_mod_inputs=(spec,))
+    cost = choice.score_mod
+    assert cost.ops == 2 and cost.grad_ops >= 1
+    assert cost.visited_blocks == 16 and cost.block_elements == 4 * 64 * 64
+    assert cost.forward_flops == 2 * 4 * 64 * 64 * 16
+    assert "score_mod: 2 ops/block" in choice.table()
+    plain = pf.explain(256, 256, head_dim=32, groups=4, causal=False, num_chunks_q=4,
+                       num_chunks_kv=4)
+    assert not hasattr(plain, "score_mod")
+
+
+def test_cost_benchmark_counts(tmp_path, capsys):
+    """benchmarks.modifiers: with every feature off nothing is added; softcap adds exactly its
+    3 forward and 6 backward ops per whole block; matmul FLOPs are equal (checked inside)."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import modifiers
+    rows = modifiers.measure(modifiers.parse_args(["--seq-len", "32", "--head-dim", "4",
+                                                   "--chunks", "2,4"]))
+    by = {(r["mask"], r["feature"]): r for r in rows}
+    assert by[("none", "none")]["extra_fwd"] == 0
+    assert (by[("none", "softcap")]["extra_fwd"], by[("none", "softcap")]["extra_bwd"]) == (3, 6)
+    assert all(r["extra_fwd"] > 0 and r["extra_bwd"] > 0 for r in rows if r["feature"] != "none")
