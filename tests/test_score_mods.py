@@ -379,5 +379,6 @@ def test_cost_benchmark_counts(tmp_path, capsys):
                                                    "--chunks", "2,4"]))
     by = {(r["mask"], r["feature"]): r for r in rows}
     assert by[("none", "none")]["extra_fwd"] == 0
-    assert (by[("none", "softcap")]["extra_fwd"], by[("none", "softcap")]["extra_bwd"]) == (3, 6)
+    softcap = by[("none", "softcap")]
+    assert (softcap["extra_fwd"], softcap["extra_bwd"]) == (pytest.approx(3), pytest.approx(6))
     assert all(r["extra_fwd"] > 0 and r["extra_bwd"] > 0 for r in rows if r["feature"] != "none")
