@@ -18,7 +18,9 @@ Heads flatten batch-major (``g = b * H + h``), so grouped-query and multi-query 
 q head ``h`` reads kv head ``h // (Hq // Hkv)`` of its own batch entry, flash-attn's convention.
 """
 from collections import namedtuple
+from dataclasses import replace
 
+from popxl_flash import score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
 from popxl_flash.functional import (check_tensors, flash_attention, keyword_hints,
@@ -180,7 +182,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse)
     return_probs = check_bool("return_attn_probs", return_attn_probs)
-    modifiers = modifier_options(dims, softcap=softcap, alibi_slopes=alibi_slopes,
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes,
                                  score_mod=score_mod, score_mod_inputs=score_mod_inputs,
                                  dropout_p=dropout_p, seed=seed,
                                  return_attn_probs=return_probs)
@@ -198,13 +201,15 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse) if return_lse else out
 
 
-def modifier_options(dims, *, softcap, alibi_slopes, score_mod, score_mod_inputs, dropout_p,
-                     seed, return_attn_probs):
+def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, score_mod_inputs,
+                     dropout_p, seed, return_attn_probs):
     """flash-attn's score-modifier and dropout options -> the core's keywords, validated
-    (before any graph or scope is opened).
+    (before any graph or scope is opened; a ``score_mod``'s graphs are built here, so its
+    errors come before the scope too).
 
     Args:
-        dims: the call's :class:`Dims`; the rest: flash-attn's names.
+        dims: the call's :class:`Dims`; qkv: the tensors; options: the core options
+            (:func:`core_options`); the rest: flash-attn's names.
 
     Returns:
         Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
@@ -224,8 +229,21 @@ def modifier_options(dims, *, softcap, alibi_slopes, score_mod, score_mod_inputs
     if return_attn_probs and (mods is None or mods.dropout == 0):
         raise ValueError("return_attn_probs=True needs dropout_p > 0 (it returns the dropout "
                          "keep mask; the probabilities are never materialised)")
+    if mods is not None and mods.score_mod is not None:
+        G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+        kv_shape = (Gk, dims.kv_len, dims.head_dim)
+        cfg = AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
+                                          tuple(t.dtype.name for t in qkv), **options)
+        specs = tuple((tuple(t.shape), t.dtype.name) for t in mods_inputs(score_mod_inputs))
+        score_mods.prebuild(replace(cfg, mods=replace(mods, mod_input_specs=specs)))
     return dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
                 score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
+
+
+def mods_inputs(score_mod_inputs):
+    """``score_mod_inputs`` as a tuple (one tensor alone is accepted)."""
+    return (score_mod_inputs,) if isinstance(score_mod_inputs, popxl.Tensor) else \
+        tuple(score_mod_inputs)
 
 
 def group_slopes(modifiers, dims):

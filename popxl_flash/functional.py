@@ -274,6 +274,7 @@ def _forward(q, k, v, segments, options, extras=()):
     """Validate and call the forward module: ``(out, lse)``, recorded for autodiff and grad."""
     module = FlashAttention(**options)
     cfg = module.config(q, k, v, *segments, *extras)  # validate before any graph is created
+    score_mods.prebuild(cfg)  # a score_mod's errors too
     inputs = (q, k, v, *segments, *extras)
     with popxl.name_scope("flash_attention"):
         graph = _cached_graph(module, inputs)
@@ -399,6 +400,7 @@ def _backward(dout, q, k, v, out, lse, segments, options, extras=()):
     check_tensors(out=out, lse=lse)
     cfg = module.config(dout, q, k, v, out, lse, *segments, *extras)
     _check_stash_options(cfg, out=out, lse=lse)
+    score_mods.prebuild(cfg, backward=True)
     return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments,
                         *extras)
 

@@ -392,12 +392,13 @@ def _score_mod_body(fn, groups, score, q_idx, kv_idx, *inputs):
     return out
 
 
-def score_mod_graphs(cfg, score_spec, q_spec, kv_spec, input_specs):
-    """The score_mod graph for one block shape and its gradient (``popxl.transforms.autodiff``
-    with respect to ``score``), created once per Ir, score_mod and shapes.
+def score_mod_graphs(cfg, score_spec, q_spec, kv_spec, input_specs, backward=False):
+    """The score_mod graph for one block shape and, with ``backward``, its gradient
+    (``popxl.transforms.autodiff`` with respect to ``score``), created once per Ir, score_mod
+    and shapes (the gradient on first use: a forward-only score_mod need not be differentiable).
 
     Returns:
-        ``(graph, grad_info)``.
+        ``(graph, grad_info or None)``.
     """
     ir = popxl.gcg().ir
     cache = getattr(ir, _GRAPHS_ATTR, None)
@@ -407,8 +408,10 @@ def score_mod_graphs(cfg, score_spec, q_spec, kv_spec, input_specs):
     key = (cfg.mods.score_mod, cfg.groups, tuple(score_spec.shape), tuple(q_spec.shape),
            tuple(kv_spec.shape), tuple((tuple(s.shape), s.dtype.name) for s in input_specs))
     if key not in cache:
-        graph = ir.create_graph(_score_mod_body, cfg.mods.score_mod, cfg.groups, score_spec,
-                                q_spec, kv_spec, *input_specs)
+        cache[key] = (ir.create_graph(_score_mod_body, cfg.mods.score_mod, cfg.groups,
+                                      score_spec, q_spec, kv_spec, *input_specs), None)
+    graph, grad = cache[key]
+    if backward and grad is None:
         try:
             grad = popxl.transforms.autodiff(graph, grads_provided=graph.outputs[:1],
                                              grads_required=graph.inputs[:1])
@@ -419,10 +422,22 @@ def score_mod_graphs(cfg, score_spec, q_spec, kv_spec, input_specs):
     return cache[key]
 
 
+def prebuild(cfg, backward=False):
+    """Build (and so validate) the score_mod graph of a whole block (with ``backward``, its
+    gradient too) now, before the caller opens a name scope or a graph (PopXL's
+    ``name_scope`` is not exception-safe)."""
+    if cfg.mods is None or cfg.mods.score_mod is None:
+        return
+    spec, rows = popxl.TensorSpec, _position_rows(cfg)
+    score_mod_graphs(cfg, spec((cfg.groups, cfg.chunk_q, cfg.chunk_kv), popxl.float32),
+                     spec((rows, cfg.chunk_q, 1), popxl.int32),
+                     spec((rows, 1, cfg.chunk_kv), popxl.int32), _mod_input_specs(cfg), backward)
+
+
 def _call_score_mod(cfg, s, x, backward):
     inputs = x["inputs"]
     graph, grad = score_mod_graphs(cfg, s.spec, x["q_idx"].spec, x["kv_idx"].spec,
-                                   [t.spec for t in inputs])
+                                   [t.spec for t in inputs], backward)
     info = ops.call_with_info(graph, s, x["q_idx"], x["kv_idx"], *inputs)
     out = info.outputs[0]
     if not backward:

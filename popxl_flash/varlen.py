@@ -143,7 +143,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         return_lse=return_lse)
     return_probs = check_bool("return_attn_probs", return_attn_probs)
-    modifiers = modifier_options(dims, softcap=softcap, alibi_slopes=alibi_slopes,
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes,
                                  score_mod=score_mod, score_mod_inputs=score_mod_inputs,
                                  dropout_p=dropout_p, seed=seed, return_attn_probs=return_probs)
     with popxl.name_scope("flash_attn_varlen_func"):

@@ -382,3 +382,29 @@ def test_cost_benchmark_counts(tmp_path, capsys):
     softcap = by[("none", "softcap")]
     assert (softcap["extra_fwd"], softcap["extra_bwd"]) == (pytest.approx(3), pytest.approx(6))
     assert all(r["extra_fwd"] > 0 and r["extra_bwd"] > 0 for r in rows if r["feature"] != "none")
+
+
+@pytest.mark.parametrize("api", ["core", "flash_attn_func", "varlen"])
+def test_score_mod_errors_leave_no_name_scope(api):
+    """A bad score_mod raises before any name scope opens (PopXL's is not exception-safe)."""
+    def bad(score, g, q_idx, kv_idx):
+        return ops.sum(score, axis=-1, keepdims=True)
+
+    def fn():
+        if api == "core":
+            q = zeros_variable((2, 8, 4))
+            pf.flash_attention(q, q, q, score_mod=bad)
+        elif api == "flash_attn_func":
+            q = zeros_variable((1, 8, 2, 4))
+            pf.flash_attn_func(q, q, q, score_mod=bad)
+        else:
+            q = zeros_variable((8, 2, 4))
+            cu = popxl.variable(np.array([0, 8], np.int32))
+            pf.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, score_mod=bad)
+        return None
+    with pytest.raises(ValueError, match="score_mod must be elementwise"):
+        build_only(fn)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.zeros(2, np.float32), name="probe")
+    assert t.id == "probe"
