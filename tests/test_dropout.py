@@ -184,3 +184,38 @@ def test_dropout_over_chunkings(Lq, Lkv, data):
     out, lse, grads, keep = _run(q, k, v, dout, p, options)
     check_rule(out, lse, grads, q, k, v, dout, options,
                dict(causal=causal, window=None, scale=None, keep=keep, dropout=p), "float32")
+
+
+def test_flash_attn_func_dropout_through_autodiff():
+    """A layer with dropout and ALiBi differentiated by pf.autodiff with the default
+    grads_required (the slopes, with no gradient path but the flash modifiers, are left out):
+    gradients equal the reference computed with the returned mask."""
+    rng = np.random.default_rng(9)
+    B, L, H, D = 2, 13, 2, 8
+    q, k, v = (rng.standard_normal((B, L, H, D)).astype(np.float32) for _ in range(3))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = np.array([0.5, 0.25], np.float32)
+
+    def build(q, k, v, do, s, sl):
+        ir = popxl.gcg().ir
+
+        def layer(q, k, v, s, sl):
+            return pf.flash_attn_func(q, k, v, causal=True, dropout_p=0.3, seed=s,
+                                      alibi_slopes=sl, return_attn_probs=True, num_chunks_q=2)
+        graph = ir.create_graph(layer, q.spec, q.spec, q.spec, s.spec, sl.spec)
+        grad = pf.autodiff(graph, grads_provided=graph.outputs[:1])
+        info = popxl.ops.call_with_info(graph, q, k, v, s, sl)
+        grads = popxl.ops.call(grad.graph, do, inputs_dict=grad.inputs_dict(info))
+        return [info.outputs[0], info.outputs[2], *grads]
+    res, _ = run_graph(build, [q, k, v, dout, SEED, slopes], fp_checks=True)
+    assert len(res) == 5  # dq, dk, dv: no gradient for the seed or the slopes
+
+    def groups(x):
+        return x.transpose(0, 2, 1, 3).reshape(B * H, L, D)
+    kw = dict(causal=True, keep=res[1].reshape(B * H, L, L), dropout=0.3,
+              alibi_slopes=np.tile(slopes, B))
+    ref_out, _ = pf.reference.attention(groups(q), groups(k), groups(v), **kw)
+    refs = pf.reference.attention_grad(groups(dout), groups(q), groups(k), groups(v), **kw)
+    np.testing.assert_allclose(groups(res[0]), ref_out, atol=3e-6)
+    for g, r in zip(res[2:], refs):
+        np.testing.assert_allclose(groups(g), r, atol=2e-5)
