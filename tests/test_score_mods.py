@@ -408,3 +408,26 @@ def test_score_mod_errors_leave_no_name_scope(api):
     with ir.main_graph:
         t = popxl.variable(np.zeros(2, np.float32), name="probe")
     assert t.id == "probe"
+
+
+def test_packed_qkv_passes_modifiers():
+    """flash_attention_qkv_packed(_grad) take the same modifiers and equal the unpacked call."""
+    rng = np.random.default_rng(11)
+    qkv = rng.standard_normal((3, 2, 12, 8)).astype(np.float32)
+    dout = rng.standard_normal((2, 12, 8)).astype(np.float32)
+    slopes = alibi_slopes(2)
+
+    def build(qkv, do, s):
+        mods = dict(softcap=2.0, alibi_slopes=s)
+        out, lse = pf.flash_attention_qkv_packed(qkv, return_lse=True, num_chunks_q=3, **mods)
+        dqkv = pf.flash_attention_qkv_packed_grad(do, qkv, out, lse, num_chunks_q=3, **mods)
+        return [out, dqkv]
+    (out, dqkv), _ = run_graph(build, [qkv, dout, slopes], fp_checks=True)
+    kw = dict(causal=True, softcap=2.0, alibi_slopes=slopes)
+    ref, _ = pf.reference.attention(*qkv, **kw)
+    np.testing.assert_allclose(out, ref, atol=2e-6)
+    np.testing.assert_allclose(dqkv, np.stack(pf.reference.attention_grad(dout, *qkv, **kw)),
+                               atol=1e-5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dropout_rate'"):
+        build_only(lambda: pf.flash_attention_qkv_packed(zeros_variable((3, 1, 4, 2)),
+                                                         dropout_rate=0.1))
