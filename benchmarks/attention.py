@@ -183,6 +183,7 @@ def _side(run, useful_flops):
                     peak_live_bytes=run.profile.peak_live_bytes,
                     loop_iterations=run.profile.loop_iterations,
                     bytes_copied=run.profile.bytes_copied,
+                    bytes_copied_by_kind=dict(run.profile.bytes_copied_by_kind),
                     fits_device=run.profile.fits_device)
     return side
 

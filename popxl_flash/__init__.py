@@ -10,6 +10,8 @@ from popxl_flash import costmodel
 from popxl_flash.config import AttentionConfig, explain
 from popxl_flash.flash_attn_interface import flash_attn_func
 from popxl_flash.forward import FlashAttention
+from popxl_flash import kvcache
+from popxl_flash.kvcache import flash_attn_with_kvcache
 from popxl_flash.fpchecks import enable_floating_point_checks
 from popxl_flash.functional import (flash_attention, flash_attention_grad,
                                     flash_attention_qkv_packed, flash_attention_qkv_packed_grad)
@@ -22,6 +24,6 @@ __all__ = [
     "FlashAttention", "FlashAttentionGrad", "flash_attention", "flash_attention_qkv_packed",
     "flash_attention_grad", "flash_attention_qkv_packed_grad", "flash_attn_func",
     "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",
-    "flash_attn_varlen_func",
+    "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache",
 ]
 __version__ = "0.1.0"

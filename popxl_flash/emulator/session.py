@@ -167,7 +167,9 @@ class Session:
                 outputs[s][...] = d2h[s].reshape(outputs[s].shape)
         self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
                                   time.perf_counter() - t0, rt.copied,
-                                  self._device.memory_bytes, loop_iterations=rt.iterations)
+                                  self._device.memory_bytes, loop_iterations=rt.iterations,
+                                  bytes_copied_by_kind=dict(rt.copied_by_kind),
+                                  copy_sites=dict(rt.copy_sites))
 
     def _full_shape(self, stream):
         nht = self._ir.num_host_transfers

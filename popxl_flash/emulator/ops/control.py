@@ -6,7 +6,6 @@ from .. import dtypes
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import Graph, check_in_graph
-from ..plan import call_copy_bytes, if_copy_bytes, repeat_copy_bytes
 from ..registry import COMPILE_CHECKS, PREPARE, emit, register
 from ..tensor import Tensor
 
@@ -206,7 +205,7 @@ def _call_rule(*parents, graph):
 
 
 def _run_call(rt, plan, args):
-    rt.copied += call_copy_bytes(plan)
+    rt.add_copies("call", plan.call_copies, f"call {plan.graph.name}")
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(args, plan.copy_in)])
 
 
@@ -244,7 +243,11 @@ def _repeat_rule(*parents, graph, count):
 def _run_repeat(rt, plan, args):
     n = plan.n_outputs
     count = plan.repeat_count
-    rt.copied += repeat_copy_bytes(plan, count)
+    site = f"repeat {plan.graph.name}"
+    for kind, nbytes in plan.loop_once.items():  # copies.py: CopyModel.repeat_bytes
+        rt.add_copies(kind, nbytes, site)
+    for kind, nbytes in plan.loop_step.items():
+        rt.add_copies(kind, nbytes, site, count)
     if count == 0:
         return [a.copy() for a in args[:n]]
     vals = list(args)
@@ -326,7 +329,7 @@ def _run_cond(rt, data, args):
         plan, ins = then_plan, args[1:1 + n_then]
     else:
         plan, ins = else_plan, args[1 + n_then:]
-    rt.copied += if_copy_bytes(plan)
+    rt.add_copies("branch", plan.branch_copies, f"branch {plan.graph.name}")
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(ins, plan.copy_in)])
 
 
