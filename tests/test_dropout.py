@@ -7,7 +7,7 @@ another mask; flash_attn_func's return_attn_probs; the stash check refuses other
 """
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
@@ -174,6 +174,7 @@ def test_flash_attn_func_dropout_errors():
         build_only(no_seed)
 
 
+@settings(max_examples=30)  # each example builds and runs two graphs
 @given(st.integers(1, 20), st.integers(1, 20), st.data())
 def test_dropout_over_chunkings(Lq, Lkv, data):
     nq, nkv = data.draw(st.integers(1, Lq)), data.draw(st.integers(1, Lkv))

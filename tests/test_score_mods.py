@@ -7,7 +7,7 @@ masked scores.
 """
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
@@ -329,6 +329,7 @@ def modifier_cases(draw):
                 seed=draw(st.integers(0, 2 ** 16)))
 
 
+@settings(max_examples=30)  # each example builds and runs two graphs
 @given(modifier_cases())
 def test_modifiers_over_chunkings(case):
     slopes = alibi_slopes(2)
