@@ -72,10 +72,6 @@ class ScoreMods:
         """Whether blocks need their q/kv positions (ALiBi, score_mod)."""
         return self.alibi or self.score_mod is not None
 
-    @property
-    def modifies_scores(self):
-        return self.softcap > 0 or self.positions
-
 
 def _real(name, value, low, high, high_open):
     """``value`` as a float in ``[low, high]`` (``high`` excluded if ``high_open``)."""
@@ -175,7 +171,7 @@ def split_loop_inputs(cfg, inputs):
     """A loop body's trailing inputs -> ``(segment inputs, prepared extras)``."""
     if cfg.mods is None:
         return inputs, ()
-    n = int(cfg.mods.alibi) + int(cfg.mods.dropout > 0) + cfg.mods.num_mod_inputs
+    n = cfg.mods.num_inputs  # prepare() gives one loop input per module extra
     return inputs[:len(inputs) - n], inputs[len(inputs) - n:]
 
 
