@@ -432,3 +432,28 @@ def test_packed_qkv_passes_modifiers():
     with pytest.raises(TypeError, match="unexpected keyword argument 'dropout_rate'"):
         build_only(lambda: pf.flash_attention_qkv_packed(zeros_variable((3, 1, 4, 2)),
                                                          dropout_rate=0.1))
+
+
+def test_score_mod_layer_through_autodiff_defaults():
+    """A layer calling flash_attention with a score_mod and a float score_mod input,
+    differentiated by pf.autodiff with its defaults: dq, dk, dv (no gradient for the input)."""
+    q, k, v, dout = _case(12, Lq=11, Lkv=17, D=8)
+    temps = np.array([0.5, 1.0, 1.5, 2.0], np.float32)
+
+    def build(q, k, v, do, t):
+        ir = popxl.gcg().ir
+        layer = ir.create_graph(
+            lambda q, k, v, t: pf.flash_attention(q, k, v, causal=False, score_mod=_temperature_mod,
+                                                  score_mod_inputs=(t,)),
+            q.spec, k.spec, v.spec, t.spec)
+        grad = pf.autodiff(layer)
+        info = ops.call_with_info(layer, q, k, v, t)
+        return [info.outputs[0], *ops.call(grad.graph, do, inputs_dict=grad.inputs_dict(info))]
+    res, _ = run_graph(build, [q, k, v, dout, temps], fp_checks=True)
+    assert len(res) == 4
+    t3 = temps.reshape(4, 1, 1)
+    kw = dict(causal=False, score_mod=lambda s, g, qi, kj: s * t3,
+              score_mod_grad=lambda s, g, qi, kj: np.broadcast_to(t3, s.shape))
+    np.testing.assert_allclose(res[0], pf.reference.attention(q, k, v, **kw)[0], atol=2e-6)
+    for g, r in zip(res[1:], pf.reference.attention_grad(dout, q, k, v, **kw)):
+        np.testing.assert_allclose(g, r, atol=1e-5)
