@@ -457,3 +457,29 @@ def test_score_mod_layer_through_autodiff_defaults():
     np.testing.assert_allclose(res[0], pf.reference.attention(q, k, v, **kw)[0], atol=2e-6)
     for g, r in zip(res[1:], pf.reference.attention_grad(dout, q, k, v, **kw)):
         np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+def test_modules_take_mods():
+    """FlashAttention / FlashAttentionGrad with ``mods``: extras after the (absent) segment
+    inputs, slopes then the score_mod inputs."""
+    from popxl_flash import score_mods
+    q, k, v, dout = _case(13, Lq=10, Lkv=14, D=8)
+    slopes, temps = alibi_slopes(4), np.array([0.5, 1.0, 1.5, 2.0], np.float32)
+    mods = score_mods.options(softcap=3.0, alibi=True, score_mod=_temperature_mod,
+                              num_mod_inputs=1)
+
+    def build(q, k, v, do, s, t):
+        ir = popxl.gcg().ir
+        fwd = ir.create_graph(pf.FlashAttention(num_chunks_q=2, causal=True, mods=mods),
+                              q, k, v, s, t)
+        out, lse = ops.call(fwd, q, k, v, s, t)
+        bwd = ir.create_graph(pf.FlashAttentionGrad(num_chunks_q=2, causal=True, mods=mods),
+                              do, q, k, v, out, lse, s, t)
+        return [out, *ops.call(bwd, do, q, k, v, out, lse, s, t)]
+    res, _ = run_graph(build, [q, k, v, dout, slopes, temps], fp_checks=True)
+    t3 = temps.reshape(4, 1, 1)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, score_mod=lambda s, g, i, j: s * t3,
+              score_mod_grad=lambda s, g, i, j: np.broadcast_to(t3, s.shape))
+    np.testing.assert_allclose(res[0], pf.reference.attention(q, k, v, **kw)[0], atol=2e-6)
+    for g, r in zip(res[1:], pf.reference.attention_grad(dout, q, k, v, **kw)):
+        np.testing.assert_allclose(g, r, atol=1e-5)
