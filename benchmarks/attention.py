@@ -24,6 +24,7 @@ from benchmarks import report
 from benchmarks.graphs import (Case, flash_graph, host_inputs, naive_flops, naive_graph,
                                naive_inputs)
 from popxl_flash import devices
+from popxl_flash.steps import loop_steps
 from popxl_flash.harness import run_graph
 
 PASSES = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}
@@ -157,6 +158,7 @@ def planner_numbers(case):
     mem = sched.memory_bytes(D, G, itemsize=np.dtype(case.dtype).itemsize)
     return dict(num_chunks_q=cfg.num_chunks_q, num_chunks_kv=cfg.num_chunks_kv,
                 chunk_q=cfg.chunk_q, chunk_kv=cfg.chunk_kv, visited_blocks=sched.visited_blocks,
+                loop_steps=loop_steps(sched),
                 executed_flops=flops.executed,
                 useful_flops=flops.useful, flop_ratio=flops.ratio,
                 est_flash_bytes=mem.flash, est_naive_bytes=mem.naive)

@@ -384,9 +384,11 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
         ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
-        (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
-        and ``table()`` to print them. With ``score_mod``, ``.score_mod`` holds its
-        :class:`popxl_flash.score_mods.ScoreModCost` and ``table()`` ends with its line.
+        (FLOPs, iterations) and modelled figures (ops, bytes copied under PopART's rules,
+        working set, fit, time), the loop ``structures`` weighed at the chosen chunking
+        (:func:`popxl_flash.costmodel.structures`), and ``table()`` to print them. With
+        ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.score_mods.ScoreModCost`
+        and ``table()`` ends with its line.
     """
     kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
     cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
@@ -400,8 +402,10 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         return choice
     from popxl_flash import score_mods
     chosen = choice.chosen
+    sched = _schedule.plan(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, causal=causal,
+                           window=cfg.window)
     mod_cost = score_mods.cost(score_mod, groups=groups, chunk_q=chosen.chunk_q,
-                               chunk_kv=chosen.chunk_kv, visited_blocks=chosen.iterations,
+                               chunk_kv=chosen.chunk_kv, steps=chosen.iterations,
+                               cells=sched.executed_elements,
                                input_specs=tuple(score_mod_inputs))
-    return score_mods.ChoiceWithScoreMod(choice.chosen, choice.candidates, choice.reason,
-                                         mod_cost)
+    return score_mods.with_score_mod_cost(choice, mod_cost)

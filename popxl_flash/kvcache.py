@@ -75,7 +75,7 @@ MODEL_FILLS = (0.1, 0.5, 1.0)
 #: over B in {1, 2, 4}, 4 to 16 steps, 1 split or 2, three fills: within 3%; held to the
 #: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
 #: + per_executed * executed steps (+ combine with splits)``.
-OPS_DECODE = dict(fixed=153, per_row=9, per_step=18, per_executed=22, combine=23)
+OPS_DECODE = dict(fixed=141, per_row=8, per_step=23, per_executed=18, combine=21)
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class DecodeCandidate:
         flops: executed matmul FLOPs at each fill of :data:`MODEL_FILLS` (exact for rows of
             that length).
         ops: modelled ops executed at each fill.
-        bytes_copied: modelled lowering copies per step x steps.
+        bytes_copied: modelled lowering copies of one call (mean over the fills).
         seconds: modelled time averaged over the fills.
     """
     splits: int
@@ -249,9 +249,11 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
 
     FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
-    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies are the loop's
-    carried state and the step's operands per step (the forward's lowering model,
-    :mod:`popxl_flash.costmodel`).
+    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies follow PopART's
+    rules for the forward's segment-id loop (:mod:`popxl_flash.costmodel`): every step copies
+    its counter and the taken branch's inputs and outputs, the state rows for a skipped step,
+    and for an executed one the state rows and the block's operands at two branch levels
+    (averaged over the fills, like the time).
     """
     G = dims.batch * dims.q_heads * splits
     Gk = dims.batch * dims.kv_heads * splits
@@ -262,10 +264,11 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     steps = -(-Lc // granule) * nq
     flops, op_counts, seconds = [], [], 0.0
     item = 2 if dtype == "float16" else 4
-    per_step_bytes = (G * (4 * ((2 * cq + cq * D) * 4 + 4) + cq * D * item
-                           + 2 * (nq * cq * (D * item + 4)))
-                      + Gk * 2 * chunk_kv * D * item)
-    copied = steps * per_step_bytes
+    state_rows = G * (2 * cq + cq * D) * 4  # m, l, acc rows: into a branch and out
+    operands = G * cq * D * item + Gk * 2 * chunk_kv * D * item  # q rows, k and v blocks
+    skip_bytes = 2 * state_rows + 2 * costmodel.COUNTER_BYTES
+    run_bytes = 2 * (2 * state_rows + operands) + 2 * costmodel.COUNTER_BYTES
+    copied_mean = 0.0
     if lengths is None:
         lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
     for rows in lengths:
@@ -276,10 +279,12 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
                   + (OPS_DECODE["combine"] if splits > 1 else 0))
         flops.append(f)
         op_counts.append(o)
+        copied = (steps - executed) * skip_bytes + executed * run_bytes
+        copied_mean += copied / len(lengths)
         seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(lengths)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
                            granule=granule, flops=tuple(flops), ops=tuple(op_counts),
-                           bytes_copied=copied, seconds=seconds)
+                           bytes_copied=round(copied_mean), seconds=seconds)
 
 
 def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",

@@ -15,21 +15,22 @@ indices, or, with the varlen API's positions, the per-sequence bottom-right posi
 (``i - seqlen_q`` and ``j - seqlen_k``: their difference is FlashAttention's
 ``i + seqlen_k - seqlen_q - j``).
 
-The block modules touch this only at two points: :func:`modify` on the scores (forward and
+The block updates touch this only at two points: :func:`modify` on the scores (forward and
 backward; the backward also gets the chain rule back), :func:`drop` on the probabilities. The
 loop-invariant tensors (ALiBi slopes, the dropout seed, ``score_mod_inputs``) enter the modules
 after the segment inputs ("extras": :func:`split_inputs`), are prepared once per call
-(:func:`prepare`), and each step turns them into block operands (:func:`step_operands`).
+(:func:`prepare`), enter each loop body after its segment inputs, and each step turns them into
+operands the update takes after its own (:func:`step_operands`).
 
-Dropout keep masks: block ``(i, j)`` (chunk row offsets ``i0``, ``j0``) draws
-``random_uniform(seed_ij, [G, cq, ckv])`` and keeps ``u > p``, with
+Dropout keep masks: the step whose (sub-)block starts at row ``i0``, column ``j0`` draws
+``random_uniform(seed_ij, [G, rows, cols])`` and keeps ``u > p``, with
 ``seed_ij = base + [0, i0 * Lkv_pad + j0]`` (uint32, wrapping) and ``base`` the first seed of
-``ops.split_random_seed(seed, 1)``. The seed depends on the block's identity, not on the loop
-step, so the backward (kv-major) regenerates exactly the forward's (q-major) mask; on the IPU
-this relies on poprand giving equal values for an equal seed and shape (``RandomUniformOpx``
-maps a fresh output linearly). Masks are tied to the chunk sizes: the backward must use the
-forward's (checked for stashed outputs). Distinct blocks get distinct seeds while
-``Lq_pad * Lkv_pad < 2**32``.
+``ops.split_random_seed(seed, 1)``. The seed depends on the step's (sub-)block, not on the loop
+step, so the backward (kv-major, with the same sub-blocks: :mod:`popxl_flash.steps`)
+regenerates exactly the forward's (q-major) mask; on the IPU this relies on poprand giving
+equal values for an equal seed and shape (``RandomUniformOpx`` maps a fresh output linearly).
+Masks are tied to the chunk sizes: the backward must use the forward's (checked for stashed
+outputs). Distinct steps get distinct seeds while ``Lq_pad * Lkv_pad < 2**32``.
 """
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -167,152 +168,85 @@ def prepare(cfg, extras):
     return out + list(named["inputs"])
 
 
-def split_loop_inputs(cfg, inputs):
-    """A loop body's trailing inputs -> ``(segment inputs, prepared extras)``."""
-    if cfg.mods is None:
-        return inputs, ()
-    n = cfg.mods.num_inputs  # prepare() gives one loop input per module extra
-    return inputs[:len(inputs) - n], inputs[len(inputs) - n:]
-
-
 def _i32(value):
     return popxl.constant(np.array(value, dtype=np.int32))
 
 
 def block_seed(cfg, base, i0, j0):
-    """uint32 ``[2]`` seed of the block at chunk offsets ``i0``, ``j0`` (int32 ``[1]``)."""
+    """uint32 ``[2]`` seed of the step whose (sub-)block starts at row ``i0``, column ``j0``
+    (int32 ``[1]``): ``base + [0, i0 * Lkv_pad + j0]`` (wrapping)."""
     u32 = popxl.uint32
     word = ops.cast(i0, u32) * popxl.constant(np.array([cfg.padded_kv_len], np.uint32)) + \
         ops.cast(j0, u32)  # [1]
     return base + ops.concat([popxl.constant(np.zeros(1, np.uint32)), word], axis=0)
 
 
-def keep_scale(cfg, seed):
-    """``keep / (1 - p)``, float32 ``[G, cq, ckv]``, from a block seed."""
-    shape = (cfg.groups, cfg.chunk_q, cfg.chunk_kv)
-    u = ops.random_uniform(seed, shape)
+def keep_scale(cfg, seed, shape):
+    """``keep / (1 - p)``, float32 ``[G, rows, cols]`` (``shape = (rows, cols)``), from a
+    step's seed: ``random_uniform(seed) > p``."""
+    u = ops.random_uniform(seed, (cfg.groups, *shape))
     p = cfg.mods.dropout
     keep = ops.greater(u, popxl.constant(np.float32(p)))
     return ops.where(keep, popxl.constant(np.float32(1.0 / (1.0 - p))),
                      popxl.constant(np.float32(0.0)))
 
 
-def operand_specs(cfg):
-    """Specs of the per-step operands (:func:`step_operands`), in order."""
-    mods, spec, f32, i32 = cfg.mods, popxl.TensorSpec, popxl.float32, popxl.int32
-    specs = []
-    if mods.positions:
-        rows = _position_rows(cfg)
-        specs += [spec((rows, cfg.chunk_q), i32), spec((rows, cfg.chunk_kv), i32)]
-    if mods.alibi:
-        specs.append(spec((cfg.groups, 1, 1), f32))
-    if mods.dropout > 0:
-        specs.append(spec((cfg.groups, cfg.chunk_q, cfg.chunk_kv), f32))
-    return specs
-
-
 def _position_rows(cfg):
-    """Rows of the per-block position operands: 1, or those of the varlen positions."""
+    """Rows of the position operands: 1, or those of the varlen positions."""
     if cfg.segments is None or not cfg.segments.positions:
         return 1
     from popxl_flash import segments
     return max(cfg.segments.q_groups, segments.kv_rows(cfg))
 
 
-def step_operands(cfg, prepared, i0, j0, seg_operands):
-    """One step's block operands from the prepared extras.
+def step_operands(cfg, prepared, i0, j0, shape, seg_operands=()):
+    """One step's modifier operands, from the prepared extras (:func:`prepare`).
 
     Args:
-        prepared: the loop's extras (:func:`prepare`).
-        i0, j0: int32 ``[1]`` first rows of the step's q and kv chunks.
-        seg_operands: the step's segment operands (positions at 2 and 3, if any).
+        prepared: the loop's prepared extras (loop-invariant inputs of the body).
+        i0, j0: int32 ``[1]`` first row and column of the step's (sub-)block.
+        shape: ``(rows, cols)`` of the step.
+        seg_operands: the step's segment operands (varlen positions at 2 and 3, if any).
 
     Returns:
-        list: ``q_idx [R, cq]``, ``kv_idx [R, ckv]`` int32 (ALiBi, score_mod), ``-slopes``,
-        ``keep / (1 - p) [G, cq, ckv]`` (dropout), then the score_mod inputs.
+        list, in this order: ``q_idx [R, rows]``, ``kv_idx [R, cols]`` int32 (ALiBi,
+        score_mod), ``-slopes [G, 1, 1]`` (ALiBi), ``keep / (1 - p) [G, rows, cols]``
+        (dropout), the score_mod inputs.
     """
     mods, prepared, out = cfg.mods, list(prepared), []
     if mods.positions:
-        out += _positions(cfg, i0, j0, seg_operands)
+        out += _positions(cfg, i0, j0, shape, seg_operands)
     if mods.alibi:
         out.append(prepared.pop(0))
     if mods.dropout > 0:
-        out.append(keep_scale(cfg, block_seed(cfg, prepared.pop(0), i0, j0)))
+        out.append(keep_scale(cfg, block_seed(cfg, prepared.pop(0), i0, j0), shape))
     return out + prepared
 
 
-def _positions(cfg, i0, j0, seg_operands):
+def _positions(cfg, i0, j0, shape, seg_operands):
     if len(seg_operands) == 4:  # varlen positions: what causal compares
-        q_pos, kv_pos = seg_operands[2], seg_operands[3]
         rows = _position_rows(cfg)
-        return [_rows(q_pos, rows), _rows(kv_pos, rows)]
-    q = popxl.constant(np.arange(cfg.chunk_q, dtype=np.int32).reshape(1, cfg.chunk_q))
-    kv = popxl.constant(np.arange(cfg.chunk_kv, dtype=np.int32).reshape(1, cfg.chunk_kv))
+        return [_rows(seg_operands[2], rows), _rows(seg_operands[3], rows)]
+    q = popxl.constant(np.arange(shape[0], dtype=np.int32).reshape(1, shape[0]))
+    kv = popxl.constant(np.arange(shape[1], dtype=np.int32).reshape(1, shape[1]))
     return [q + i0, kv + j0]
 
 
 def _rows(t, rows):
-    """``t [1 or rows, c]`` broadcast to ``rows`` rows (the position operands' spec)."""
+    """``t [1 or rows, c]`` broadcast to ``rows`` rows."""
     if t.shape[0] == rows:
         return t
     return ops.concat([t] * rows, axis=0)
-
-
-def with_operands(spec, cfg):
-    """``spec`` (a :class:`blocks.LoopSpec`) with the score-modifier operands appended."""
-    specs = tuple(operand_specs(cfg)) + tuple(_mod_input_specs(cfg))
-    return replace(spec, roles=spec.roles + ("x",) * len(specs),
-                   operand_specs=spec.operand_specs + specs)
 
 
 def _mod_input_specs(cfg):
     return [popxl.TensorSpec(s, getattr(popxl, d)) for s, d in cfg.mods.mod_input_specs]
 
 
-def num_operands(cfg):
-    """How many operands :func:`step_operands` gives (0 without modifiers)."""
-    if cfg.mods is None:
-        return 0
-    return len(operand_specs(cfg)) + cfg.mods.num_mod_inputs
-
-
-def split_operands(cfg, operands):
-    """A block step's operands -> ``(its own and segment operands, score-modifier operands)``."""
-    n = num_operands(cfg)
-    if not n:
-        return list(operands), []
-    return list(operands[:len(operands) - n]), list(operands[len(operands) - n:])
-
-
-def sub_block(cfg, operands, row_span, col_span):
-    """The update's keyword arguments for a sub-block (rows ``row_span``, columns
-    ``col_span`` of the block): ``{}`` without modifiers, else ``{"extra": operands}``."""
-    if cfg.mods is None:
-        return {}
-    return {"extra": _sub_block(cfg, operands, row_span, col_span)}
-
-
-def _sub_block(cfg, operands, row_span, col_span):
-    def part(t, span, length, axis):
-        if span == (0, length):
-            return t
-        return ops.slice(t, start=[span[0]], stop=[span[1]], axis=[axis])
-    out, operands = [], list(operands)
-    if cfg.mods.positions:
-        out.append(part(operands.pop(0), row_span, cfg.chunk_q, 1))
-        out.append(part(operands.pop(0), col_span, cfg.chunk_kv, 1))
-    if cfg.mods.alibi:
-        out.append(operands.pop(0))
-    if cfg.mods.dropout > 0:
-        keep = operands.pop(0)
-        out.append(part(part(keep, row_span, cfg.chunk_q, 1), col_span, cfg.chunk_kv, 2))
-    return out + operands
-
-
 def _unpack_block(cfg, extra):
     extra, named = list(extra), {}
     if cfg.mods.positions:
-        q_idx, kv_idx = extra.pop(0), extra.pop(0)  # [R, cq], [R, ckv]
+        q_idx, kv_idx = extra.pop(0), extra.pop(0)  # [R, rows], [R, cols]
         named["q_idx"] = q_idx.reshape((q_idx.shape[0], q_idx.shape[1], 1))
         named["kv_idx"] = kv_idx.reshape((kv_idx.shape[0], 1, kv_idx.shape[1]))
     if cfg.mods.alibi:
@@ -328,7 +262,7 @@ def modify(cfg, s, extra, backward=False):
 
     Args:
         cfg: the config (``cfg.mods`` set). s: float32 ``[G, cq, ckv]`` (``scale * q k^T``).
-        extra: the (sub-)block's operands (:func:`sub_block`).
+        extra: the step's modifier operands (:func:`step_operands`).
         backward: also return the chain rule.
 
     Returns:
@@ -446,20 +380,23 @@ def _call_score_mod(cfg, s, x, backward):
 
 # -- the returned dropout mask ------------------------------------------------------------------
 def dropout_mask(cfg, seed):
-    """The keep mask of every block, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
-    sizes only). Built in the current graph from the user's seed, the way the loops draw it.
+    """The keep mask of every step, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
+    sizes only). Built in the current graph from the user's seed, step by step as the loops
+    draw it (:mod:`popxl_flash.steps`: the forward's sub-blocks; the backward's are the same);
+    cells no step covers are never visible and read True.
     """
+    from popxl_flash import steps
     base = ops.split_random_seed(seed, 1)[0]
-    rows = []
-    for i in range(cfg.num_chunks_q):
-        blocks = []
-        for j in range(cfg.num_chunks_kv):
-            i0 = popxl.constant(np.array([i * cfg.chunk_q], np.int32))
-            j0 = popxl.constant(np.array([j * cfg.chunk_kv], np.int32))
-            keep = keep_scale(cfg, block_seed(cfg, base, i0, j0))
-            blocks.append(ops.greater(keep, popxl.constant(np.float32(0.0))))
-        rows.append(ops.concat(blocks, axis=2) if len(blocks) > 1 else blocks[0])
-    mask = ops.concat(rows, axis=1) if len(rows) > 1 else rows[0]
+    mask = popxl.constant(np.ones((cfg.groups, cfg.padded_q_len, cfg.padded_kv_len),
+                                  np.float32))
+    for group in steps.step_groups(cfg.schedule, "q_major"):
+        for r0, c0 in zip(group.q_row, group.kv_row):
+            i0, j0 = (popxl.constant(np.array([x], np.int32)) for x in (r0, c0))
+            keep = keep_scale(cfg, block_seed(cfg, base, i0, j0), (group.rows, group.cols))
+            at = popxl.constant(np.array([r0, c0], np.int32))
+            mask = ops.dynamic_update(mask, at, keep, axes=[1, 2],
+                                      sizes=[group.rows, group.cols], no_overlap=True)
+    mask = ops.greater(mask, popxl.constant(np.float32(0.0)))
     if (cfg.padded_q_len, cfg.padded_kv_len) != (cfg.q_len, cfg.kv_len):
         mask = ops.slice(mask, start=[0, 0], stop=[cfg.q_len, cfg.kv_len], axis=[1, 2])
     return mask
@@ -471,35 +408,36 @@ class ScoreModCost:
     """What a ``score_mod`` adds to one attention call (:func:`cost`).
 
     Attributes:
-        ops: ops of its graph on one whole block (forward; the backward runs them again).
+        ops: ops of its graph on one block (forward; the backward runs them again).
         grad_ops: ops of its gradient graph (``popxl.transforms.autodiff``), backward only.
-        block_elements: ``G * cq * ckv``.
-        visited_blocks: blocks per pass.
-        forward_flops, backward_flops: ``ops (+ grad_ops) * block_elements * visited_blocks``,
-            counting one FLOP per op and block element: an upper bound (ops on the broadcast
-            index tensors touch fewer elements).
+        steps: loop steps per pass (each calls it once).
+        cells: (query, key) cells per group the steps run on (``executed_elements``).
+        forward_flops, backward_flops: ``ops (+ grad_ops) * G * cells``, counting one FLOP per
+            op and score element: an upper bound (ops on the broadcast index tensors touch
+            fewer elements).
     """
     ops: int
     grad_ops: int
-    block_elements: int
-    visited_blocks: int
+    steps: int
+    cells: int
     forward_flops: int
     backward_flops: int
 
     def line(self):
         """One line for :meth:`ChunkChoice.table`."""
-        return (f"score_mod: {self.ops} ops/block forward, +{self.grad_ops} gradient ops/block "
+        return (f"score_mod: {self.ops} ops/step forward, +{self.grad_ops} gradient ops/step "
                 f"backward; <= {self.forward_flops:,} FLOPs forward, <= "
-                f"{self.backward_flops:,} backward ({self.visited_blocks} blocks of "
-                f"{self.block_elements:,} elements)")
+                f"{self.backward_flops:,} backward ({self.steps} steps, {self.cells:,} cells "
+                "per group)")
 
 
-def cost(score_mod, *, groups, chunk_q, chunk_kv, visited_blocks, input_specs=()):
+def cost(score_mod, *, groups, chunk_q, chunk_kv, steps, cells, input_specs=()):
     """Build ``score_mod``'s graph and gradient in a scratch ``popxl.Ir`` and count their ops.
 
     Args:
         score_mod: the function. groups, chunk_q, chunk_kv: the block shape.
-        visited_blocks: blocks per pass. input_specs: ``popxl.TensorSpec`` of its inputs.
+        steps: loop steps per pass; cells: (query, key) cells per group they run on.
+        input_specs: ``popxl.TensorSpec`` of its inputs.
 
     Returns:
         :class:`ScoreModCost`.
@@ -514,10 +452,9 @@ def cost(score_mod, *, groups, chunk_q, chunk_kv, visited_blocks, input_specs=()
         grad = popxl.transforms.autodiff(graph, grads_provided=graph.outputs[:1],
                                          grads_required=graph.inputs[:1])
     ops_f, ops_b = (len(g._pb_graph.getOps()) for g in (graph, grad.graph))
-    elements = groups * chunk_q * chunk_kv
-    return ScoreModCost(ops_f, ops_b, elements, visited_blocks,
-                        ops_f * elements * visited_blocks,
-                        (ops_f + ops_b) * elements * visited_blocks)
+    elements = groups * cells
+    return ScoreModCost(ops_f, ops_b, steps, cells, ops_f * elements,
+                        (ops_f + ops_b) * elements)
 
 
 def _choice_class():
@@ -534,3 +471,10 @@ def _choice_class():
 
 
 ChoiceWithScoreMod = _choice_class()
+
+
+def with_score_mod_cost(choice, mod_cost):
+    """``choice`` (a :class:`~popxl_flash.costmodel.ChunkChoice`) with ``.score_mod`` set."""
+    from dataclasses import fields
+    values = {f.name: getattr(choice, f.name) for f in fields(choice)}
+    return ChoiceWithScoreMod(**values, score_mod=mod_cost)

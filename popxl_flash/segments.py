@@ -291,29 +291,18 @@ def step_classes(classes, q_chunk, kv_chunk):
     return ops.gather(flat, popxl.constant(index.astype(np.int32)))
 
 
-def operand_specs(cfg):
-    """Specs of the segment operands a block step receives: ids (and positions) of its q and
-    kv chunks, ``[Gs, cq]``, ``[Gsk, ckv]``."""
-    seg, spec, i32 = cfg.segments, popxl.TensorSpec, popxl.int32
-    specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((kv_rows(cfg), cfg.chunk_kv), i32)]
-    return specs * 2 if seg.positions else specs
-
-
-#: Whether each segment operand runs over the block's q rows or its kv columns (axis 1).
-OPERAND_ROLES = ("q", "kv", "q", "kv")
-
-
-def step_operands(cfg, tensors, q_offset, kv_offset):
+def step_operands(cfg, tensors, q_offset, kv_offset, lengths=None):
     """The segment operands of one step: the chunks of the padded ids (and positions).
 
     Args:
         cfg: the config; tensors: the padded tensors of :func:`prepare`.
-        q_offset, kv_offset: int32 ``[1]`` first rows of the step's chunks.
+        q_offset, kv_offset: int32 ``[1]`` first rows of the step's q and kv rows.
+        lengths: ``(rows, cols)`` of the step (``None``: whole chunks).
 
     Returns:
-        ``[q_ids_i [Gs, cq], kv_ids_j [Gsk, ckv]]`` (then the positions' chunks).
+        ``[q_ids_i [Gs, rows], kv_ids_j [Gsk, cols]]`` (then the positions' slices).
     """
-    lengths = (cfg.chunk_q, cfg.chunk_kv)
+    lengths = lengths or (cfg.chunk_q, cfg.chunk_kv)
     return [ops.dynamic_slice(t, offset, axes=[1], sizes=[lengths[n % 2]], no_overlap=True)
             for n, (t, offset) in enumerate(zip(tensors, (q_offset, kv_offset) * 2))]
 

@@ -126,15 +126,15 @@ def test_unwritable_output_fails_before_the_sweep(tmp_path, option, capsys, monk
 
 @emulator_only
 def test_cli_explain_and_new_columns(tmp_path, capsys):
-    """--explain prints the cost model's candidates; the table counts iterations (== visited
-    blocks) and ops per block."""
+    """--explain prints the cost model's candidates; the table counts iterations (== loop
+    steps: visited blocks plus split blocks' second sub-blocks) and ops per block."""
     rows = _run(tmp_path, "--pass", "fwd", "--seq-len", "256", "--chunks", "auto",
                 "--explain", "--no-naive")["rows"]
     out = capsys.readouterr().out
     assert "cost model: fwd float32 causal L=256" in out and "chosen: " in out
     assert "iters" in out and "ops/block" in out
     flash, planner = rows[0]["flash"], rows[0]["planner"]
-    assert flash["loop_iterations"] == planner["visited_blocks"]
+    assert flash["loop_iterations"] == planner["loop_steps"]
 
 
 def test_packed_benchmark_row(tmp_path, capsys):

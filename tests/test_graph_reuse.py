@@ -9,6 +9,7 @@ import pytest
 import popxl_flash as pf
 from attention_utils import run_graph
 from popxl_flash import popxl
+from test_forward import emulator_only
 
 ops = popxl.ops
 G, L, D = 2, 12, 8
@@ -198,3 +199,51 @@ def test_user_scope_prefixes_ours():
         with popxl.name_scope("layer0"):
             out = pf.flash_attention(q, q, q)
     assert out.id.startswith("layer0/flash_attention/"), out.id
+
+
+def test_in_order_restores_in_sequence_on_an_exception(monkeypatch):
+    """``blocks.in_order`` resumes PopXL's ``in_sequence`` context on an exception: PopXL's own
+    context manager resets its global flag after ``yield`` without ``finally`` (modelled here by
+    a stand-in with that shape), so a raise inside would leave every later op chained."""
+    import contextlib
+
+    from popxl_flash import blocks
+
+    flag = {"mode": None}
+
+    @contextlib.contextmanager
+    def in_sequence(mode=True):  # PopXL 3.4's shape: no try/finally around the yield
+        previous = flag["mode"]
+        flag["mode"] = mode
+        yield mode
+        flag["mode"] = previous
+
+    monkeypatch.setattr(blocks.popxl, "in_sequence", in_sequence)
+    with pytest.raises(ZeroDivisionError):
+        with blocks.in_order():
+            assert flag["mode"] is True
+            1 / 0
+    assert flag["mode"] is None
+    with blocks.in_order(False):
+        assert flag["mode"] is False
+    assert flag["mode"] is None
+
+
+@emulator_only
+def test_only_the_loops_and_the_state_reads_are_ordered():
+    """The module graphs order only the loops (in place updates of the state) and the reads of
+    the state after them; the loop bodies and the ops before the loops carry no ``in_sequence``
+    constraint (emulator IR: each op's ``after`` list)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 100, 8), np.float16))
+        out, lse = pf.flash_attention(q, q, q, num_chunks_q=4, num_chunks_kv=4, return_lse=True)
+        pf.flash_attention_grad(q, q, q, q, out, lse, num_chunks_q=4, num_chunks_kv=4)
+    for graph in ir._graphs:
+        ordered = [op for op in graph._ops if op.after]
+        if graph.name.startswith("FlashAttention"):
+            first = min(k for k, op in enumerate(graph._ops) if op.kind == "repeat")
+            assert ordered and all(op.index > first for op in ordered), graph.name
+            assert all(not op.after for op in graph._ops[:first + 1]), graph.name
+        else:
+            assert not ordered, graph.name

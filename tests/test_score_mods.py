@@ -352,7 +352,7 @@ def _scaled(score, g, q_idx, kv_idx, t):
 
 def test_explain_reports_score_mod_cost():
     """pf.explain counts the score_mod graph's ops (and its gradient's) at the chosen chunking;
-    FLOPs are ops x block elements x visited blocks."""
+    FLOPs are ops x G x the cells the steps run on."""
     def two_ops(score, g, q_idx, kv_idx, t):
         return score * t + 1.0
     spec = popxl.TensorSpec((4, 1, 1), popxl.float32)
@@ -360,9 +360,9 @@ def test_explain_reports_score_mod_cost():
                         num_chunks_kv=4, score_mod=two_ops, score_mod_inputs=(spec,))
     cost = choice.score_mod
     assert cost.ops == 2 and cost.grad_ops >= 1
-    assert cost.visited_blocks == 16 and cost.block_elements == 4 * 64 * 64
-    assert cost.forward_flops == 2 * 4 * 64 * 64 * 16
-    assert "score_mod: 2 ops/block" in choice.table()
+    assert cost.steps == 16 and cost.cells == 256 * 256
+    assert cost.forward_flops == 2 * 4 * 256 * 256
+    assert "score_mod: 2 ops/step" in choice.table()
     plain = pf.explain(256, 256, head_dim=32, groups=4, causal=False, num_chunks_q=4,
                        num_chunks_kv=4)
     assert not hasattr(plain, "score_mod")
