@@ -257,13 +257,16 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     progress = report.Progress(len(args.cases))
-    rows = []
+    rows, explained = [], set()
     for case in args.cases:
-        label = (f"{case.pass_} {case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
+        shape = (f"{case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
                  f" G={case.groups} chunks={report.chunks_label(case.chunks)}")
-        if args.explain:
-            print(f"cost model: {label}\n{explain(case)}\n")
-        progress.step(label)
+        # One table per shape: the cost model weighs forward and backward together, so the
+        # fwd and bwd cases of a shape share it.
+        if args.explain and shape not in explained:
+            explained.add(shape)
+            print(f"cost model: {shape}\n{explain(case)}\n")
+        progress.step(f"{case.pass_} {shape}")
         rows.append(measure(case, args))
     progress.done()
     result = report.Result(argv, args.device, args.warmup, args.repeats, rows)

@@ -20,11 +20,11 @@ q head ``h`` reads kv head ``h // (Hq // Hkv)`` of its own batch entry, flash-at
 from collections import namedtuple
 from dataclasses import replace
 
-from popxl_flash import score_mods
+from popxl_flash import provenance, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
-from popxl_flash.functional import (check_tensors, flash_attention, keyword_hints,
-                                   modifier_inputs)
+from popxl_flash.functional import (check_stash_options, check_tensors, flash_attention,
+                                    flash_attention_grad, keyword_hints, modifier_inputs)
 
 ops = popxl.ops
 
@@ -193,23 +193,27 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         result = flash_attention(*groups, return_lse=True, return_dropout_mask=return_probs,
                                  **options, **modifiers)
         out, lse = result[0], result[1]
-        out = _from_groups(out, dims.batch, dims.q_heads, layout)
-        lse = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
+        out_l = _from_groups(out, dims.batch, dims.q_heads, layout)
+        lse_l = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
         if return_probs:  # [B*H, Lq, Lkv] -> [B, H, Lq, Lkv]
             mask = result[2].reshape((dims.batch, dims.q_heads, dims.q_len, dims.kv_len))
-            return out, lse, mask
-    return (out, lse) if return_lse else out
+    provenance.record_alias(out_l, out)
+    provenance.record_alias(lse_l, lse)
+    if return_probs:
+        return out_l, lse_l, mask
+    return (out_l, lse_l) if return_lse else out_l
 
 
 def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, score_mod_inputs,
-                     dropout_p, seed, return_attn_probs):
+                     dropout_p, seed, return_attn_probs, backward=False):
     """flash-attn's score-modifier and dropout options -> the core's keywords, validated
     (before any graph or scope is opened; a ``score_mod``'s graphs are built here, so its
     errors come before the scope too).
 
     Args:
         dims: the call's :class:`Dims`; qkv: the tensors; options: the core options
-            (:func:`core_options`); the rest: flash-attn's names.
+            (:func:`core_options`); backward: also build the score_mod's gradient graph; the
+            rest: flash-attn's names.
 
     Returns:
         Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
@@ -229,15 +233,26 @@ def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, sc
     if return_attn_probs and (mods is None or mods.dropout == 0):
         raise ValueError("return_attn_probs=True needs dropout_p > 0 (it returns the dropout "
                          "keep mask; the probabilities are never materialised)")
+    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                     score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
     if mods is not None and mods.score_mod is not None:
-        G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
-        kv_shape = (Gk, dims.kv_len, dims.head_dim)
-        cfg = AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
-                                          tuple(t.dtype.name for t in qkv), **options)
-        specs = tuple((tuple(t.shape), t.dtype.name) for t in mods_inputs(score_mod_inputs))
-        score_mods.prebuild(replace(cfg, mods=replace(mods, mod_input_specs=specs)))
-    return dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
-                score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
+        score_mods.prebuild(grouped_config(dims, qkv, options, modifiers), backward)
+    return modifiers
+
+
+def grouped_config(dims, qkv, options, modifiers):
+    """The core's :class:`AttentionConfig` of a flash-attn call (``[B·H, L, D]`` groups), with
+    its score modifiers."""
+    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+    kv_shape = (Gk, dims.kv_len, dims.head_dim)
+    cfg = AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
+                                      tuple(t.dtype.name for t in qkv), **options)
+    mods, _ = modifier_inputs(**modifiers)
+    if mods is None:
+        return cfg
+    specs = tuple((tuple(t.shape), t.dtype.name)
+                  for t in mods_inputs(modifiers["score_mod_inputs"]))
+    return replace(cfg, mods=replace(mods, mod_input_specs=specs))
 
 
 def mods_inputs(score_mod_inputs):
@@ -255,3 +270,80 @@ def group_slopes(modifiers, dims):
     if len(slopes.shape) == 1 and dims.batch > 1:
         slopes = ops.concat([slopes.reshape((1, dims.q_heads))] * dims.batch, axis=0)
     return dict(modifiers, alibi_slopes=slopes.reshape((dims.batch * dims.q_heads,)))
+
+
+@keyword_hints(KEYWORD_HINTS)
+def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, softmax_scale=None,
+                         causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                         layout="BLHD", num_chunks_q=None, num_chunks_kv=None, seed=None,
+                         score_mod=None, score_mod_inputs=()):
+    """Hand-written backward of :func:`flash_attn_func`: gradients of q, k and v.
+
+    The counterpart of :func:`popxl_flash.flash_attention_grad` in flash-attn's names, defaults
+    and layouts: ``causal`` defaults to ``False`` here, as in :func:`flash_attn_func` (the
+    ``[G, L, D]`` functions default to ``True``), so a forward and backward written with the
+    same keywords always match. Stash mode (``out`` and ``lse`` from
+    ``flash_attn_func(..., return_lse=True)``) or recompute mode (both ``None``); an
+    ``out``/``lse`` pair that ``flash_attn_func`` returned with other ``causal``,
+    ``softmax_scale`` or ``window_size`` is refused (``ValueError``).
+
+    Args:
+        dout: gradient of out, q's shape and dtype (``[B, Lq, Hq, D]``, ``[B, Hq, Lq, D]`` with
+            ``layout="BHLD"``).
+        q, k, v: the forward's inputs, as :func:`flash_attn_func`.
+        out, lse: the forward's ``out`` (layout of q) and ``lse`` (float32 ``[B, Hq, Lq]``),
+            or both ``None``.
+        softmax_scale, causal, window_size, layout, num_chunks_q, num_chunks_kv: the
+            forward's options (chunk counts may differ: they do not change the result, except
+            with dropout).
+        dropout_p, seed, softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's
+            score modifiers and dropout, as :func:`flash_attn_func`.
+
+    Returns:
+        ``(dq, dk, dv)`` in the layout, shapes and dtype of q, k, v (grouped-query: dk and dv
+        summed over the q heads that share a k/v head).
+    """
+    check_tensors(dout=dout, q=q, k=k, v=v)
+    dims = _check_shapes(q, k, v, layout)
+    if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "
+                         f"got {tuple(dout.shape)} {dout.dtype.name}")
+    options, _ = core_options(
+        dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, return_lse=False)
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                 score_mod_inputs=score_mod_inputs, dropout_p=dropout_p,
+                                 seed=seed, return_attn_probs=False, backward=True)
+    stash = _check_stash(out, lse, dims, q, layout, options, modifiers)
+    with popxl.name_scope("flash_attn_func_grad"):
+        groups = [_to_groups(t, layout) for t in (dout, q, k, v)]  # [B*H, L, D]
+        if stash:
+            stash = (_to_groups(out, layout),
+                     lse.reshape((dims.batch * dims.q_heads, dims.q_len)))  # [B*Hq, Lq]
+        grads = flash_attention_grad(*groups, *(stash or (None, None)), **options,
+                                     **group_slopes(modifiers, dims))
+        heads = (dims.q_heads, dims.kv_heads, dims.kv_heads)
+        return tuple(_from_groups(g, dims.batch, h, layout) for g, h in zip(grads, heads))
+
+
+def _check_stash(out, lse, dims, q, layout, options, modifiers):
+    """Validate a stash pair of :func:`flash_attn_func_grad`; returns whether one is given."""
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse must be given together (stash mode) or both be None "
+                         f"(recompute mode), got out={out!r}, lse={lse!r}")
+    if out is None:
+        return False
+    check_tensors(out=out, lse=lse)
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype.name} "
+                         f"(layout={layout!r}), got {tuple(out.shape)} {out.dtype.name}")
+    want = (dims.batch, dims.q_heads, dims.q_len)
+    if tuple(lse.shape) != want or lse.dtype.name != "float32":
+        raise ValueError(f"lse must be float32 [B, Hq, Lq] = {want}, got {tuple(lse.shape)} "
+                         f"{lse.dtype.name}")
+    cfg = grouped_config(dims, (q, q, q), options, modifiers)
+    check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale, window_size and "
+                        "score modifiers (with dropout_p, also the chunk counts)",
+                        out=out, lse=lse)
+    return True

@@ -84,9 +84,12 @@ def varlen_segments(cu_seqlens, total):
     Sequence ``s`` holds rows ``cu_seqlens[s] <= r < cu_seqlens[s + 1]``; rows outside every
     sequence (after ``cu_seqlens[-1]``, or before ``cu_seqlens[0]``) are padding. Repeating the
     last offset gives empty sequences (the way to pass fewer sequences than the static bound).
+    Offsets that decrease anywhere (``cu_seqlens[s + 1] < cu_seqlens[s]``) describe no packing:
+    then every row is padding (checked on the device, no host round trip), so the call gives
+    out 0, lse ``-inf`` and zero gradients everywhere instead of attending across sequences.
 
     Args:
-        cu_seqlens: int32 ``[num_seqs + 1]``, non-decreasing (not checked on the device).
+        cu_seqlens: int32 ``[num_seqs + 1]`` (non-decreasing, or every row is padding).
         total: the number of rows, ``total_q`` or ``total_k`` (int).
 
     Returns:
@@ -100,10 +103,20 @@ def varlen_segments(cu_seqlens, total):
     seg = ops.sum(ops.cast(started, popxl.int32), axis=-1, keepdims=True) - _i32(1)  # [total, 1]
     last = ops.slice(cu, start=[n - 1], stop=[n], axis=[1])  # [1, 1]
     real = ops.logical_and(ops.greater(seg, _i32(-1)), ops.greater(last, rows))
+    real = ops.logical_and(real, _non_decreasing(cu))
     end = ops.min(ops.where(started, _i32(BIG), cu), axis=-1, keepdims=True)  # next offset > r
     seg = ops.where(real, seg, _i32(-1))
     pos = ops.where(real, rows - end, _i32(0))
     return seg.reshape((1, total)), pos.reshape((1, total))
+
+
+def _non_decreasing(cu):
+    """``[1, 1]`` bool: ``cu [1, n]`` (n >= 2) never decreases (``cu[s] <= cu[s + 1]``)."""
+    n = cu.shape[1]
+    head = ops.slice(cu, start=[0], stop=[n - 1], axis=[1])  # cu[s]      [1, n-1]
+    tail = ops.slice(cu, start=[1], stop=[n], axis=[1])  # cu[s + 1]  [1, n-1]
+    drops = ops.cast(ops.greater(head, tail), popxl.int32)
+    return ops.logical_not(ops.greater(ops.max(drops, axis=[1], keepdims=True), _i32(0)))
 
 
 def pad_ids(ids, padded_len, fill):

@@ -220,3 +220,40 @@ def test_flash_attn_func_dropout_through_autodiff():
     np.testing.assert_allclose(groups(res[0]), ref_out, atol=3e-6)
     for g, r in zip(res[2:], refs):
         np.testing.assert_allclose(groups(g), r, atol=2e-5)
+
+
+def test_flash_attn_func_grad_with_modifiers():
+    """flash_attn_func_grad takes the forward's dropout and modifiers (stash and recompute
+    bit-identical, equal to the reference with the returned mask); a stash from a forward with
+    modifiers is refused without them."""
+    rng = np.random.default_rng(10)
+    B, L, H, D = 2, 12, 2, 8
+    q, k, v, dout = (rng.standard_normal((B, L, H, D)).astype(np.float32) for _ in range(4))
+    slopes = np.array([0.5, 0.25], np.float32)
+
+    def build(q, k, v, do, s, sl):
+        mods = dict(dropout_p=0.2, seed=s, softcap=4.0, alibi_slopes=sl, causal=True,
+                    num_chunks_q=3)
+        out, lse, keep = pf.flash_attn_func(q, k, v, return_attn_probs=True, **mods)
+        stash = pf.flash_attn_func_grad(do, q, k, v, out, lse, **mods)
+        recompute = pf.flash_attn_func_grad(do, q, k, v, **mods)
+        return [keep, *stash, *recompute]
+    res, _ = run_graph(build, [q, k, v, dout, SEED, slopes], fp_checks=True)
+    for a, b in zip(res[1:4], res[4:]):
+        np.testing.assert_array_equal(a, b)
+
+    def groups(x):
+        return x.transpose(0, 2, 1, 3).reshape(B * H, L, D)
+    kw = dict(causal=True, keep=res[0].reshape(B * H, L, L), dropout=0.2, softcap=4.0,
+              alibi_slopes=np.tile(slopes, B))
+    refs = pf.reference.attention_grad(groups(dout), groups(q), groups(k), groups(v), **kw)
+    for g, r in zip(res[1:4], refs):
+        np.testing.assert_allclose(groups(g), r, atol=2e-5)
+
+    def refused():
+        x = zeros_variable((1, 8, 2, 4))
+        seed = popxl.variable(SEED)
+        out, lse = pf.flash_attn_func(x, x, x, dropout_p=0.1, seed=seed, return_lse=True)
+        pf.flash_attn_func_grad(x, x, x, x, out, lse)
+    with pytest.raises(ValueError, match="score modifiers"):
+        build_only(refused)

@@ -1,7 +1,7 @@
 """One graph per configuration and readable names (popxl.name_scope) in the functional API.
 
-Graphs are counted through the public API (``Graph.called_graphs``, transitively from the main
-graph), so the counts hold on the real SDK too.
+Graphs are counted with ``pf.reachable_graphs(ir.main_graph)`` (public ``Graph.called_graphs``,
+transitively), so the counts hold on the real SDK too.
 """
 import numpy as np
 import pytest
@@ -15,17 +15,6 @@ ops = popxl.ops
 G, L, D = 2, 12, 8
 
 
-def reachable_graphs(ir):
-    """Every graph called, directly or not, from ``ir``'s main graph."""
-    seen, stack = {}, [ir.main_graph]
-    while stack:
-        for g in stack.pop().called_graphs:
-            if g.id not in seen:
-                seen[g.id] = g
-                stack.append(g)
-    return list(seen.values())
-
-
 def count_graphs(build, n_calls):
     """Graphs reachable after calling ``build(q, k, v, layer)`` ``n_calls`` times."""
     ir = popxl.Ir()
@@ -33,7 +22,7 @@ def count_graphs(build, n_calls):
         q, k, v = (popxl.variable(np.zeros((G, L, D), np.float32)) for _ in range(3))
         for layer in range(n_calls):
             build(q, k, v, layer)
-    return len(reachable_graphs(ir))
+    return len(pf.reachable_graphs(ir.main_graph))
 
 
 def forward(q, k, v, layer):
@@ -179,7 +168,7 @@ def test_outputs_are_named_by_scope(fn, scope):
     for t in outs:
         assert t.id.startswith(scope), t.id
     ours = ("flash_attention/", "flash_attention_grad/", "flash_attn_func/")
-    for graph in reachable_graphs(ir):  # the traced graphs' tensors carry a scope too
+    for graph in pf.reachable_graphs(ir.main_graph):  # the traced graphs' tensors carry a scope too
         for t in graph.inputs:
             assert t.name.startswith(ours), (graph.name, t.name)
 
@@ -189,7 +178,7 @@ def test_graph_names_name_the_module():
     names = [g.name for g in ir.main_graph.called_graphs]
     assert any("FlashAttentionGrad" in n for n in names), names
     assert any(n.startswith("FlashAttention") and "Grad" not in n
-               for g in reachable_graphs(ir) for n in [g.name]), names
+               for g in pf.reachable_graphs(ir.main_graph) for n in [g.name]), names
 
 
 def test_user_scope_prefixes_ours():
@@ -247,3 +236,22 @@ def test_only_the_loops_and_the_state_reads_are_ordered():
             assert all(not op.after for op in graph._ops[:first + 1]), graph.name
         else:
             assert not ordered, graph.name
+
+
+def test_reachable_graphs_counts_what_a_call_added():
+    """pf.reachable_graphs: each graph once (a shared graph is not counted twice), the caller
+    excluded, and the count before/after a call is the graphs that call built."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((G, L, D), np.float32))
+        assert pf.reachable_graphs(ir.main_graph) == []
+        pf.flash_attention(q, q, q, num_chunks_q=2)
+        first = pf.reachable_graphs(ir.main_graph)
+        (flash,) = ir.main_graph.called_graphs
+        assert first[0] == flash and ir.main_graph not in first
+        assert len({g.id for g in first}) == len(first) > 1
+        assert pf.reachable_graphs(flash) == first[1:]
+        pf.flash_attention(q, q, q, num_chunks_q=2)  # same configuration: nothing new
+        assert len(pf.reachable_graphs(ir.main_graph)) == len(first)
+        pf.flash_attention(q, q, q, num_chunks_q=3)
+        assert len(pf.reachable_graphs(ir.main_graph)) > len(first)

@@ -147,24 +147,30 @@ class CallSiteInfo:
         raise ValueError(f"{graph_tensor} is not an input or output of {g}")
 
     def parent_to_graph(self, parent_tensor):
-        """Args: parent_tensor: call input or output. Returns: the matching graph tensor."""
+        """Args: parent_tensor: a call input (PopXL looks at inputs only; the first index a
+        tensor is bound to wins). Returns: the graph input bound to it."""
         g = self.called_graph
-        if parent_tensor in self._op.inputs:
-            return g.inputs[self._op.inputs.index(parent_tensor)]
-        if parent_tensor in self._op.outputs:
-            return g.outputs[self._op.outputs.index(parent_tensor)]
-        raise ValueError(f"{parent_tensor} is not an input or output of this call site")
+        for idx, t in enumerate(self._op.inputs):
+            if t is parent_tensor:
+                return g.inputs[idx]
+        raise ValueError(f"Tensor {getattr(parent_tensor, 'name', parent_tensor)} is not a "
+                         "parent graph input of the call site.")
 
-    def subgraph_in_to_op_in_index(self, idx):
+    # PopXL 3.4 ``ops/call.py``: a CallOp's subgraph and op indices coincide.
+    def graph_to_parent_input_index(self, idx):
+        """Args: idx: graph input index. Returns: the call's input index."""
         return idx
 
-    def op_in_to_subgraph_in_index(self, idx):
+    def parent_to_graph_input_index(self, idx):
+        """Args: idx: call input index. Returns: the graph input index."""
         return idx
 
-    def subgraph_out_to_op_out_index(self, idx):
+    def graph_to_parent_output_index(self, idx):
+        """Args: idx: graph output index. Returns: the call's output index."""
         return idx
 
-    def op_out_to_subgraph_out_index(self, idx):
+    def parent_to_graph_output_index(self, idx):
+        """Args: idx: call output index. Returns: the graph output index."""
         return idx
 
     def set_parent_input_modified(self, parent_tensor, infer_modified_regions=False):
@@ -182,8 +188,8 @@ class _WrapperSiteInfo(CallSiteInfo):
 
     inputs = property(_unsupported)
     parent_input = graph_to_parent = parent_to_graph = _unsupported
-    subgraph_in_to_op_in_index = op_in_to_subgraph_in_index = _unsupported
-    subgraph_out_to_op_out_index = op_out_to_subgraph_out_index = _unsupported
+    graph_to_parent_input_index = parent_to_graph_input_index = _unsupported
+    graph_to_parent_output_index = parent_to_graph_output_index = _unsupported
 
 
 class RepeatSiteInfo(_WrapperSiteInfo):
