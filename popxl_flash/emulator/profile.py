@@ -1,6 +1,6 @@
 """The run profile recorded by ``Session.run`` and the ``count_ops`` helper."""
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Tuple
 
 from .ir import Graph, Ir
 
@@ -26,6 +26,12 @@ class RunProfile:
             for the ``cpu`` device.
         loop_iterations: repeat-body executions, summed over every ``repeat`` executed (a
             nested repeat counts each of its iterations each time it runs).
+        collective_bytes: bytes received over the IPU links by the replicated collectives
+            (ring schedule; see ``ops/collectives.py``).
+        replicas: with replication (R > 1), each replica's own profile (replica r at index
+            r); the fields above then sum the replicas' counters, except
+            ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
+            Empty without replication.
     """
 
     ops_executed: int = 0
@@ -36,6 +42,19 @@ class RunProfile:
     bytes_copied: int = 0
     device_bytes: Optional[int] = None
     loop_iterations: int = 0
+    collective_bytes: int = 0
+    replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
+
+    @classmethod
+    def of_replicas(cls, profiles):
+        """Args: profiles: one RunProfile per replica. Returns: their combined profile
+        (sums, peak the largest; ``replicas`` holds them)."""
+        first = profiles[0]
+        total = {name: sum(getattr(p, name) for p in profiles)
+                 for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
+                              "collective_bytes")}
+        return replace(first, peak_live_bytes=max(p.peak_live_bytes for p in profiles),
+                       replicas=tuple(profiles), **total)
 
     @property
     def fits_device(self):

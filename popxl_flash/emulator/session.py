@@ -1,4 +1,5 @@
 """``popxl.Session`` for the emulator: compile (checks + plans), device state, runs."""
+import math
 import numbers
 import time
 
@@ -10,6 +11,7 @@ from .interpreter import Runtime
 from .plan import build_plans
 from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
+from .replication import run_replicas
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
@@ -69,13 +71,16 @@ class Session:
 
     # -- weights -----------------------------------------------------------------------------
     def weights_from_host(self):
-        """Copy all host variable values to the device."""
+        """Copy all host variable values to the device (every replica gets its copy)."""
         self._assert_attached()
-        self._on_device = {v: np.array(a, copy=True) for v, a in self._host.items()}
+        self._replica_vars = [{v: np.array(a, copy=True) for v, a in self._host.items()}
+                              for _ in range(self._ir.replication_factor)]
+        self._on_device = self._replica_vars[0]
         self._host_in_sync = True
 
     def weights_to_host(self):
-        """Copy all device variable values to the host."""
+        """Copy all device variable values to the host (replica 0's: PopXL's "one_per_group"
+        retrieval with one group of all replicas)."""
         self._assert_attached()
         self._host = {v: np.array(a, copy=True) for v, a in self._on_device.items()}
         self._host_in_sync = True
@@ -148,30 +153,47 @@ class Session:
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
         nht = self._ir.num_host_transfers
-        d2h = {s: _d2h_buffer(s, outputs[s], nht) for s in outputs}
+        d2h = {s: _d2h_buffer(s, outputs[s], self._full_shape(s, always=True)) for s in outputs}
         t0 = time.perf_counter()
-        rt = Runtime(h2d, d2h, self._const_bytes)
-        env = self._main.template[:]
-        for slot, var in self._main.var_slots:
-            env[slot] = self._on_device[var]
-        with np.errstate(all="ignore"):
-            rt.run_env(self._main, env)
-        del env
+        replicas = self._ir.replication_factor
+        runtimes = run_replicas(replicas, lambda r, rdv: self._run_replica(h2d, d2h, r, rdv))
         self._host_in_sync = False
-        for s, n in rt.stores.items():
-            if n < nht:
-                raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
-                                   "never written by host_store this run (their contents are "
-                                   "unspecified on the device)")
+        for rt in runtimes:
+            for s, n in rt.stores.items():
+                if n < nht:
+                    raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries "
+                                       "were never written by host_store this run (their "
+                                       "contents are unspecified on the device)")
+        for s in d2h:
             if not np.may_share_memory(d2h[s], outputs[s]):
                 outputs[s][...] = d2h[s].reshape(outputs[s].shape)
-        self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
-                                  time.perf_counter() - t0, rt.copied,
-                                  self._device.memory_bytes, loop_iterations=rt.iterations)
+        seconds = time.perf_counter() - t0
+        profiles = [RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes, seconds, rt.copied,
+                               self._device.memory_bytes, loop_iterations=rt.iterations,
+                               collective_bytes=rt.collective_bytes) for rt in runtimes]
+        self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
 
-    def _full_shape(self, stream):
-        nht = self._ir.num_host_transfers
-        return ((nht,) if nht > 1 else ()) + stream.shape
+    def _run_replica(self, h2d, d2h, replica, rendezvous):
+        """Run the main graph as replica ``replica`` (its rows of the stream buffers, its
+        variables). Returns: its Runtime (profile counters)."""
+        if self._ir.replication_factor > 1:
+            h2d = {s: a[:, replica] for s, a in h2d.items()}
+            d2h = {s: a[:, replica] for s, a in d2h.items()}
+        rt = Runtime(h2d, d2h, self._const_bytes)
+        rt.replica, rt.rendezvous = replica, rendezvous
+        env = self._main.template[:]
+        for slot, var in self._main.var_slots:
+            env[slot] = self._replica_vars[replica][var]
+        with np.errstate(all="ignore"):
+            rt.run_env(self._main, env)
+        return rt
+
+    def _full_shape(self, stream, always=False):
+        """``(num_host_transfers, replicas, *stream.shape)``, the first two dims left out when
+        1 (unless ``always``)."""
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        return ((nht,) if nht > 1 or always else ()) + \
+            ((reps,) if reps > 1 else ()) + stream.shape
 
     def _prepare_inputs(self, inputs, downcast):
         arrays = {s: _host_array(a, downcast) for s, a in inputs.items()}
@@ -195,7 +217,7 @@ class Session:
                 else:
                     raise PopartError(f"Type discrepancy for tensor {s.tensor_id}: stream is "
                                       f"{s.dtype.name}, array is {arr.dtype}")
-            out[s] = arr.reshape((nht,) + s.shape)
+            out[s] = arr.reshape(self._full_shape(s, always=True))
         return out
 
 
@@ -208,10 +230,10 @@ def _host_array(data, downcast):
     return dtypes.to_numpy(data, downcast=downcast)
 
 
-def _d2h_buffer(stream, out, nht):
+def _d2h_buffer(stream, out, shape):
     """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
-    array of the stream's dtype and size (no staging copy), else a new buffer."""
-    shape = (nht,) + stream.shape
+    array of the stream's dtype and size (no staging copy), else a new buffer.
+    ``shape``: ``(num_host_transfers, [replicas,] *stream.shape)``."""
     if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
             out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
         return out.reshape(shape)
@@ -233,15 +255,24 @@ def _device_info(device_desc, ir):
                                   f"(use one of {DEVICES} or a popart DeviceInfo)")
     if isinstance(device_desc, str) and device_desc not in DEVICES:
         raise ValueError(f"device_desc must be one of {DEVICES}, got {device_desc!r}")
-    if ir.replication_factor > 1:
-        if device_desc == "cpu":
-            raise ValueError("The 'cpu' device supports a single IPU; replication_factor "
-                             f"{ir.replication_factor} needs an IPU device")
-        raise NotImplementedError("replication is not supported by the emulator")
+    replicas = ir.replication_factor
+    # PopXL's Session._get_ipu_count: 2 ** ceil(log2(ipus per replica x replicas)); the
+    # emulator's graphs use one IPU per replica (popxl.ipu(0) only).
+    num_ipus = 2 ** math.ceil(math.log2(replicas))
     if isinstance(device_desc, DeviceInfo):
+        if device_desc.numIpus % replicas:
+            # poplar::Graph(target, replication_factor(R)) splits the target's IPUs evenly
+            raise PopartError(f"replication_factor {replicas} does not divide the device's "
+                              f"{device_desc.numIpus} IPUs")
         return device_desc
     if device_desc == "cpu":
+        if num_ipus > 1:
+            raise ValueError(f"For a cpu device, multiple devices (provided: {num_ipus}) are "
+                             "not supported.")
         return DeviceManager().createCpuDevice()
+    if num_ipus % replicas:
+        raise PopartError(f"replication_factor {replicas} does not divide the {num_ipus} IPUs "
+                          "PopXL requests (a power of two)")
     if device_desc == "ipu_model":
-        return DeviceManager().createIpuModelDevice({"numIPUs": 1})
-    return ipu_hw_device(1)
+        return DeviceManager().createIpuModelDevice({"numIPUs": num_ipus})
+    return ipu_hw_device(num_ipus)
