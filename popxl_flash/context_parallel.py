@@ -1,0 +1,439 @@
+"""Context parallelism: one long sequence split across IPU replicas.
+
+Each replica of a replicated ``popxl.Ir`` holds ``L / R`` rows of q, k and v (``R`` replicas
+in the group). :func:`context_parallel_attention` gives every replica its rows of the
+attention output over the *whole* sequence:
+
+1. the replica's index comes from ``replicated_slice(constant(arange(R)))`` (PopXL 3.4 has
+   no replica-index op), and selects the global positions of its rows (a constant table);
+2. K/V reach every replica by ``replicated_all_gather``: whole (``kv_gather_steps=1``) or in
+   ``S`` rounds of ``1/S`` of each shard, so only ``1/S`` of the gathered K/V is live at a
+   time;
+3. each round is a flash attention call with runtime positions
+   (:func:`popxl_flash.functional.segmented_attention`): causal is ``kv_pos <= q_pos``, the
+   window ``q_pos - left <= kv_pos <= q_pos + right``. The static block schedule is the same on
+   every replica (equal trip counts); blocks a replica's positions make invisible are skipped
+   at run time (no matmul);
+4. rounds combine by their logsumexp, as flash's online softmax does.
+
+The backward (:func:`context_parallel_attention_grad`) gathers K/V the same way, computes the
+local dq and every gathered column's dk/dv, and sums those back to their owners with
+``replicated_reduce_scatter`` (per round), in float32.
+
+Layouts (``shard``/``unshard`` lay a host sequence out and back):
+
+* ``"contiguous"``: replica r holds rows ``[r L/R, (r+1) L/R)``;
+* ``"zigzag"``: the sequence is cut into ``2R`` chunks and replica r holds chunks ``r`` and
+  ``2R-1-r``, which balances causal work (every replica sees ``2R-1`` full chunk pairs and two
+  diagonal ones).
+"""
+import math
+
+import numpy as np
+
+from popxl_flash import provenance
+from popxl_flash.backend import popxl
+from popxl_flash.config import _check_int, check_bool, check_window
+from popxl_flash.functional import (_GRAPH_CACHE_ATTR, _check_rank3, check_tensors,
+                                    segmented_attention, segmented_attention_grad)
+
+ops = popxl.ops
+
+LAYOUTS = ("contiguous", "zigzag")
+
+#: Longest automatic chunk (rows): chunks divide the layout's pieces, so runtime skipping is
+#: exact at block granularity and the zigzag layout's work is balanced.
+CHUNK_TARGET = 128
+
+#: Default budget of one round's gathered K/V: an eighth of one Mk2 IPU's In-Processor memory
+#: (1472 tiles x 624 KiB), leaving the rest to the shards, the flash loop and the model.
+DEFAULT_KV_BUDGET = 1472 * 624 * 1024 // 8
+
+
+# -- host helpers ----------------------------------------------------------------------------
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
+    return layout
+
+
+def positions(length, replicas, layout="zigzag"):
+    """Global row index of every replica's local rows.
+
+    Args:
+        length: sequence length L (divisible by R, by 2R for "zigzag").
+        replicas: R. layout: "contiguous" or "zigzag".
+
+    Returns:
+        int32 ``[R, L / R]``: row ``r`` lists replica r's rows in local order.
+    """
+    _check_layout(layout)
+    replicas = _check_int("replicas", replicas, low=1)
+    length = _check_int("length", length, low=1)
+    parts = replicas * (2 if layout == "zigzag" else 1)
+    if length % parts:
+        raise ValueError(f"the sequence length must be divisible by {parts} for layout "
+                         f"{layout!r} with {replicas} replicas, got length={length}")
+    rows = np.arange(length, dtype=np.int32).reshape(parts, length // parts)
+    if layout == "contiguous":
+        return rows
+    return np.concatenate([rows[:replicas], rows[::-1][:replicas]], axis=1)
+
+
+def shard(x, replicas, layout="zigzag", axis=1):
+    """Lay a whole sequence out for the replicated host streams.
+
+    Args:
+        x: numpy array holding the sequence on ``axis`` (e.g. q ``[G, L, D]``, axis 1).
+        replicas: R. layout: "contiguous" or "zigzag". axis: the sequence axis of ``x``.
+
+    Returns:
+        ``[R, *x.shape with L -> L / R]``: row r is replica r's shard (feed it to an h2d
+        stream of the shard's shape).
+    """
+    x = np.asarray(x)
+    axis = _axis(axis, x.ndim)
+    table = positions(x.shape[axis], replicas, layout)
+    return np.stack([np.take(x, rows, axis=axis) for rows in table])
+
+
+def unshard(x, layout="zigzag", axis=1):
+    """Inverse of :func:`shard`.
+
+    Args:
+        x: ``[R, ...]`` per-replica shards (e.g. a replicated d2h output).
+        layout: the layout of the shards. axis: the sequence axis of one shard.
+
+    Returns:
+        The whole sequence, rows in order.
+    """
+    x = np.asarray(x)
+    replicas = x.shape[0]
+    axis = _axis(axis, x.ndim - 1)
+    table = positions(x.shape[1 + axis] * replicas, replicas, layout)
+    whole = np.concatenate(list(x), axis=axis)
+    out = np.empty_like(whole)
+    index = [slice(None)] * whole.ndim
+    index[axis] = table.reshape(-1)
+    out[tuple(index)] = whole
+    return out
+
+
+def _axis(axis, ndim):
+    axis = _check_int("axis", axis, low=-ndim, high=ndim - 1)
+    return axis + ndim if axis < 0 else axis
+
+
+# -- planning --------------------------------------------------------------------------------
+def _largest_divisor(n, limit):
+    """Largest divisor of ``n`` that is at most ``limit``."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def choose_gather_steps(local_len, replicas, kv_groups, head_dim, itemsize,
+                        budget=DEFAULT_KV_BUDGET):
+    """Fewest K/V gather rounds whose gathered K and V fit ``budget`` bytes.
+
+    Args:
+        local_len: rows per replica (L / R). replicas: R. kv_groups: Gk. head_dim: D.
+        itemsize: bytes per element. budget: bytes one round's gathered K and V may take.
+
+    Returns:
+        S, a divisor of ``local_len`` (``local_len`` if even single-row rounds exceed it).
+    """
+    for steps in range(1, local_len + 1):
+        if local_len % steps == 0 and \
+                2 * kv_groups * replicas * (local_len // steps) * head_dim * itemsize <= budget:
+            return steps
+    return local_len
+
+
+class Plan:
+    """The static facts of one context-parallel call (same on every replica).
+
+    Attributes:
+        replicas: R (the group size). layout, causal, scale, window: the options.
+        local_len: rows per replica. steps: S gather rounds of ``piece = local_len / S``
+            rows of each shard. num_chunks_q, num_chunks_kv: the flash call's chunk counts
+            (over ``local_len`` q rows and ``R * piece`` gathered columns). table: int32
+            ``[R, local_len]`` global positions (:func:`positions`).
+    """
+
+    def __init__(self, q, k, *, replicas, layout, causal, scale, window, steps, num_chunks_q,
+                 num_chunks_kv, budget):
+        self.replicas, self.layout = replicas, _check_layout(layout)
+        self.causal = check_bool("causal", causal)
+        self.scale, self.window = scale, (None if window is None else check_window(window))
+        self.local_len = q.shape[1]
+        self.table = positions(self.local_len * replicas, replicas, layout)
+        itemsize = 2 if q.dtype.name == "float16" else 4
+        budget = _check_int("kv_budget_bytes", budget, low=1)
+        self.steps = (choose_gather_steps(self.local_len, replicas, k.shape[0], k.shape[2],
+                                          itemsize, budget) if steps is None
+                      else _check_int("kv_gather_steps", steps, low=1, high=self.local_len))
+        if self.local_len % self.steps:
+            raise ValueError(f"kv_gather_steps must divide the rows per replica "
+                             f"({self.local_len}), got kv_gather_steps={self.steps}")
+        self.piece = self.local_len // self.steps
+        half = self.local_len // 2 if layout == "zigzag" else self.local_len
+        self.num_chunks_q = num_chunks_q if num_chunks_q is not None else \
+            self.local_len // _largest_divisor(half, CHUNK_TARGET)
+        unit = math.gcd(self.piece, half)
+        self.num_chunks_kv = num_chunks_kv if num_chunks_kv is not None else \
+            replicas * self.piece // _largest_divisor(unit, CHUNK_TARGET)
+
+    def flash_options(self):
+        """Options of each round's flash call (positions carry causal and window)."""
+        return dict(num_chunks_q=self.num_chunks_q, num_chunks_kv=self.num_chunks_kv,
+                    causal=self.causal, scale=self.scale, window=self.window)
+
+    def kv_positions(self, step):
+        """int32 ``[1, R * piece]``: positions of round ``step``'s gathered columns."""
+        cols = self.table[:, step * self.piece:(step + 1) * self.piece]
+        return cols.reshape(1, -1)
+
+    def key(self):
+        """Hashable identity (graph cache key)."""
+        return (self.replicas, self.layout, self.causal, self.scale, self.window, self.steps,
+                self.num_chunks_q, self.num_chunks_kv, self.local_len)
+
+
+# -- graph pieces ----------------------------------------------------------------------------
+def replica_index(replicas, group=None):
+    """The replica's rank in ``group`` as an int32 scalar tensor (``replicated_slice`` of
+    ``arange(R)``: PopXL 3.4 has no replica-index op)."""
+    return ops.collectives.replicated_slice(popxl.constant(np.arange(replicas, dtype=np.int32)),
+                                            group=group)
+
+
+def _q_positions(plan, group):
+    """int32 ``[1, local_len]``: this replica's row of the position table."""
+    idx = replica_index(plan.replicas, group).reshape((1,))
+    return ops.dynamic_slice(popxl.constant(plan.table), idx, axes=[0], sizes=[1],
+                             no_overlap=True)
+
+
+def _gather_piece(t, plan, step, group):
+    """Round ``step``'s rows of shard ``t [Gk, local_len, D]`` from every replica:
+    ``[Gk, R * piece, D]`` in rank order."""
+    piece = ops.slice(t, start=[step * plan.piece], stop=[(step + 1) * plan.piece], axis=[1])
+    return ops.collectives.replicated_all_gather(piece, axis=1, group=group)
+
+
+def _zeros_ids(length):
+    return popxl.constant(np.zeros((1, length), np.int32))
+
+
+def _merge(acc, part):
+    """Combine two partial results ``(out, lse)`` over disjoint key sets by their logsumexp.
+
+    ``out`` float32 ``[G, L, D]`` (0 where the part sees nothing), lse float32 ``[G, L]``
+    (``-inf`` there). No infinity enters arithmetic (floating-point checks stay quiet).
+    """
+    (out_a, lse_a), (out_b, lse_b) = acc, part
+    big = popxl.constant(np.float32(-1e30))
+    zero = popxl.constant(np.float32(0))
+    seen_a = ops.logical_not(ops.isinf(lse_a))
+    seen_b = ops.logical_not(ops.isinf(lse_b))
+    a = ops.where(seen_a, lse_a, big)
+    b = ops.where(seen_b, lse_b, big)
+    m = ops.maximum(a, b)
+    w_a = ops.where(seen_a, ops.exp(a - m), zero)
+    w_b = ops.where(seen_b, ops.exp(b - m), zero)
+    seen = ops.logical_or(seen_a, seen_b)
+    total = ops.where(seen, w_a + w_b, popxl.constant(np.float32(1)))
+    lse = ops.where(seen, m + ops.log(total), popxl.constant(np.float32(-np.inf)))
+    shape = tuple(lse.shape) + (1,)
+    out = out_a * (w_a / total).reshape(shape) + out_b * (w_b / total).reshape(shape)
+    return out, lse
+
+
+def _forward_rounds(q, k, v, plan, group):
+    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype)."""
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    acc = None
+    for step in range(plan.steps):
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
+                                       kv_pos, **plan.flash_options())
+        if plan.steps == 1:
+            return out, lse
+        part = (ops.cast(out, popxl.float32), lse)
+        acc = part if acc is None else _merge(acc, part)
+    return ops.cast(acc[0], q.dtype), acc[1]
+
+
+def _scatter_to_owners(grad, plan, group):
+    """Sum ``grad [Gk, R * piece, D]`` (float32) over replicas; return the caller's own
+    columns ``[Gk, piece, D]`` (replicated_reduce_scatter over the replica-major layout)."""
+    Gk, _, D = grad.shape
+    by_owner = grad.reshape((Gk, plan.replicas, plan.piece, D)).transpose((1, 0, 2, 3))
+    mine = ops.collectives.replicated_reduce_scatter(by_owner, op="add", group=group)
+    return mine.reshape((Gk, plan.piece, D))
+
+
+def _backward_rounds(dout, q, k, v, out, lse, plan, group):
+    """``(dq, dk, dv)`` of one replica (its rows of q, its shard of k and v)."""
+    f32 = popxl.float32
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    dq, dks, dvs = None, [], []
+    for step in range(plan.steps):
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        dq_s, dk_s, dv_s = segmented_attention_grad(
+            dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
+            **plan.flash_options())
+        dq_s = ops.cast(dq_s, f32)
+        dq = dq_s if dq is None else dq + dq_s
+        dks.append(_scatter_to_owners(ops.cast(dk_s, f32), plan, group))
+        dvs.append(_scatter_to_owners(ops.cast(dv_s, f32), plan, group))
+    dk = dks[0] if plan.steps == 1 else ops.concat(dks, axis=1)
+    dv = dvs[0] if plan.steps == 1 else ops.concat(dvs, axis=1)
+    return tuple(ops.cast(t, q.dtype) for t in (dq, dk, dv))
+
+
+class ContextParallelAttention(popxl.Module):
+    """Forward graph of one replica: ``build(q, k, v) -> (out, lse)`` (see the module
+    docstring). Args: plan: :class:`Plan`. group: ReplicaGrouping or None."""
+
+    def __init__(self, plan, group=None):
+        self.plan, self.group = plan, group
+
+    def build(self, q, k, v):
+        return _forward_rounds(q, k, v, self.plan, self.group)
+
+
+class ContextParallelAttentionGrad(popxl.Module):
+    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse) ->
+    (dq, dk, dv)``."""
+
+    def __init__(self, plan, group=None):
+        self.plan, self.group = plan, group
+
+    def build(self, dout, q, k, v, out, lse):
+        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group)
+
+
+def _cached_graph(module, inputs, group):
+    ir = popxl.gcg().ir
+    cache = getattr(ir, _GRAPH_CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(ir, _GRAPH_CACHE_ATTR, cache)
+    specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
+    key = (type(module), module.plan.key(), id(group) if group is not None else None, specs)
+    if key not in cache:
+        cache[key] = ir.create_graph(module, *inputs)
+    return cache[key]
+
+
+# -- functional API ---------------------------------------------------------------------------
+def _group_size(group):
+    ir = popxl.gcg().ir
+    if group is None:
+        return ir.replication_factor
+    size = getattr(group, "group_size", None)
+    if size is None:
+        raise TypeError(f"group must be None or a popxl.ReplicaGrouping "
+                        f"(ir.replica_grouping(...)), got {type(group).__name__}")
+    return int(size)
+
+
+def _plan(q, k, v, options):
+    check_tensors(q=q, k=k, v=v)
+    _check_rank3(q=q, k=k, v=v)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have one shape [Gk, L/R, D], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("context parallelism splits one sequence: q and k must hold the same "
+                         f"rows per replica, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    options = dict(options)
+    group = options.pop("group")
+    replicas = _group_size(group)
+    layout = _check_layout(options.pop("layout"))
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout 'zigzag' needs an even number of rows per replica (two "
+                         f"chunks each), got q shape {tuple(q.shape)}")
+    return Plan(q, k, replicas=replicas, layout=layout, **options), group
+
+
+def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=None,
+                               kv_gather_steps=None, kv_budget_bytes=DEFAULT_KV_BUDGET,
+                               num_chunks_q=None, num_chunks_kv=None, scale=None, window=None,
+                               return_lse=False):
+    """Attention over a sequence split across replicas; call in a replicated graph.
+
+    Args:
+        q: ``[G, L/R, D]`` this replica's rows (float16 or float32), laid out by ``layout``
+            (:func:`shard`). k, v: ``[Gk, L/R, D]`` the same rows of k and v (``G % Gk == 0``:
+            grouped-query attention).
+        causal: causal mask over the whole sequence's positions. Default True.
+        layout: "zigzag" (default; balanced causal work) or "contiguous".
+        group: ``None`` (all replicas) or a ``popxl.ReplicaGrouping``: each group is one
+            sequence (context-parallel degree R = group size).
+        kv_gather_steps: S rounds gathering ``1/S`` of each shard (S divides ``L/R``); ``None``
+            picks the fewest rounds whose gathered K and V fit ``kv_budget_bytes``.
+        kv_budget_bytes: the budget of one round's gathered K and V.
+        num_chunks_q, num_chunks_kv: each round's flash chunk counts over the ``L/R`` q rows and
+            the ``R L / (R S)`` gathered columns; ``None``: chunks of at most 128 rows that
+            divide the layout's pieces.
+        scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
+        return_lse: also return the logsumexp.
+
+    Returns:
+        out ``[G, L/R, D]`` (this replica's rows), and with ``return_lse`` lse float32
+        ``[G, L/R]``.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    plan, group = _plan(q, k, v, dict(
+        causal=causal, layout=layout, group=group, steps=kv_gather_steps,
+        budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+        scale=scale, window=window))
+    module = ContextParallelAttention(plan, group)
+    with popxl.name_scope("context_parallel_attention"):
+        graph = _cached_graph(module, (q, k, v), group)
+        out, lse = ops.call(graph, q, k, v)
+    provenance.record_graph(graph, lambda: ContextParallelAttentionGrad(plan, group))
+    return (out, lse) if return_lse else out
+
+
+def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal=True,
+                                    layout="zigzag", group=None, kv_gather_steps=None,
+                                    kv_budget_bytes=DEFAULT_KV_BUDGET, num_chunks_q=None,
+                                    num_chunks_kv=None, scale=None, window=None):
+    """Gradients of :func:`context_parallel_attention` on this replica's rows and shard.
+
+    Stash mode (``out`` and ``lse`` from the forward with ``return_lse=True``) or recompute
+    mode (both ``None``: the forward runs first). Every round's dk/dv of the gathered columns
+    is summed back to the replica owning them with ``replicated_reduce_scatter``.
+
+    Args:
+        dout: ``[G, L/R, D]``. q, k, v, options: the forward's.
+        out, lse: the forward's outputs, or both ``None``.
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
+    """
+    check_tensors(dout=dout)
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse must be given together (stash mode) or both be None "
+                         f"(recompute mode), got out={out!r}, lse={lse!r}")
+    options = dict(causal=causal, layout=layout, group=group, kv_gather_steps=kv_gather_steps,
+                   kv_budget_bytes=kv_budget_bytes, num_chunks_q=num_chunks_q,
+                   num_chunks_kv=num_chunks_kv, scale=scale, window=window)
+    plan, group = _plan(q, k, v, dict(
+        causal=causal, layout=layout, group=group, steps=kv_gather_steps,
+        budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+        scale=scale, window=window))
+    if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "
+                         f"got {tuple(dout.shape)} {dout.dtype.name}")
+    if out is None:
+        out, lse = context_parallel_attention(q, k, v, return_lse=True, **options)
+    check_tensors(out=out, lse=lse)
+    module = ContextParallelAttentionGrad(plan, group)
+    inputs = (dout, q, k, v, out, lse)
+    with popxl.name_scope("context_parallel_attention_grad"):
+        return ops.call(_cached_graph(module, inputs, group), *inputs)
