@@ -23,7 +23,10 @@ def _select(choice):
         raise ValueError(f"{ENV_VAR}={choice!r} is not supported; expected one of {CHOICES}")
     if choice in ("auto", "popxl"):
         try:
-            return importlib.import_module("popxl"), "popxl"
+            mod = importlib.import_module("popxl")
+            if mod.__name__ == "popxl_flash.emulator.popxl":  # popxl_flash.emulator.install()
+                return mod, "emulator"
+            return mod, "popxl"
         except ImportError as err:
             if choice == "popxl":
                 raise ImportError(

@@ -6,11 +6,13 @@ accepts, real PopXL accepts and computes the same; where PopXL raises, it raises
 PopXL names raise ``NotImplementedError``. Deliberate choices are listed in ``README.md`` here.
 
 Emulator-only extras live here, never in the ``popxl`` module: ``Session.profile`` (a
-:class:`RunProfile`), :func:`count_ops` and :class:`PopartError` (what PopART's
-``popart_exception`` is raised as).
+:class:`RunProfile`), :func:`count_ops`, :class:`PopartError` (what PopART's
+``popart_exception`` is raised as) and :func:`install` (make ``import popxl`` / ``import popart``
+give the emulator, for third-party PopXL code such as popxl-addons).
 """
 from . import popxl
 from .errors import PopartError
+from .installer import install
 from .profile import RunProfile, count_ops
 
-__all__ = ["PopartError", "RunProfile", "count_ops", "popxl"]
+__all__ = ["PopartError", "RunProfile", "count_ops", "install", "popxl"]

@@ -15,6 +15,9 @@ below), so such code runs unchanged on both backends except for where it imports
 It is emulator-private: nothing here is PopXL's public API.
 """
 import enum
+import types
+
+from .errors import PopartError
 
 _OP_TYPES = {"call": "Call", "repeat": "Loop", "conditional": "If"}
 
@@ -58,19 +61,53 @@ class BwdGraphInfo:
 
 
 class PbTensor:
-    """Wrapper of an emulator Tensor with the ``_ir.Tensor`` attributes used: ``id``."""
+    """Wrapper of an emulator Tensor with the ``_ir.Tensor`` methods used: ``id``,
+    ``getGraph()``, ``hasProducer()``, ``getProducer()``."""
 
     def __init__(self, tensor):
         self._tensor = tensor
 
     id = property(lambda self: self._tensor.id)
 
+    def getGraph(self):  # noqa: N802
+        return PbGraph(self._tensor._graph)
+
+    def _producer(self):
+        for op in self._tensor._graph._ops:
+            if any(o is self._tensor for o in op.outputs):
+                return op
+        return None
+
+    def hasProducer(self):  # noqa: N802
+        return self._producer() is not None
+
+    def getProducer(self):  # noqa: N802
+        op = self._producer()
+        if op is None:
+            raise PopartError(f"No producer for tensor {self.id} to return")
+        return make_op(op)
+
+    def __eq__(self, other):
+        return isinstance(other, PbTensor) and other._tensor is self._tensor
+
+    def __hash__(self):
+        return id(self._tensor)
+
 
 class PbOp:
-    """Wrapper of an emulator op record with the ``_ir.Op`` methods used."""
+    """Wrapper of an emulator op record with the ``_ir.Op`` methods used (``Op`` here); built
+    by :func:`make_op` as the ``_ir.op`` class of its PopART op where one is listed."""
 
     def __init__(self, op):
         self._op = op
+
+    id = property(lambda self: self._op.index)
+
+    def __eq__(self, other):
+        return isinstance(other, PbOp) and other._op is self._op
+
+    def __hash__(self):
+        return id(self._op)
 
     def opType(self):  # noqa: N802
         """Returns: "Call", "Loop", "If" or the emulator's op kind."""
@@ -78,6 +115,9 @@ class PbOp:
 
     def getCalledGraphs(self):  # noqa: N802
         return [PbGraph(g) for g in self._op.subgraphs]
+
+    def getGraph(self):  # noqa: N802
+        return PbGraph(self._op.graph)
 
     def getInputTensors(self):  # noqa: N802
         return [PbTensor(t) for t in self._op.inputs]
@@ -94,9 +134,71 @@ class PbGraph:
 
     id = property(lambda self: self._graph.id)
 
+    def __eq__(self, other):
+        return isinstance(other, PbGraph) and other._graph is self._graph
+
+    def __hash__(self):
+        return id(self._graph)
+
     def getOps(self):  # noqa: N802
         """Returns: the graph's ops in creation (a topological) order."""
-        return [PbOp(op) for op in self._graph._ops]
+        return [make_op(op) for op in self._graph._ops]
+
+    def getOpSchedule(self, require_optimal=True):  # noqa: N802
+        """Returns: the ops in an order respecting data and ``in_sequence`` dependencies (the
+        emulator's creation order, one of PopART's valid schedules)."""
+        return self.getOps()
+
+    def getTensor(self, tensor_id):  # noqa: N802
+        return PbTensor(self._graph.get_tensor(tensor_id))
+
+    def getInputIds(self):  # noqa: N802
+        return [t.id for t in self._graph._inputs]
+
+    def getOutputIds(self):  # noqa: N802
+        return [t.id for t in self._graph._outputs]
+
+    def getInputId(self, index):  # noqa: N802
+        return self._graph._inputs[index].id
+
+    def getOutputId(self, index):  # noqa: N802
+        return self._graph._outputs[index].id
+
+    def getInputTensor(self, index):  # noqa: N802
+        return PbTensor(self._graph._inputs[index])
+
+    def getOutputTensor(self, index):  # noqa: N802
+        return PbTensor(self._graph._outputs[index])
+
+    def getInputIndex(self, tensor_id):  # noqa: N802
+        return _index(self.getInputIds(), tensor_id, "input", self.id)
+
+    def getOutputIndex(self, tensor_id):  # noqa: N802
+        return _index(self.getOutputIds(), tensor_id, "output", self.id)
+
+    def removeOutput(self, index_or_id):  # noqa: N802
+        """``Graph::removeOutput``: by tensor id (PopartError when not an output) or by index.
+
+        By index PopART erases ``graph_outputs.begin() + index`` unchecked; for an index at or
+        past the end, libstdc++'s ``vector::erase`` removes the last output (undefined
+        behaviour that popxl-addons' ``autodiff_with_accumulation`` relies on when it removes
+        several outputs by their original, ascending indices); the emulator does the same.
+        Call sites of the graph are not updated in PopART, so the emulator refuses a graph that
+        is already called.
+        """
+        g = self._graph
+        if any(g in op.subgraphs for other in g.ir._graphs for op in other._ops):
+            raise NotImplementedError(f"removeOutput on graph {g.id}, which is already called "
+                                      "(PopART leaves its call sites inconsistent)")
+        g.ir._check_mutable()
+        if isinstance(index_or_id, str):
+            del g._outputs[self.getOutputIndex(index_or_id)]
+        elif not g._outputs:
+            raise PopartError(f"removeOutput: graph {g.id} has no outputs")
+        elif index_or_id < len(g._outputs):
+            del g._outputs[index_or_id]
+        else:
+            g._outputs.pop()
 
     def getCalledGraphs(self):  # noqa: N802
         return [PbGraph(g) for g in self._graph.called_graphs]
@@ -109,11 +211,40 @@ class PbGraph:
 
 
 class PbIr:
-    """Wrapper of an emulator Ir with the ``_ir.Ir`` methods used: ``getGraph(id)`` and
-    ``getSessionOptions()``."""
+    """Wrapper of an emulator Ir with the ``_ir.Ir`` methods used: ``getGraph(id)``,
+    ``getAllGraphs()``, ``getSessionOptions()``, ``getId()`` and the pattern passes (no-ops on
+    the emulator: PopART's pre-alias and inplace patterns rewrite ops into equivalent ones, and
+    the emulator computes the unrewritten ops)."""
 
     def __init__(self, ir):
         self._ir = ir
+        self._patterns = None
+
+    def getId(self):  # noqa: N802
+        return self._ir.id
+
+    def getAllGraphs(self):  # noqa: N802
+        return [PbGraph(g) for g in self._ir._graphs]
+
+    def setPatterns(self, patterns):  # noqa: N802
+        if not isinstance(patterns, Patterns):
+            raise TypeError(f"setPatterns: expected a patterns.Patterns, got {patterns!r}")
+        self._ir._patterns = patterns
+
+    def getPatterns(self):  # noqa: N802
+        return getattr(self._ir, "_patterns", None) or Patterns(PatternsLevel.Default)
+
+    def applyPreAliasPatterns(self, graph):  # noqa: N802
+        """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
+        self._check_graph(graph)
+
+    def applyInplacePattern(self, graph):  # noqa: N802
+        """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
+        self._check_graph(graph)
+
+    def _check_graph(self, graph):
+        if not isinstance(graph, PbGraph) or graph._graph.ir is not self._ir:
+            raise TypeError(f"expected a graph of this Ir (graph._pb_graph), got {graph!r}")
 
     def getSessionOptions(self):  # noqa: N802
         """Returns: the Ir's (mutable) SessionOptions, read when a Session compiles it."""
@@ -124,3 +255,91 @@ class PbIr:
             if g.id == str(graph_id):
                 return PbGraph(g)
         raise KeyError(f"No graph {graph_id!r} in {self._ir}")
+
+
+def _index(ids, tensor_id, what, graph_id):
+    if tensor_id not in ids:
+        raise PopartError(f"Could not find {what} {tensor_id} in graph {graph_id}")
+    return ids.index(tensor_id)
+
+
+class Patterns:
+    """``_ir.patterns.Patterns(level)``: a pattern set (recorded only)."""
+
+    def __init__(self, level=None):
+        if level is not None and not isinstance(level, PatternsLevel):
+            raise TypeError(f"Patterns: expected a PatternsLevel, got {level!r}")
+        self.level = level if level is not None else PatternsLevel.Default
+
+
+class PatternsLevel(enum.Enum):
+    """``_ir.patterns.PatternsLevel``."""
+    NoPatterns = 0
+    Minimal = 1
+    Default = 2
+    All = 3
+
+
+patterns = types.SimpleNamespace(Patterns=Patterns, PatternsLevel=PatternsLevel)
+
+
+class ExecutionContext(enum.Enum):
+    """``_ir.ExecutionContext`` (program fragments; the emulator runs ``Normal`` only)."""
+    Normal = 0
+    AccumulateOuterFragment = 1
+    WeightsFromHostFragment = 2
+    WeightsToHostFragment = 3
+    OptimizerFromHostFragment = 4
+    Subgraph = 5
+
+
+GraphId = str  # graph ids are plain strings here
+Op, Graph, Tensor, Ir = PbOp, PbGraph, PbTensor, PbIr
+
+
+def _op_class(name, base=PbOp):
+    return type(name, (base,), {"__doc__": f"``_ir.op.{name}``."})
+
+
+class TopoCons:
+    """``_ir.TopoCons`` (annotation only; the emulator keeps topological constraints as op
+    ``after`` lists)."""
+
+    def __init__(self):
+        raise NotImplementedError("_ir.TopoCons is not implemented by the emulator")
+
+
+class _Region:
+    """``_ir.view.Region`` (used for route_tensor's modified regions): not implemented."""
+
+    def __init__(self, *args):
+        raise NotImplementedError("_ir.view.Region is not implemented by the emulator")
+
+    @staticmethod
+    def getFull(shape):  # noqa: N802
+        raise NotImplementedError("_ir.view.Region is not implemented by the emulator")
+
+    getEmpty = getFull
+
+
+view = types.SimpleNamespace(Region=_Region)
+
+#: Emulator op kind -> PopART op class name (``_ir.op.<name>``), for isinstance checks.
+_OP_CLASSES = {"call": "CallOp", "repeat": "LoopOp", "conditional": "IfOp", "init": "InitOp",
+               "add": "AddOp", "sub": "SubtractOp", "mul": "MulOp", "div": "DivOp",
+               "matmul": "MatMulOp", "add_": "AddLhsInplaceOp", "accumulate_": "AccumulateOp",
+               "host_load": "HostLoadOp", "host_store": "HostStoreOp"}
+_EXCHANGE = ("HostLoadOp", "HostStoreOp")
+_classes = {name: _op_class(name) for name in sorted(set(_OP_CLASSES.values()))}
+for _name in ("IpuCopyOp", "MulLhsInplaceOp", "MulRhsInplaceOp"):
+    _classes[_name] = _op_class(_name)
+op = types.SimpleNamespace(**{n: c for n, c in _classes.items() if n not in _EXCHANGE},
+                           exchange=types.SimpleNamespace(
+                               **{n: _classes[n] for n in _EXCHANGE}))
+del _name
+
+
+def make_op(record):
+    """Returns: the ``_ir.Op`` wrapper of an emulator op record, of its ``_ir.op`` class."""
+    cls = _classes.get(_OP_CLASSES.get(record.kind), PbOp)
+    return cls(record)

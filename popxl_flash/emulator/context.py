@@ -133,3 +133,104 @@ def io_tiles(*args, **kwargs):
     """Not supported by the emulator."""
     raise NotImplementedError("popxl.io_tiles is not implemented by the emulator")
     yield  # pragma: no cover
+
+
+# -- popxl.context's object API (PopXL 3.4 ``python_files/context.py``) ----------------------
+class Context:
+    """``popxl.context.Context``: the build state, one instance (``get_current_context()``).
+
+    A view over this module's graph stack, name scopes and ``in_sequence`` state, with the
+    attributes third-party PopXL code reads: ``graph``, ``main_graph``, ``ir``, ``ipu_id``,
+    ``io_tile_set``, ``name_scopes``, ``push/pop_name_scope``, ``push/pop_graph`` and
+    ``in_sequence``. Debug-info bookkeeping (``_debug_context_frame_offset``,
+    ``_execution_context``) is kept as PopXL keeps it; the emulator records no debug info.
+    """
+
+    def __init__(self):
+        self._debug_context_frame_offset = 0
+        self._execution_context = "Normal"
+
+    graph = property(lambda self: gcg())
+
+    @property
+    def main_graph(self):
+        if not _graphs:
+            raise RuntimeError("Trying to access the main_graph, but no graph has been selected.")
+        return _graphs[0].main_graph
+
+    @property
+    def ir(self):
+        if not _graphs:
+            raise RuntimeError("Trying to access the ir, but no graph has been selected.")
+        return _graphs[0].ir
+
+    ipu_id = property(lambda self: _state["ipu"])
+    io_tile_set = property(lambda self: False)
+    name_scopes = property(lambda self: list(_state["scopes"]))
+
+    def push_name_scope(self, name):
+        _state["scopes"].append(name)
+
+    def pop_name_scope(self):
+        return _state["scopes"].pop()
+
+    def push_graph(self, g):
+        push_graph(g)
+
+    def pop_graph(self):
+        return pop_graph()
+
+    @property
+    def in_sequence(self):
+        return _state["in_sequence"]
+
+    @in_sequence.setter
+    def in_sequence(self, enabled):
+        _set_in_sequence(enabled)
+
+    @in_sequence.deleter
+    def in_sequence(self):
+        raise AttributeError("Cannot delete in_sequence. Set to 'False' instead.")
+
+
+_CONTEXT = Context()
+
+
+def get_current_context():
+    """Returns: the (single) build ``Context``, as ``popxl.context.get_current_context``."""
+    return _CONTEXT
+
+
+@contextmanager
+def debug_context_frame_offset(i):
+    """``popxl.context.debug_context_frame_offset``: shift the source frame debug info names
+    (usable as a decorator; the offset grows by ``i + 1`` while active, as in PopXL)."""
+    _CONTEXT._debug_context_frame_offset += i + 1
+    yield _CONTEXT._debug_context_frame_offset
+    _CONTEXT._debug_context_frame_offset -= i + 1
+
+
+def op_debug_context(name):
+    """``popxl.context.op_debug_context``: decorator naming an op-building function's debug
+    context (``@op_debug_context`` or ``@op_debug_context("name")``). The emulator keeps no
+    debug info, so the wrapper only calls the function."""
+    import functools
+
+    def outer(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            return func(*args, **kwargs)
+        return wrapper
+
+    if callable(name):
+        return outer(name)
+    return outer
+
+
+@contextmanager
+def _execution_context(execution_context):
+    """PopXL's private ``_execution_context``: ops built inside go to another program
+    fragment (weights-from-host, ...), which the emulator does not model."""
+    raise NotImplementedError(f"popxl.context._execution_context({execution_context!r}) is not "
+                              "implemented by the emulator")
+    yield  # pragma: no cover

@@ -156,6 +156,8 @@ class Ir:
         self._num_host_transfers, self._prepared = 1, False
         self._replication = 1
         self.replication_factor = replication
+        Ir._count += 1
+        self._id = Ir._count  # PopXL: the PopART Ir's getId(), unique per process
         self._main = Graph._create(self, "main")
         from .popart import SessionOptions
         self._session_options = SessionOptions()  # read when a Session compiles the Ir
@@ -227,8 +229,33 @@ class Ir:
         """Returns: d2h streams used by a host_store."""
         return [s for s in self._d2h if s._used]
 
+    _count = 0
+    id = property(lambda self: self._id)
+
+    def __hash__(self):
+        return hash(self._id)
+
+    def __eq__(self, value):
+        """As PopXL 3.4 (``python_files/ir.py``): comparing with a non-Ir raises TypeError (so
+        ``ir == None`` raises; test identity with ``is``)."""
+        if not isinstance(value, Ir):
+            raise TypeError(f"Value must be of type popxl.Ir. Type: {type(value)}. "
+                            f"Value: {value}.")
+        return self._id == value._id
+
+    def replica_grouping(self, stride=1, group_size=None):
+        """Args: stride: offset between the replicas of a group. group_size: replicas per group
+        (default ``replication_factor // stride``). Returns: a ``popxl.ReplicaGrouping``."""
+        from .replica_grouping import ReplicaGrouping
+        return ReplicaGrouping._from_params(self, stride=stride, group_size=group_size)
+
+    def replica_grouping_from_assignments(self, assignment):
+        """Args: assignment: group index of every replica. Returns: a ReplicaGrouping."""
+        from .replica_grouping import ReplicaGrouping
+        return ReplicaGrouping._from_assignment(self, assignment)
+
     def __repr__(self):
-        return f"Ir[{id(self):#x}]"
+        return f"Ir[id={self._id}]"
 
 
 class Module:
@@ -388,6 +415,9 @@ class _Stream:
 
     def __repr__(self):
         return f"{type(self).__name__}[{self._id} {self._dtype} {self._shape}]"
+
+
+Stream = _Stream  # popxl.streams.Stream, the base class
 
 
 class HostToDeviceStream(_Stream):

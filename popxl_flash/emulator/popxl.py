@@ -15,6 +15,7 @@ from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_1
                      uint32, uint64)
 from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_stream,
                  graph_input, graph_output, h2d_stream)
+from .replica_grouping import ReplicaGrouping
 from .session import Session
 from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable
 from .unsupported import stub as _stub, stub_module as _stub_module, surface as _surface
@@ -25,7 +26,7 @@ ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
                             _ops.collectives),
     "CallSiteInfo": _ops.CallSiteInfo,
 })
-tensor = _surface("popxl.tensor", _names.TENSOR, _tensor,
+tensor = _surface("popxl.tensor", _names.TENSOR + ("HostTensor", "host_tensor_types"), _tensor,
                   children={"graph_input": graph_input, "graph_output": graph_output})
 # popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
 transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)
@@ -37,3 +38,6 @@ for _name in _names.SUBMODULES:
     if _name not in globals():
         globals()[_name] = _stub_module(f"popxl.{_name}")
 del _name
+
+from . import installer as _install  # noqa: E402 - PopXL's submodules (popxl.context, ...)
+_install.attach(__import__(__name__, fromlist=["*"]))

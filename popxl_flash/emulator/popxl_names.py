@@ -80,3 +80,31 @@ COLLECTIVES = (
 
 TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "autodiff",
               "merge_exchange", "io_tile_exchange", "decompose_sum")
+
+#: PopXL 3.4 modules (``python_files/**.py``) that ``install()`` registers as stub modules when
+#: the emulator provides no implemented module of that name (any attribute raises
+#: ``NotImplementedError``). Every ``popxl.ops.<file>`` is listed in ``OP_MODULES``.
+STUB_SUBMODULES = tuple(f"popxl.{m}" for m in (
+    "fp8_utils", "random_seed", "remote_buffer", "tensorlocation", "typing_", "testing",
+    "transforms.decompose_sum", "transforms.merge_exchange", "ops.collectives.collectives",
+    "ops.collectives.all_reduce", "ops.collectives.replicated_all_gather",
+    "ops.collectives.replicated_all_reduce", "ops.collectives.replicated_reduce_scatter",
+    "ops.var_updates.accumulate", "ops.var_updates.adam_updater",
+    "ops.var_updates.adam_var_update", "ops.var_updates.copy_var_update",
+    "ops.var_updates.utils"))
+
+#: The op modules of PopXL 3.4 (``python_files/ops/<name>.py``); ``install()`` registers each
+#: as ``popxl.ops.<name>``, whose attributes are the ``popxl.ops`` names of that file.
+OP_MODULES = (
+    "abs", "add", "argminmax", "batch_norm", "call", "cast", "ceil", "clip", "code_copy",
+    "concat", "conditional", "conv", "cos", "cumsum", "detach", "div", "dropout",
+    "dynamic_slice", "dynamic_update", "equal", "exp", "floor", "fmod", "gather", "gelu",
+    "geluerf", "greater", "group_norm", "histogram", "host_load", "host_store", "identity",
+    "increment_mod", "init", "interpolate", "io_tile_copy", "ipu_copy", "isfinite", "isinf",
+    "isnan", "l1", "l2", "lamb", "log", "logical_and", "logical_not", "logical_or", "logsum",
+    "logsumexp", "matmul", "max", "mean", "median", "min", "mul", "negate",
+    "negative_log_likelihood", "onehot", "pool", "pow", "print_tensor", "prod", "random",
+    "random_seed", "relu", "remote_load", "remote_store", "repeat", "reshape", "roialign",
+    "scaled_add", "scatter", "scatter_reduce", "shaped_dropout", "sign", "sin", "slice",
+    "softmax", "split", "sqrt", "squeeze", "sub", "subsample", "sum", "sumsquare", "swish",
+    "tanh", "topk", "transpose", "utils", "where")

@@ -15,6 +15,8 @@ from .replication import run_replicas
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
+#: ``popxl.session``'s type aliases of run()'s input and output maps.
+STREAM_BUFFER_MAPS = {"d2hStreamBufferMaps": dict, "h2dStreamBufferMaps": dict}
 
 
 class Session:

@@ -6,6 +6,11 @@ import numpy as np
 from . import dtypes
 from .context import gcg, gmg
 
+#: ``popxl.tensor.HostTensor``/``host_tensor_types`` (PopXL 3.4 ``python_files/tensor.py``;
+#: PopXL adds ``torch.Tensor`` when torch is installed, which ``Iterable`` already matches).
+HostTensor = np.ndarray | Iterable
+host_tensor_types = (np.ndarray, Iterable)
+
 
 class TensorSpec(Mapping):
     """Descriptor of a tensor: shape, dtype, meta_shape (usable as a create_graph placeholder)."""
@@ -64,6 +69,21 @@ class Tensor:
         self._dtype, self._shape, self._meta_shape = dtype, tuple(shape), tuple(meta_shape)
         self._nelms = int(np.prod(self._shape, dtype=np.int64))
         return self
+
+    @classmethod
+    def _from_pb_tensor(cls, pb_tensor):
+        """Returns: the Tensor of an ``_internal_ir.PbTensor`` wrapper (``Tensor._pb_tensor``
+        gives the wrapper), as PopXL's ``Tensor._from_pb_tensor``."""
+        from ._internal_ir import PbTensor
+        if not isinstance(pb_tensor, PbTensor):
+            raise TypeError(f"Tensor._from_pb_tensor expects a tensor's _pb_tensor, got "
+                            f"{pb_tensor!r}")
+        return pb_tensor._tensor
+
+    @property
+    def _pb_tensor(self):
+        from ._internal_ir import PbTensor
+        return PbTensor(self)
 
     # -- properties ------------------------------------------------------------------------
     id = property(lambda self: self._id)
@@ -276,22 +296,24 @@ def _basic_index(t, key):
 
 
 class Variable(Tensor):
-    """A variable tensor of the main graph (device state kept by the Session)."""
+    """A variable tensor of the main graph (device state kept by the Session).
+
+    ``shape`` is the shape on one replica; the host value (``shape_on_host``) has an outer
+    ``replica_grouping.num_groups`` dimension when there is more than one group (PopXL 3.4
+    ``python_files/tensor.py``, PopART ``willow/src/variablesettings.cpp``).
+    """
 
     @property
     def shape_on_host(self):
-        return self.shape
+        groups = self._replica_grouping.num_groups
+        return self.shape if groups == 1 else (groups, *self.shape)
 
     @property
     def shape_on_replica(self):
-        raise NotImplementedError("Variable.shape_on_replica is not implemented by the "
-                                  "emulator")
+        return self.shape
 
-    @property
-    def replica_grouping(self):
-        raise NotImplementedError("Variable.replica_grouping is not implemented by the emulator")
-
-    retrieval_mode = property(lambda self: "one_per_group")
+    replica_grouping = property(lambda self: self._replica_grouping)
+    retrieval_mode = property(lambda self: self._retrieval_mode)
 
 
 class Constant(Tensor):
@@ -340,11 +362,31 @@ def variable(data, dtype=None, name=None, downcast=True, replica_grouping=None,
         raise ValueError("You cannot initialise a variable tensor within a graph. It can only be "
                          "initialised within the main graph. Please create a graph input for this "
                          "variable (`popxl.graph_input`) or use a constant tensor.")
-    for arg, val in (("replica_grouping", replica_grouping), ("retrieval_mode", retrieval_mode),
-                     ("log2_scale", log2_scale), ("nan_on_overflow", nan_on_overflow)):
+    for arg, val in (("log2_scale", log2_scale), ("nan_on_overflow", nan_on_overflow)):
         if val is not None:
             raise NotImplementedError(f"variable({arg}=...) is not implemented by the emulator")
     arr, dt = _host_data(data, dtype, downcast, "variable")
-    t = g._new_tensor(Variable, name or "t", dt, arr.shape)
+    if retrieval_mode not in (None, "one_per_group", "all_replicas"):
+        raise ValueError(f"Invalid retrieval_mode: {retrieval_mode}")
+    grouping = replica_grouping if replica_grouping else g.ir.replica_grouping()
+    if not grouping.is_const:
+        arr = arr[grouping.to_device_map]  # PopXL stores the const_rg's groups (a copy)
+        arr.setflags(write=False)
+    t = g._new_tensor(Variable, name or "t", dt,
+                      _shape_on_replica(arr.shape, grouping.const_rg.num_groups, name))
     t._data = arr
+    t._replica_grouping, t._retrieval_mode = grouping, retrieval_mode or "one_per_group"
     return t
+
+
+def _shape_on_replica(shape, num_groups, name):
+    """PopART's ``VariableSettings::shapeOnReplica``: with more than one group the host value's
+    outer dimension must be the group count, and it is dropped on the replica."""
+    from .errors import PopartError
+    if num_groups == 1:
+        return shape
+    if not shape or shape[0] != num_groups:
+        raise PopartError(f"variable {name}: the host value's outer dimension "
+                          f"({shape[0] if shape else 'none, a scalar'}) must be the number of "
+                          f"replica groups ({num_groups})")
+    return shape[1:]

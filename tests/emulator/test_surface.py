@@ -27,7 +27,7 @@ NOT_IN_POPXL = {
 #: PopXL names the emulator does not implement: present, raising when used.
 STUBS = {
     popxl: ("create_seeds", "remote_variable", "replica_sharded_variable", "TileSet",
-            "ReplicaGrouping", "remote_buffer"),
+            "remote_buffer"),
     popxl.ops: ("conv_pow2scaled", "conv_transpose_pow2scaled", "PadType", "topk", "cumsum",
                 "remote_code_load"),
     popxl.ops.collectives: ("all_reduce", "CommGroup"),
@@ -48,11 +48,18 @@ def test_unimplemented_popxl_names_raise_when_used(where, name):
 
 
 def test_unimplemented_submodules_raise_on_use():
-    """``popxl.utils`` and ``popxl.context`` exist in PopXL (bound by its imports)."""
+    """``popxl.tensorlocation`` and ``popxl.random_seed`` exist in PopXL (bound by its
+    imports); the emulator implements nothing of them."""
     with pytest.raises(NotImplementedError):
-        popxl.utils.to_numpy([1])
+        popxl.tensorlocation.TensorLocation()
     with pytest.raises(NotImplementedError):
-        popxl.context.get_current_context()
+        popxl.random_seed.create_seeds()
+
+
+def test_implemented_submodules_are_popxl_modules():
+    """``popxl.utils.to_numpy`` and ``popxl.context.get_current_context`` work (issue 17)."""
+    assert popxl.utils.to_numpy([1.0]).dtype.name == "float32"
+    assert popxl.context.get_current_context() is popxl.context.get_current_context()
 
 
 def test_variable_and_constant_live_in_popxl_tensor():

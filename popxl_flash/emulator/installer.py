@@ -1,0 +1,145 @@
+"""``install()``: make ``import popxl`` / ``import popart`` give the emulator, for third-party
+PopXL code (popxl-addons) that imports the SDK by name.
+
+It puts module objects into ``sys.modules``: ``popxl`` (the emulator's
+:mod:`popxl_flash.emulator.popxl`), the PopXL 3.4 submodules third-party code imports
+(``popxl.context``, ``popxl.tensor``, ``popxl.ops.call``, ``popxl.transforms.autodiff``, ...),
+``popart`` and ``popart._internal.ir``. Each submodule holds the names of the PopXL 3.4 module of
+that name (``python/popxl/python_files/<path>.py``) that the emulator implements, stubs raising
+``NotImplementedError`` for the public ones it does not, and nothing PopXL lacks. PopXL
+submodules not listed in :data:`_SUBMODULES` are stub modules (any attribute raises
+``NotImplementedError``), so importing them works and using them fails loudly.
+
+When a real ``popxl`` is importable nothing changes (``install()`` returns False).
+"""
+import importlib.util
+import sys
+import types
+
+from . import popxl_names as _names
+
+_STATE = {"installed": False}
+#: {module name: module}, built once when ``popxl_flash.emulator.popxl`` is imported.
+MODULES = {}
+
+
+def install():
+    """Make ``popxl``, its submodules, ``popart`` and ``popart._internal.ir`` the emulator's.
+
+    Returns:
+        True when the emulator is (now, or already) what ``import popxl`` gives; False when a
+        real PopXL is importable (then nothing is changed). Idempotent.
+    """
+    from . import popxl as emu_popxl
+    if _STATE["installed"] or sys.modules.get("popxl") is emu_popxl:
+        return True
+    if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
+        return False
+    sys.modules.update(MODULES)
+    _STATE["installed"] = True
+    return True
+
+
+class _OpModule(types.ModuleType):
+    """``popxl.ops.<file>``: its names are the ``popxl.ops`` names (the op functions) plus the
+    module-level names set on it; anything else raises NotImplementedError."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        ops = sys.modules.get("popxl.ops") or MODULES["popxl.ops"]
+        if name in _names.OPS:
+            return getattr(ops, name)
+        raise NotImplementedError(f"{self.__name__}.{name} is not implemented by the PopXL "
+                                  "emulator")
+
+
+def _module(qualname, attrs, public=(), doc=None):
+    """A module holding ``attrs`` plus stubs for the ``public`` names not in ``attrs``."""
+    from .unsupported import stub
+    mod = types.ModuleType(qualname, doc)
+    for name in public:
+        if name not in attrs:
+            setattr(mod, name, stub(f"{qualname}.{name}"))
+    for name, value in attrs.items():
+        setattr(mod, name, value)
+    return mod
+
+
+def attach(popxl):
+    """Build :data:`MODULES` and bind the submodules as attributes of ``popxl`` (and of their
+    parents) where PopXL binds them: called once at the end of the emulator's ``popxl``.
+
+    Args:
+        popxl: the emulator's popxl module.
+    """
+    MODULES.update(_build_modules(popxl))
+    for full, mod in MODULES.items():
+        parent, _, leaf = full.rpartition(".")
+        if parent in MODULES and leaf not in vars(MODULES[parent]):
+            setattr(MODULES[parent], leaf, mod)
+        elif parent == "popxl" and isinstance(vars(popxl).get(leaf), types.ModuleType):
+            setattr(popxl, leaf, mod)  # replaces the bare stub module of that name
+
+
+def _build_modules(popxl):
+    """Returns: {module name: module} for sys.modules."""
+    from typing import Literal
+
+    from . import _internal_ir, context, dtypes, errors, ir, popart, replica_grouping, session
+    from . import tensor, utils
+    from .unsupported import stub_module
+    ops = popxl.ops
+    transforms = popxl.transforms
+    mods = {"popxl": popxl, "popxl.ops": ops, "popxl.transforms": transforms}
+    mods["popxl.context"] = _module("popxl.context", {
+        **{n: getattr(context, n) for n in (
+            "get_current_graph", "get_main_graph", "get_ir", "gcg", "gmg", "gir", "in_sequence",
+            "name_scope", "ipu", "io_tiles", "get_current_context", "debug_context_frame_offset",
+            "op_debug_context", "_execution_context", "Context")}},
+        public=("get_source_location",))
+    mods["popxl.tensor"] = popxl.tensor  # HostTensor, host_tensor_types: see popxl.py
+    mods["popxl.dtypes"] = dtypes
+    mods["popxl.errors"] = _module("popxl.errors", {"UndefinedValue": errors.UndefinedValue})
+    mods["popxl.graph"] = _module("popxl.graph", {"Graph": popxl.Graph})
+    mods["popxl.ir"] = _module("popxl.ir", {"Ir": popxl.Ir})
+    mods["popxl.module"] = _module("popxl.module", {"Module": popxl.Module})
+    mods["popxl.replica_grouping"] = _module("popxl.replica_grouping", {
+        "ReplicaGrouping": replica_grouping.ReplicaGrouping})
+    mods["popxl.session"] = _module("popxl.session", {
+        "Session": popxl.Session, **session.STREAM_BUFFER_MAPS})
+    mods["popxl.streams"] = _module("popxl.streams", {
+        "Stream": ir.Stream, "HostToDeviceStream": popxl.HostToDeviceStream,
+        "DeviceToHostStream": popxl.DeviceToHostStream, "h2d_stream": popxl.h2d_stream,
+        "d2h_stream": popxl.d2h_stream})
+    mods["popxl.utils"] = _module("popxl.utils", {"to_numpy": utils.to_numpy},
+                                  public=("table_to_string",))
+    mods["popxl.transforms.autodiff"] = _module("popxl.transforms.autodiff", {
+        n: getattr(transforms, n) for n in ("autodiff", "GradGraphInfo", "ExpectedConnection",
+                                            "ExpectedConnectionType")})
+    mods["popxl.ops.call"] = _module("popxl.ops.call", {
+        n: getattr(ops, n) for n in ("call", "call_with_info", "CallSiteInfo")})
+    mods["popxl.ops.utils"] = _module("popxl.ops.utils", utils.OPS_UTILS)
+    mods["popxl.ops.conv"] = _module("popxl.ops.conv", {"PadType": utils.PadType},
+                                     public=("conv", "conv_pow2scaled", "conv_transpose",
+                                             "conv_transpose_pow2scaled"))
+    mods["popxl.ops.var_updates"] = ops.var_updates
+    mods["popxl.ops.collectives"] = ops.collectives
+    for name in _names.STUB_SUBMODULES:
+        mods.setdefault(name, stub_module(name))
+    for name in _names.OP_MODULES:
+        mods.setdefault(f"popxl.ops.{name}", _OpModule(f"popxl.ops.{name}"))
+    # type aliases PopXL defines in op modules
+    mods["popxl.ops.negative_log_likelihood"].REDUCTION_TYPE = Literal["mean", "sum", "none"]
+    mods["popxl.ops.collectives.collectives"] = _module("popxl.ops.collectives.collectives", {
+        "CollectiveOps": Literal["add", "mean", "mul", "min", "max", "and", "or",
+                                 "square_add"]},
+        public=("CommGroup", "CommGroupType", "to_collective_op"))
+    mods["popart"] = _module("popart", {
+        "popart_exception": errors.PopartError, "DeviceManager": popart.DeviceManager,
+        "DeviceType": popart.DeviceType, "DeviceInfo": popart.DeviceInfo,
+        "SessionOptions": popart.SessionOptions}, public=("PyWeightsIO", "getLogger"),
+        doc="The emulator's ``popart`` (install()): the names PopXL code uses next to popxl.")
+    mods["popart._internal"] = _module("popart._internal", {"ir": _internal_ir})
+    mods["popart._internal.ir"] = _internal_ir
+    return mods

@@ -1,0 +1,38 @@
+"""Tests against real popxl-addons (issue 17), run on the emulator.
+
+They need a checkout of graphcore/popxl-addons (branch ``sdk-release-3.4``) named by the
+environment variable ``POPXL_ADDONS_PATH`` (its root goes on ``sys.path``) and popxl-addons'
+own Python dependencies (``scipy``, ``more_itertools``, ``gitpython``); without the variable the
+directory is skipped, as the PyTorch tests skip without torch. ``mpi4py``, ``popdist`` and
+``cppimport`` get stand-ins when missing (``standins.py``). Then ``popxl_flash.emulator.install()``
+makes ``import popxl`` the emulator (when the SDK is importable the SDK is used instead).
+"""
+import os
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PATH = os.environ.get("POPXL_ADDONS_PATH", "").strip()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Skip this directory's tests when POPXL_ADDONS_PATH is unset."""
+    if not _PATH and collection_path.suffix == ".py" and \
+            collection_path.name.startswith("test_"):
+        return True
+    return None
+
+
+if _PATH:
+    if not os.path.isdir(os.path.join(_PATH, "popxl_addons")):
+        raise pytest.UsageError(f"POPXL_ADDONS_PATH={_PATH!r} is not a popxl-addons checkout "
+                                "(no popxl_addons/ folder)")
+    sys.path.insert(0, _HERE)
+    sys.path.insert(0, _PATH)
+    from standins import install_standins  # noqa: E402
+
+    install_standins()
+    from popxl_flash import emulator  # noqa: E402
+
+    emulator.install()

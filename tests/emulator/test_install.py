@@ -1,0 +1,126 @@
+"""``popxl_flash.emulator.install()`` (issue 17): ``import popxl`` / ``import popart`` give the
+emulator in a process without the SDK, and nothing changes when a real popxl is importable.
+
+Each case runs in a subprocess: install() edits ``sys.modules`` for the whole process.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(code, extra_path=None, **env_vars):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [extra_path, ROOT])),
+               **env_vars)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_install_makes_popxl_and_popart_the_emulator():
+    out = _run("""
+        import sys
+        from popxl_flash import emulator
+        assert emulator.install() is True and emulator.install() is True  # idempotent
+        import popxl, popxl.context, popxl.ops.call, popart, popart._internal.ir as _ir
+        from popxl.tensor import HostTensor, host_tensor_types, Variable
+        from popxl.transforms.autodiff import GradGraphInfo
+        from popxl.ops.utils import check_in_graph, check_tensor_ipu_and_tile_set
+        from popxl.ops.conv import PadType
+        from popxl.streams import Stream
+        from popxl.session import Session, d2hStreamBufferMaps, h2dStreamBufferMaps
+        from popxl.graph import Graph
+        from popxl.utils import to_numpy
+        from popxl.context import get_current_context, debug_context_frame_offset
+        from popxl.context import op_debug_context
+        from popxl.ops.negative_log_likelihood import REDUCTION_TYPE
+        from popart import popart_exception
+        assert popxl is emulator.popxl
+        assert popxl.ops.call is popxl.ops.call_with_info.__globals__["call"] or callable(
+            popxl.ops.call)
+        assert sys.modules["popxl.ops.call"].CallSiteInfo is popxl.ops.CallSiteInfo
+        assert popart_exception is emulator.PopartError
+        assert issubclass(Stream, popxl.HostToDeviceStream.__mro__[1])
+        assert popxl.ops.add.__name__ == "add"          # attribute: the op, as in PopXL
+        from popxl.ops.add import add_                   # module: its names
+        assert add_ is popxl.ops.add_
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_install_refuses_names_popxl_lacks():
+    _run("""
+        from popxl_flash import emulator
+        emulator.install()
+        import popxl
+        for mod, name in ((popxl, "count_ops"), (popxl.ops, "RepeatSiteInfo")):
+            try:
+                getattr(mod, name)
+            except AttributeError:
+                pass
+            else:
+                raise SystemExit(f"{name} present")
+        try:
+            import popxl.not_a_popxl_module  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("unknown submodule imported")
+        import popxl.ops.collectives.collectives as c   # a PopXL module the emulator stubs
+        try:
+            c.to_collective_op("add")
+        except NotImplementedError:
+            pass
+        else:
+            raise SystemExit("stub ran")
+    """)
+
+
+def test_install_changes_nothing_when_popxl_is_importable(tmp_path):
+    (tmp_path / "popxl").mkdir()
+    (tmp_path / "popxl" / "__init__.py").write_text("REAL = True\n")
+    out = _run("""
+        import sys
+        from popxl_flash import emulator
+        assert emulator.install() is False
+        assert "popxl" not in sys.modules and "popart" not in sys.modules
+        import popxl
+        assert popxl.REAL
+        print("ok")
+    """, extra_path=str(tmp_path), POPXL_FLASH_BACKEND="emulator")
+    assert out.strip() == "ok"
+
+
+@pytest.mark.parametrize("stmt", ["import popxl", "import popart._internal.ir",
+                                  "from popxl.context import get_current_context"])
+def test_without_install_nothing_is_importable(stmt):
+    """The emulator never installs itself: importing ``popxl_flash`` leaves ``popxl`` alone."""
+    _run(f"""
+        import popxl_flash
+        try:
+            {stmt}
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("imported without install()")
+    """)
+
+
+def test_backend_after_install_is_the_emulator():
+    """popxl_flash imported after install() still knows it runs on the emulator."""
+    out = _run("""
+        import sys, importlib
+        sys.path.insert(0, ".")
+        import popxl_flash.emulator.installer as inst  # imports popxl_flash (backend chosen)
+        inst.install()
+        import popxl_flash.backend as b
+        importlib.reload(b)                            # choose again, now with popxl importable
+        print(b.BACKEND)
+    """)
+    assert out.strip() == "emulator"
