@@ -73,18 +73,19 @@ class Session:
 
     # -- weights -----------------------------------------------------------------------------
     def weights_from_host(self):
-        """Copy all host variable values to the device (every replica gets its copy)."""
+        """Copy all host variable values to the device: every replica gets its own copy, of
+        its group's row for a variable with several replica groups."""
         self._assert_attached()
-        self._replica_vars = [{v: np.array(a, copy=True) for v, a in self._host.items()}
-                              for _ in range(self._ir.replication_factor)]
+        self._replica_vars = [{v: _replica_value(v, a, r) for v, a in self._host.items()}
+                              for r in range(self._ir.replication_factor)]
         self._on_device = self._replica_vars[0]
         self._host_in_sync = True
 
     def weights_to_host(self):
-        """Copy all device variable values to the host (replica 0's: PopXL's "one_per_group"
-        retrieval with one group of all replicas)."""
+        """Copy all device variable values to the host: PopXL's "one_per_group" retrieval
+        (the first replica of each group; one group of all replicas: replica 0's value)."""
         self._assert_attached()
-        self._host = {v: np.array(a, copy=True) for v, a in self._on_device.items()}
+        self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -101,8 +102,8 @@ class Session:
         if any(isinstance(t, Variable) for t in tensors) and self.is_attached \
                 and not self._host_in_sync:
             self.weights_to_host()
-        return {t: np.array(self._host[t] if isinstance(t, Variable) else t._data, copy=True)
-                for t in tensors}
+        return {t: _user_value(t, self._host[t]) if isinstance(t, Variable)
+                else np.array(t._data, copy=True) for t in tensors}
 
     def write_variable_data(self, tensor, data):
         """Args: tensor: Variable. data: array of exactly ``tensor.dtype`` and shape."""
@@ -124,6 +125,8 @@ class Session:
             if data.shape != t.shape_on_host:
                 raise ValueError(f"The shape of the input array {data.shape} must match the "
                                  f"shape of the tensor {t.id} : {t.shape}")
+            if not t.replica_grouping.is_const:  # PopXL stores the const grouping's groups
+                data = data[t.replica_grouping.to_device_map]
             self._host[t] = np.array(data, copy=True, order="C")
         if self.is_attached:
             self.weights_from_host()
@@ -221,6 +224,37 @@ class Session:
                                       f"{s.dtype.name}, array is {arr.dtype}")
             out[s] = arr.reshape(self._full_shape(s, always=True))
         return out
+
+
+def _replica_value(var, host, replica):
+    """Replica ``replica``'s copy of ``var`` from its host value (groups of the constant-stride
+    grouping PopXL stores, ``const_rg``)."""
+    rg = var.replica_grouping.const_rg
+    if rg.num_groups == 1:
+        return np.array(host, copy=True)
+    return np.array(host[rg.assignment[replica]], copy=True)
+
+
+def _host_value(var, replica_vars):
+    """The host value of ``var`` from the replicas' copies ("one_per_group": the first replica
+    of each group of the constant-stride grouping)."""
+    if var.retrieval_mode == "all_replicas" and var.replica_grouping.group_size > 1 and \
+            len(replica_vars) > 1:
+        raise NotImplementedError(f"variable {var.id}: retrieval_mode 'all_replicas' is not "
+                                  "implemented by the emulator")
+    rg = var.replica_grouping.const_rg
+    if rg.num_groups == 1:
+        return np.array(replica_vars[0][var], copy=True)
+    firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
+    return np.stack([replica_vars[r][var] for r in firsts])
+
+
+def _user_value(var, host):
+    """The value ``get_tensor_data`` returns: the stored groups mapped back to the variable's
+    own (possibly non-constant) grouping, as PopXL's ``to_host_map``."""
+    if not var.replica_grouping.is_const:
+        host = host[var.replica_grouping.to_host_map]
+    return np.array(host, copy=True)
 
 
 def _host_array(data, downcast):

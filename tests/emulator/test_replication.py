@@ -335,3 +335,90 @@ def test_profile_per_replica_and_collective_bytes():
     assert [p.collective_bytes for p in prof.replicas] == [gather + reduce] * r
     assert prof.collective_bytes == r * (gather + reduce)
     assert prof.peak_live_bytes == max(p.peak_live_bytes for p in prof.replicas)
+
+
+# -- replica groupings -------------------------------------------------------------------------
+def _members(assignment):
+    """Groups of a grouping as lists of replicas in rank order."""
+    return [[r for r, g in enumerate(assignment) if g == k] for k in range(max(assignment) + 1)]
+
+
+_GROUPINGS = [(1, 2), (2, 2), (1, 4), (4, 1), (1, 1), (2, 1)]  # (stride, group_size), R = 4
+
+
+@pytest.mark.parametrize("stride,size", _GROUPINGS)
+def test_collectives_with_groups_match_numpy(stride, size):
+    """GCL's CONSECUTIVE comm group: replica r is in group r % s + s (r // (s G)), ranked by
+    index (willow/src/replicagrouping.cpp, popx/op/collectives/collectivesx.cpp)."""
+    r, n = 4, 8
+    ir = popxl.Ir(replication=r)
+    group = ir.replica_grouping(stride=stride, group_size=size)
+    with ir.main_graph:
+        s = popxl.h2d_stream((n,), f32)
+        x = ops.host_load(s)
+        outs = [coll.replicated_all_gather(x, group=group),
+                coll.replicated_reduce_scatter(x, op="add", group=group),
+                coll.replicated_all_reduce(x, op="max", group=group),
+                coll.replicated_slice(x, group=group)]
+        streams = []
+        for t in outs:
+            streams.append(popxl.d2h_stream(t.shape, t.dtype))
+            ops.host_store(streams[-1], t)
+    data = np.random.default_rng(stride * 10 + size).random((r, n), dtype=np.float32)
+    got, _ = _run(ir, {s: data}, streams)
+    for members in _members(group.assignment):
+        block = data[members]
+        chunk = n // size
+        for rank, rep in enumerate(members):
+            np.testing.assert_array_equal(got[0][rep], block.reshape(-1))
+            np.testing.assert_allclose(got[1][rep], block.sum(0)[rank * chunk:(rank + 1) * chunk],
+                                       rtol=1e-6)
+            np.testing.assert_array_equal(got[2][rep], block.max(0))
+            np.testing.assert_array_equal(got[3][rep], data[rep][rank * chunk:(rank + 1) * chunk])
+
+
+def test_replica_index_in_group():
+    """replicated_slice of arange(G) with a group gives the rank in the group (reference §9)."""
+    r = 4
+    ir = popxl.Ir(replication=r)
+    group = ir.replica_grouping(stride=2, group_size=2)  # groups {0, 2}, {1, 3}
+    with ir.main_graph:
+        ops.host_load(popxl.h2d_stream((1,), f32))
+        idx = coll.replicated_slice(popxl.constant(np.arange(2, dtype=np.int32)), group=group)
+        d = popxl.d2h_stream((), i32)
+        ops.host_store(d, idx)
+    (out,), _ = _run(ir, {ir.get_all_h2d_streams()[0]: np.zeros((r, 1), np.float32)}, [d])
+    np.testing.assert_array_equal(out, [0, 0, 1, 1])
+
+
+def test_non_constant_grouping_refused_by_collectives():
+    ir = popxl.Ir(replication=4)
+    group = ir.replica_grouping_from_assignments([0, 1, 1, 0])
+    with ir.main_graph:
+        x = ops.host_load(popxl.h2d_stream((4,), f32))
+        with pytest.raises(NotImplementedError, match="non-constant stride"):
+            coll.replicated_all_reduce(x, group=group)
+
+
+@pytest.mark.parametrize("stride,size", [(1, 1), (2, 2), (1, 2)])
+def test_grouped_variables_per_replica(stride, size):
+    """A variable with a replica grouping: host value [num_groups, *shape], each replica gets
+    its group's row; one_per_group retrieval reads each group's first replica."""
+    r = 4
+    ir = popxl.Ir(replication=r)
+    group = ir.replica_grouping(stride=stride, group_size=size)
+    init = np.arange(group.num_groups * 3, dtype=np.float32).reshape(group.num_groups, 3)
+    with ir.main_graph:
+        v = popxl.variable(init, name="v", replica_grouping=group)
+        assert v.shape == (3,) and v.shape_on_host == (group.num_groups, 3)
+        idx = coll.replicated_slice(popxl.constant(np.arange(r, dtype=np.float32)))
+        v2 = ops.var_updates.accumulate_(v, idx.reshape((1,)) + popxl.constant(
+            np.zeros(3, np.float32)))
+        d = popxl.d2h_stream((3,), f32)
+        ops.host_store(d, v2 + 0.0)
+    (out,), session = _run(ir, {}, [d])
+    assignment = group.assignment
+    want = np.stack([init[assignment[rep]] + rep for rep in range(r)])
+    np.testing.assert_array_equal(out, want)
+    firsts = [assignment.index(g) for g in range(group.num_groups)]
+    np.testing.assert_array_equal(session.get_tensor_data(v), want[firsts])
