@@ -28,6 +28,7 @@ Layouts (``shard``/``unshard`` lay a host sequence out and back):
   diagonal ones).
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -159,17 +160,18 @@ class Plan:
             ``[R, local_len]`` global positions (:func:`positions`).
     """
 
-    def __init__(self, q, k, *, replicas, layout, causal, scale, window, steps, num_chunks_q,
-                 num_chunks_kv, budget):
+    def __init__(self, q_shape, kv_shape, dtype, *, replicas, layout, causal, scale, window,
+                 steps, num_chunks_q, num_chunks_kv, budget):
         self.replicas, self.layout = replicas, _check_layout(layout)
         self.causal = check_bool("causal", causal)
         self.scale, self.window = scale, (None if window is None else check_window(window))
-        self.local_len = q.shape[1]
+        self.q_shape, self.kv_shape, self.dtype = tuple(q_shape), tuple(kv_shape), dtype
+        self.local_len = q_shape[1]
         self.table = positions(self.local_len * replicas, replicas, layout)
-        itemsize = 2 if q.dtype.name == "float16" else 4
+        self.itemsize = 2 if dtype == "float16" else 4
         budget = _check_int("kv_budget_bytes", budget, low=1)
-        self.steps = (choose_gather_steps(self.local_len, replicas, k.shape[0], k.shape[2],
-                                          itemsize, budget) if steps is None
+        self.steps = (choose_gather_steps(self.local_len, replicas, kv_shape[0], kv_shape[2],
+                                          self.itemsize, budget) if steps is None
                       else _check_int("kv_gather_steps", steps, low=1, high=self.local_len))
         if self.local_len % self.steps:
             raise ValueError(f"kv_gather_steps must divide the rows per replica "
@@ -356,7 +358,8 @@ def _plan(q, k, v, options):
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even number of rows per replica (two "
                          f"chunks each), got q shape {tuple(q.shape)}")
-    return Plan(q, k, replicas=replicas, layout=layout, **options), group
+    return Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout,
+                **options), group
 
 
 def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=None,
@@ -437,3 +440,111 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
     inputs = (dout, q, k, v, out, lse)
     with popxl.name_scope("context_parallel_attention_grad"):
         return ops.call(_cached_graph(module, inputs, group), *inputs)
+
+
+# -- cost per replica ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContextParallelCost:
+    """Exact per-replica figures of one context-parallel call (:func:`explain`).
+
+    Attributes:
+        plan: the :class:`Plan` (rounds ``steps``, ``piece``, chunk counts).
+        chunk_q, chunk_kv: chunk lengths of each round's flash call.
+        iterations: loop steps per replica and round (the static schedule: equal on all).
+        blocks: per replica, the blocks its positions leave visible (all rounds).
+        flops: per replica, the forward's executed matmul FLOPs (``4 G cq ckv D`` per
+            visible block; the backward executes 2.5x that in stash mode).
+        gathered_bytes: bytes each replica receives from the K/V all-gathers of one forward.
+        scattered_bytes: bytes each replica receives from the backward's dk/dv
+            reduce-scatters (float32), besides the backward's own all-gathers.
+        kv_round_bytes: one round's gathered K and V (live while the round runs).
+        shard_bytes: the replica's q, k, v and out shards.
+    """
+    plan: "Plan"
+    chunk_q: int
+    chunk_kv: int
+    iterations: int
+    blocks: tuple
+    flops: tuple
+    gathered_bytes: int
+    scattered_bytes: int
+    kv_round_bytes: int
+    shard_bytes: int
+
+    def table(self):
+        """Returns: a text table, one row per replica."""
+        p = self.plan
+        lines = [f"R={p.replicas} layout={p.layout} rounds={p.steps} (piece {p.piece} rows) "
+                 f"chunks q {p.num_chunks_q}x{self.chunk_q} kv {p.num_chunks_kv}x"
+                 f"{self.chunk_kv}, {self.iterations} loop steps per round",
+                 f"gathered K/V per round {self.kv_round_bytes / 2**20:.2f} MiB, shards "
+                 f"{self.shard_bytes / 2**20:.2f} MiB",
+                 "replica  blocks  fwd GFLOP  gathered MiB  scattered MiB"]
+        for r, (b, f) in enumerate(zip(self.blocks, self.flops)):
+            lines.append(f"{r:7d}  {b:6d}  {f / 1e9:9.3f}  {self.gathered_bytes / 2**20:12.2f}"
+                         f"  {self.scattered_bytes / 2**20:13.2f}")
+        return "\n".join(lines)
+
+
+def _chunk_bounds(pos, chunk):
+    """``(min, max)`` position of every chunk of a position row."""
+    chunks = pos.reshape(-1, chunk)
+    return chunks.min(axis=1), chunks.max(axis=1)
+
+
+def _visible_blocks(plan, q_pos, kv_pos, chunk_q, chunk_kv):
+    """Blocks of one round that runtime classification does not skip (one segment: the
+    position tests of :func:`popxl_flash.segments.classify_blocks`)."""
+    q_lo, q_hi = (a[:, None] for a in _chunk_bounds(q_pos, chunk_q))
+    k_lo, k_hi = (a[None, :] for a in _chunk_bounds(kv_pos, chunk_kv))
+    skip = np.zeros((q_lo.shape[0], k_lo.shape[1]), bool)
+    left, right = plan.window if plan.window is not None else (-1, -1)
+    if plan.causal:
+        skip |= k_lo > q_hi
+    if left >= 0:
+        skip |= k_hi < q_lo - left
+    if right >= 0:
+        skip |= k_lo > q_hi + right
+    return int((~skip).sum())
+
+
+def explain(length, replicas, *, head_dim, groups=1, kv_groups=None, dtype="float16",
+            causal=True, window=None, layout="zigzag", kv_gather_steps=None,
+            kv_budget_bytes=DEFAULT_KV_BUDGET, num_chunks_q=None, num_chunks_kv=None):
+    """Per-replica work, traffic and memory of :func:`context_parallel_attention`.
+
+    Args:
+        length: the whole sequence's length L. replicas: R (the group size).
+        head_dim, groups, kv_groups, dtype: D, G, Gk (default G), "float16"/"float32".
+        causal, window, layout, kv_gather_steps, kv_budget_bytes, num_chunks_q,
+            num_chunks_kv: as :func:`context_parallel_attention`.
+
+    Returns:
+        :class:`ContextParallelCost` (``table()`` prints it).
+    """
+    replicas = _check_int("replicas", replicas, low=1)
+    length = _check_int("length", length, low=1)
+    if length % replicas:
+        raise ValueError(f"length must be divisible by replicas={replicas}, got {length}")
+    Gk = groups if kv_groups is None else kv_groups
+    local = length // replicas
+    plan = Plan((groups, local, head_dim), (Gk, local, head_dim), dtype, replicas=replicas,
+                layout=layout, causal=causal, scale=None, window=window, steps=kv_gather_steps,
+                num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                budget=kv_budget_bytes)
+    chunk_q = -(-local // plan.num_chunks_q)
+    chunk_kv = -(-replicas * plan.piece // plan.num_chunks_kv)
+    if local % chunk_q or (replicas * plan.piece) % chunk_kv:
+        raise ValueError("explain needs chunk counts that divide the lengths exactly")
+    blocks = tuple(sum(_visible_blocks(plan, plan.table[r], plan.kv_positions(s)[0], chunk_q,
+                                       chunk_kv) for s in range(plan.steps))
+                   for r in range(replicas))
+    piece_kv = Gk * plan.piece * head_dim
+    return ContextParallelCost(
+        plan=plan, chunk_q=chunk_q, chunk_kv=chunk_kv,
+        iterations=plan.num_chunks_q * plan.num_chunks_kv, blocks=blocks,
+        flops=tuple(4 * groups * chunk_q * chunk_kv * head_dim * b for b in blocks),
+        gathered_bytes=plan.steps * 2 * (replicas - 1) * piece_kv * plan.itemsize,
+        scattered_bytes=plan.steps * 2 * (replicas - 1) * piece_kv * 4,
+        kv_round_bytes=2 * replicas * piece_kv * plan.itemsize,
+        shard_bytes=(2 * groups + 2 * Gk) * local * head_dim * plan.itemsize)

@@ -275,3 +275,51 @@ def test_bad_arguments(kwargs, exc, fragment):
 def test_shard_refuses_indivisible_length():
     with pytest.raises(ValueError, match="divisible by 4"):
         cp.shard(np.zeros((1, 6, 2)), 2, "zigzag")
+
+
+@pytest.mark.parametrize("R,layout,steps,causal,window", [
+    (4, "zigzag", 1, True, None), (4, "contiguous", 2, True, None),
+    (2, "zigzag", 4, False, (9, 2)), (4, "zigzag", 2, True, (20, -1))])
+def test_explain_is_exact_per_replica(R, layout, steps, causal, window):
+    """pf.context_parallel.explain: the executed FLOPs and the gathered bytes of every replica
+    are the emulator's counts; the loop trip counts are equal on all replicas."""
+    G, Gk, L, D = 2, 1, 128, 8
+    q, k, v = random_qkv(np.random.default_rng(2), G, L, L, D, np.float32, kv_groups=Gk)
+    _, _, session = run_cp(q, k, v, R, layout, kv_gather_steps=steps, causal=causal,
+                           window=window)
+    cost = cp.explain(L, R, head_dim=D, groups=G, kv_groups=Gk, dtype="float32",
+                      causal=causal, window=window, layout=layout, kv_gather_steps=steps)
+    reps = session.profile.replicas
+    assert [p.matmul_flops for p in reps] == list(cost.flops)
+    assert [p.collective_bytes for p in reps] == [cost.gathered_bytes] * R
+    assert len({p.loop_iterations for p in reps}) == 1
+    assert "replica" in cost.table()
+
+
+@pytest.mark.parametrize("R,layout,steps", [(2, "contiguous", 1), (4, "zigzag", 2)])
+def test_against_pytorch(R, layout, steps):
+    """Forward and backward (through pf.autodiff of a layer) against PyTorch's SDPA on the
+    whole sequence (float64 torch as the reference, float32 here)."""
+    torch = pytest.importorskip("torch")
+    G, Gk, L, D = 4, 2, 64, 8
+    rng = np.random.default_rng(R)
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=Gk)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    tq, tk, tv = (torch.tensor(a.astype(np.float64), requires_grad=True) for a in (q, k, v))
+    rep = G // Gk
+    t_out = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk.repeat_interleave(rep, 0), tv.repeat_interleave(rep, 0), is_causal=True)
+    t_out.backward(torch.tensor(dout.astype(np.float64)))
+
+    def build(do, q, k, v):
+        def layer(q, k, v):
+            return cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=steps)
+        graph = popxl.gir().create_graph(layer, q, k, v)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v)
+        out = call.outputs[0]  # autodiff adds the activations it stashes as outputs
+        return (out + 0.0, *ops.call(info.graph, do, inputs_dict=info.inputs_dict(call)))
+    (out, dq, dk, dv), _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout)
+    np.testing.assert_allclose(out, t_out.detach().numpy(), atol=2e-6, rtol=0)
+    for got, want in ((dq, tq.grad), (dk, tk.grad), (dv, tv.grad)):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
