@@ -42,9 +42,10 @@ ops = popxl.ops
 
 LAYOUTS = ("contiguous", "zigzag")
 
-#: Longest automatic chunk (rows): chunks divide the layout's pieces, so runtime skipping is
+#: Longest automatic chunk (rows; smaller than flash's usual 128 to keep the block working set
+#: small next to the shards). Chunks divide the layout's pieces, so runtime skipping is
 #: exact at block granularity and the zigzag layout's work is balanced.
-CHUNK_TARGET = 128
+CHUNK_TARGET = 64
 
 #: Default budget of one round's gathered K/V: an eighth of one Mk2 IPU's In-Processor memory
 #: (1472 tiles x 624 KiB), leaving the rest to the shards, the flash loop and the model.
@@ -226,34 +227,63 @@ def _zeros_ids(length):
     return popxl.constant(np.zeros((1, length), np.int32))
 
 
-def _merge(acc, part):
-    """Combine two partial results ``(out, lse)`` over disjoint key sets by their logsumexp.
+#: Row slices the merge of two rounds' outputs works in (its float32 temporaries are 1/M of
+#: the accumulator; the accumulator is updated in place).
+MERGE_SLICES = 8
 
-    ``out`` float32 ``[G, L, D]`` (0 where the part sees nothing), lse float32 ``[G, L]``
-    (``-inf`` there). No infinity enters arithmetic (floating-point checks stay quiet).
+
+def _merge_weights(lse_a, lse_b):
+    """Weights of two partial results over disjoint key sets, from their logsumexps.
+
+    Args:
+        lse_a, lse_b: float32 ``[G, L]`` (``-inf`` where a part sees nothing).
+
+    Returns:
+        ``(w_a, w_b, lse)``: weights ``[G, L, 1]`` (summing to 1 where a key is seen, 0
+        elsewhere) and the merged lse. No infinity enters arithmetic (floating-point checks
+        stay quiet).
     """
-    (out_a, lse_a), (out_b, lse_b) = acc, part
     big = popxl.constant(np.float32(-1e30))
-    zero = popxl.constant(np.float32(0))
+    zero, one = popxl.constant(np.float32(0)), popxl.constant(np.float32(1))
     seen_a = ops.logical_not(ops.isinf(lse_a))
     seen_b = ops.logical_not(ops.isinf(lse_b))
     a = ops.where(seen_a, lse_a, big)
     b = ops.where(seen_b, lse_b, big)
     m = ops.maximum(a, b)
-    w_a = ops.where(seen_a, ops.exp(a - m), zero)
-    w_b = ops.where(seen_b, ops.exp(b - m), zero)
+    e_a = ops.where(seen_a, ops.exp(a - m), zero)
+    e_b = ops.where(seen_b, ops.exp(b - m), zero)
     seen = ops.logical_or(seen_a, seen_b)
-    total = ops.where(seen, w_a + w_b, popxl.constant(np.float32(1)))
+    total = ops.where(seen, e_a + e_b, one)
     lse = ops.where(seen, m + ops.log(total), popxl.constant(np.float32(-np.inf)))
     shape = tuple(lse.shape) + (1,)
-    out = out_a * (w_a / total).reshape(shape) + out_b * (w_b / total).reshape(shape)
-    return out, lse
+    return (e_a / total).reshape(shape), (e_b / total).reshape(shape), lse
+
+
+def _merge(acc, lse_acc, out, lse):
+    """Fold a round's ``(out, lse)`` into the float32 accumulator ``acc [G, L, D]`` in place,
+    ``MERGE_SLICES`` row slices at a time.
+
+    Returns:
+        ``(acc, lse)``: the updated accumulator (an alias of ``acc``) and the merged lse.
+    """
+    w_a, w_b, lse = _merge_weights(lse_acc, lse)
+    rows = acc.shape[1]
+    step = -(-rows // min(MERGE_SLICES, rows))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+
+        def part(t):
+            return ops.slice(t, start=[start], stop=[stop], axis=[1])
+        piece = part(acc) * part(w_a) + ops.cast(part(out), popxl.float32) * part(w_b)
+        acc = ops.dynamic_update_(acc, popxl.constant(np.array([start], np.uint32)), piece,
+                                  axes=[1], sizes=[stop - start], no_overlap=True)
+    return acc, lse
 
 
 def _forward_rounds(q, k, v, plan, group):
     """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype)."""
     q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
-    acc = None
+    acc = lse_acc = None
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
@@ -261,9 +291,12 @@ def _forward_rounds(q, k, v, plan, group):
                                        kv_pos, **plan.flash_options())
         if plan.steps == 1:
             return out, lse
-        part = (ops.cast(out, popxl.float32), lse)
-        acc = part if acc is None else _merge(acc, part)
-    return ops.cast(acc[0], q.dtype), acc[1]
+        if acc is None:
+            acc, lse_acc = (out if out.dtype == popxl.float32 else
+                            ops.cast(out, popxl.float32)), lse
+        else:
+            acc, lse_acc = _merge(acc, lse_acc, out, lse)
+    return (acc if q.dtype == popxl.float32 else ops.cast(acc, q.dtype)), lse_acc
 
 
 def _scatter_to_owners(grad, plan, group):
@@ -380,7 +413,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             picks the fewest rounds whose gathered K and V fit ``kv_budget_bytes``.
         kv_budget_bytes: the budget of one round's gathered K and V.
         num_chunks_q, num_chunks_kv: each round's flash chunk counts over the ``L/R`` q rows and
-            the ``R L / (R S)`` gathered columns; ``None``: chunks of at most 128 rows that
+            the ``L / S`` gathered columns; ``None``: chunks of at most 64 rows that
             divide the layout's pieces.
         scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
         return_lse: also return the logsumexp.
