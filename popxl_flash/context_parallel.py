@@ -42,10 +42,9 @@ ops = popxl.ops
 
 LAYOUTS = ("contiguous", "zigzag")
 
-#: Longest automatic chunk (rows; smaller than flash's usual 128 to keep the block working set
-#: small next to the shards). Chunks divide the layout's pieces, so runtime skipping is
+#: Longest automatic chunk (rows). Chunks divide the layout's pieces, so runtime skipping is
 #: exact at block granularity and the zigzag layout's work is balanced.
-CHUNK_TARGET = 64
+CHUNK_TARGET = 128
 
 #: Default budget of one round's gathered K/V: an eighth of one Mk2 IPU's In-Processor memory
 #: (1472 tiles x 624 KiB), leaving the rest to the shards, the flash loop and the model.
@@ -413,7 +412,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             picks the fewest rounds whose gathered K and V fit ``kv_budget_bytes``.
         kv_budget_bytes: the budget of one round's gathered K and V.
         num_chunks_q, num_chunks_kv: each round's flash chunk counts over the ``L/R`` q rows and
-            the ``L / S`` gathered columns; ``None``: chunks of at most 64 rows that
+            the ``L / S`` gathered columns; ``None``: chunks of at most 128 rows that
             divide the layout's pieces.
         scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
         return_lse: also return the logsumexp.
