@@ -445,8 +445,12 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
     is summed back to the replica owning them with ``replicated_reduce_scatter``.
 
     Args:
-        dout: ``[G, L/R, D]``. q, k, v, options: the forward's.
+        dout: ``[G, L/R, D]``, q's dtype. q, k, v: the forward's inputs.
         out, lse: the forward's outputs, or both ``None``.
+        causal, layout, group, scale, window: the forward's (they change the result).
+        kv_gather_steps, kv_budget_bytes, num_chunks_q, num_chunks_kv: as
+            :func:`context_parallel_attention`; they may differ from the forward's (the result
+            does not depend on them beyond rounding).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.

@@ -323,3 +323,14 @@ def test_against_pytorch(R, layout, steps):
     np.testing.assert_allclose(out, t_out.detach().numpy(), atol=2e-6, rtol=0)
     for got, want in ((dq, tq.grad), (dk, tk.grad), (dv, tv.grad)):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [cp.context_parallel_attention, cp.context_parallel_attention_grad,
+                                cp.shard, cp.unshard, cp.positions, cp.explain,
+                                cp.choose_gather_steps])
+def test_docstrings_name_every_parameter(fn):
+    import inspect
+    import re
+    doc = inspect.getdoc(fn)
+    missing = [p for p in inspect.signature(fn).parameters if not re.search(rf"\b{p}\b", doc)]
+    assert not missing, f"{fn.__name__} docstring does not mention {missing}"
