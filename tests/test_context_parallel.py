@@ -334,3 +334,29 @@ def test_docstrings_name_every_parameter(fn):
     doc = inspect.getdoc(fn)
     missing = [p for p in inspect.signature(fn).parameters if not re.search(rf"\b{p}\b", doc)]
     assert not missing, f"{fn.__name__} docstring does not mention {missing}"
+
+
+def test_replica_groups_hold_separate_sequences():
+    """group=ir.replica_grouping(group_size=2) over 4 replicas: replicas {0, 1} hold one
+    sequence, {2, 3} another (e.g. data parallelism over context-parallel pairs)."""
+    R, size, layout = 4, 2, "zigzag"
+    rng = np.random.default_rng(9)
+    seqs = [random_qkv(rng, 2, 32, 32, 8, np.float32, kv_groups=1) for _ in range(R // size)]
+    ir = popxl.Ir(replication=R)
+    group = ir.replica_grouping(group_size=size)
+    with ir.main_graph:
+        streams = [popxl.h2d_stream((t.shape[0], 32 // size, 8), popxl.float32, name=n)
+                   for n, t in zip("qkv", seqs[0])]
+        out, lse = cp.context_parallel_attention(*(ops.host_load(s) for s in streams),
+                                                 layout=layout, group=group, return_lse=True)
+        d = popxl.d2h_stream(out.shape, out.dtype)
+        ops.host_store(d, out)
+    # replica r is rank r % 2 of group r // 2 (stride 1): stack the groups' shards
+    feeds = {s: np.concatenate([cp.shard(seq[i], size, layout) for seq in seqs])
+             for i, s in enumerate(streams)}
+    with popxl.Session(ir, DEVICE) as session:
+        res = session.run(feeds)[d]
+    for g, (q, k, v) in enumerate(seqs):
+        got = cp.unshard(res[g * size:(g + 1) * size], layout)
+        ref, _ = pf.reference.attention(q, k, v, causal=True)
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
