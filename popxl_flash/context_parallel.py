@@ -34,7 +34,7 @@ import numpy as np
 
 from popxl_flash import provenance
 from popxl_flash.backend import popxl
-from popxl_flash.config import _check_int, check_bool, check_window
+from popxl_flash.config import AttentionConfig, _check_int, check_bool, check_window
 from popxl_flash.functional import (_GRAPH_CACHE_ATTR, _check_rank3, check_tensors,
                                     segmented_attention, segmented_attention_grad)
 
@@ -375,23 +375,30 @@ def _group_size(group):
 
 
 def _plan(q, k, v, options):
+    """Validate the tensors and options (everything, before any scope opens: PopXL's
+    ``name_scope`` is not exception-safe) and return ``(Plan, group)``."""
     check_tensors(q=q, k=k, v=v)
     _check_rank3(q=q, k=k, v=v)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have one shape [Gk, L/R, D], got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    options = dict(options)
+    flash = dict(causal=options["causal"], scale=options["scale"], window=options["window"])
+    AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (q.dtype.name, k.dtype.name,
+                                                            v.dtype.name),
+                                num_chunks_q=1, num_chunks_kv=1, **flash)
     if q.shape[1] != k.shape[1]:
         raise ValueError("context parallelism splits one sequence: q and k must hold the same "
                          f"rows per replica, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    options = dict(options)
     group = options.pop("group")
     replicas = _group_size(group)
     layout = _check_layout(options.pop("layout"))
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even number of rows per replica (two "
                          f"chunks each), got q shape {tuple(q.shape)}")
-    return Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout,
-                **options), group
+    plan = Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout, **options)
+    gathered = (k.shape[0], replicas * plan.piece, k.shape[2])
+    AttentionConfig.from_shapes(q.shape, gathered, gathered, (q.dtype.name,) * 3,
+                                num_chunks_q=plan.num_chunks_q,
+                                num_chunks_kv=plan.num_chunks_kv, **flash)
+    return plan, group
 
 
 def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=None,

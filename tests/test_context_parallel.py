@@ -266,10 +266,17 @@ def _build_cp(q_shape=(2, 8, 4), k_shape=(2, 8, 4), replicas=2, **options):
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(group="all"), TypeError, "group must be None or a popxl.ReplicaGrouping"),
     (dict(q_shape=(2, 8)), ValueError, "rank 3"),
+    (dict(num_chunks_q=100), ValueError, "num_chunks_q must be in"),
+    (dict(window=(-3, 0)), ValueError, "window"),
+    (dict(scale="big"), TypeError, "scale"),
+    (dict(k_shape=(3, 8, 4)), ValueError, "divides q's G=2"),
 ])
 def test_bad_arguments(kwargs, exc, fragment):
     with pytest.raises(exc, match=fragment):
         _build_cp(**kwargs)
+    ir = popxl.Ir()  # validated before any name scope opened: nothing left pushed
+    with ir.main_graph:
+        assert popxl.constant(np.zeros(1, np.float32), name="t").id == "t"
 
 
 def test_shard_refuses_indivisible_length():
