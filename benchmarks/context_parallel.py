@@ -119,6 +119,12 @@ def markdown(argv, args, rows):
              "ref| / max |ref| of the unsharded results against the float64 reference on the "
              "whole sequence. \"= explain\": every replica's executed FLOPs equal "
              "`pf.context_parallel.explain`'s. Emulator wall time is not IPU time.", "",
+             "A replica's forward peak holds its q, k, v (and out) shards, one round's gathered "
+             "K/V (plus the transient reshape/transpose copies of PopXL's all-gather wrapper), "
+             "with S > 1 the float32 accumulator of the output shard, and flash's block working "
+             "set, which does not shrink with R; the backward adds each round's float32 dk/dv "
+             "of the gathered columns and a float32 dq. See the user guide's memory "
+             "arithmetic.", "",
              "| " + " | ".join(c[0] for c in head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "" for _, key, fmt

@@ -274,7 +274,7 @@ def _merge(acc, lse_acc, out, lse):
         def part(t):
             return ops.slice(t, start=[start], stop=[stop], axis=[1])
         piece = part(acc) * part(w_a) + ops.cast(part(out), popxl.float32) * part(w_b)
-        acc = ops.dynamic_update_(acc, popxl.constant(np.array([start], np.uint32)), piece,
+        acc = ops.dynamic_update_(acc, popxl.constant(np.array([start], np.int32)), piece,
                                   axes=[1], sizes=[stop - start], no_overlap=True)
     return acc, lse
 
@@ -356,7 +356,8 @@ def _cached_graph(module, inputs, group):
         cache = {}
         setattr(ir, _GRAPH_CACHE_ATTR, cache)
     specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
-    key = (type(module), module.plan.key(), id(group) if group is not None else None, specs)
+    groups = None if group is None else tuple(group.assignment)
+    key = (type(module), module.plan.key(), groups, specs)
     if key not in cache:
         cache[key] = ir.create_graph(module, *inputs)
     return cache[key]

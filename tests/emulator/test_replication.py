@@ -422,3 +422,17 @@ def test_grouped_variables_per_replica(stride, size):
     np.testing.assert_array_equal(out, want)
     firsts = [assignment.index(g) for g in range(group.num_groups)]
     np.testing.assert_array_equal(session.get_tensor_data(v), want[firsts])
+
+
+@emulator_only
+def test_error_in_one_replica_stops_the_others():
+    """Replica 1 traps (floating-point checks) before a collective replica 0 waits at: the
+    run raises the trap, never hangs."""
+    import popxl_flash as pf
+    r = 2
+    ir, s, (d,) = _program(r, (2,), f32, lambda x: [coll.replicated_all_reduce(ops.exp(x))])
+    pf.enable_floating_point_checks(ir)
+    data = np.array([[0, 1], [1e30, 0]], np.float32)  # exp overflows on replica 1 only
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(FloatingPointError):
+            session.run({s: data})
