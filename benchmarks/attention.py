@@ -24,6 +24,7 @@ from benchmarks import report
 from benchmarks.graphs import (Case, flash_graph, host_inputs, naive_flops, naive_graph,
                                naive_inputs)
 from popxl_flash import devices
+from popxl_flash.steps import loop_steps
 from popxl_flash.harness import run_graph
 
 PASSES = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}
@@ -157,6 +158,7 @@ def planner_numbers(case):
     mem = sched.memory_bytes(D, G, itemsize=np.dtype(case.dtype).itemsize)
     return dict(num_chunks_q=cfg.num_chunks_q, num_chunks_kv=cfg.num_chunks_kv,
                 chunk_q=cfg.chunk_q, chunk_kv=cfg.chunk_kv, visited_blocks=sched.visited_blocks,
+                loop_steps=loop_steps(sched),
                 executed_flops=flops.executed,
                 useful_flops=flops.useful, flop_ratio=flops.ratio,
                 est_flash_bytes=mem.flash, est_naive_bytes=mem.naive)
@@ -183,6 +185,7 @@ def _side(run, useful_flops):
                     peak_live_bytes=run.profile.peak_live_bytes,
                     loop_iterations=run.profile.loop_iterations,
                     bytes_copied=run.profile.bytes_copied,
+                    bytes_copied_by_kind=dict(run.profile.bytes_copied_by_kind),
                     fits_device=run.profile.fits_device)
     return side
 
@@ -254,13 +257,16 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     progress = report.Progress(len(args.cases))
-    rows = []
+    rows, explained = [], set()
     for case in args.cases:
-        label = (f"{case.pass_} {case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
+        shape = (f"{case.dtype} {case.mask} L={case.seq_len} D={case.head_dim}"
                  f" G={case.groups} chunks={report.chunks_label(case.chunks)}")
-        if args.explain:
-            print(f"cost model: {label}\n{explain(case)}\n")
-        progress.step(label)
+        # One table per shape: the cost model weighs forward and backward together, so the
+        # fwd and bwd cases of a shape share it.
+        if args.explain and shape not in explained:
+            explained.add(shape)
+            print(f"cost model: {shape}\n{explain(case)}\n")
+        progress.step(f"{case.pass_} {shape}")
         rows.append(measure(case, args))
     progress.done()
     result = report.Result(argv, args.device, args.warmup, args.repeats, rows)

@@ -134,7 +134,7 @@ CASE_COLUMNS = [
     ("D", "head dimension", lambda r: str(r["case"]["head_dim"])),
     ("G", "groups = batch x heads", lambda r: str(r["case"]["groups"])),
     ("chunks", "q x kv chunk counts used (auto: the cost model's choice)", _chunks),
-    ("blocks", "visited blocks = loop iterations per pass (one repeat step per block)",
+    ("blocks", "visited blocks (loop iterations per pass: one per block, two per split block)",
      lambda r: _fmt(r["planner"].get("visited_blocks"), "d")),
     ("exec GFLOP", "matmul FLOPs flash executes (every visited block, whole)",
      lambda r: _fmt(r["planner"]["executed_flops"] / 1e9, ".4g")),

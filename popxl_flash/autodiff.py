@@ -38,6 +38,7 @@ on both backends except for where ``_ir`` is imported from.
 from popxl_flash import provenance
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
+from popxl_flash.graphs import reachable_graphs
 
 if BACKEND == "popxl":  # pragma: no cover - SDK only
     import popart._internal.ir as _ir
@@ -51,7 +52,8 @@ def called_graphs_grad_info(graph, grads_provided=None):
     """Gradient-graph entries for the flash attention graphs ``graph`` calls.
 
     Args:
-        graph: the graph you will differentiate (e.g. a transformer layer).
+        graph: the graph you will differentiate (e.g. a transformer layer): a ``popxl.Graph``
+            or a popxl-addons ``GraphWithNamedArgs`` (its ``.graph`` is used).
         grads_provided: the tensors whose gradients you will provide to autodiff (default:
             ``graph.outputs``, as autodiff's default); used to refuse a gradient through lse.
 
@@ -63,8 +65,9 @@ def called_graphs_grad_info(graph, grads_provided=None):
     Raises:
         ValueError: a gradient would flow into a flash call's ``lse``.
     """
-    if not isinstance(graph, popxl.Graph):
-        raise TypeError(f"graph must be a popxl.Graph, got {type(graph).__name__}")
+    graph = _as_graph(graph)
+    if grads_provided is None:
+        _check_not_differentiated(graph)
     provided = list(graph.outputs if grads_provided is None else grads_provided)
     flash = {}
     _find_flash_graphs(graph, flash, set())
@@ -72,9 +75,20 @@ def called_graphs_grad_info(graph, grads_provided=None):
     entries = {}
     for g in flash.values():
         entries[g] = _flash_grad_info(g)
-        for d in _descendants(g):
+        for d in reachable_graphs(g):
             entries.setdefault(d, _no_grad_info(d))
     return entries
+
+
+def _as_graph(graph):
+    """A ``popxl.Graph``, or the ``.graph`` of a popxl-addons ``GraphWithNamedArgs``."""
+    inner = getattr(graph, "graph", None)
+    if not isinstance(graph, popxl.Graph) and isinstance(inner, popxl.Graph):
+        graph = inner
+    if not isinstance(graph, popxl.Graph):
+        raise TypeError(f"graph must be a popxl.Graph or a popxl-addons GraphWithNamedArgs, got "
+                        f"{type(graph).__name__}")
+    return graph
 
 
 def autodiff(graph, **kwargs):
@@ -91,13 +105,35 @@ def autodiff(graph, **kwargs):
 
     Returns:
         What ``popxl.transforms.autodiff`` returns.
+
+    Raises:
+        ValueError: ``graph`` was already differentiated by this function (autodiff added the
+            activations its gradient graph reads as outputs of ``graph``; differentiate each
+            forward graph once and reuse the first result).
     """
+    _check_not_differentiated(graph)
+    n_outputs = len(graph.outputs)
     if kwargs.get("grads_required") is None:
         kwargs["grads_required"] = [t for t in graph.inputs if t.dtype.is_floating_point]
     given = dict(kwargs.pop("called_graphs_grad_info", None) or {})
     entries = called_graphs_grad_info(graph, kwargs.get("grads_provided"))
     entries.update(given)
-    return popxl.transforms.autodiff(graph, called_graphs_grad_info=entries, **kwargs)
+    result = popxl.transforms.autodiff(graph, called_graphs_grad_info=entries, **kwargs)
+    provenance.ir_record(graph.ir).differentiated[graph.id] = n_outputs
+    return result
+
+
+def _check_not_differentiated(graph):
+    """Refuse a graph :func:`autodiff` already differentiated (naming what autodiff did)."""
+    before = provenance.ir_record(graph.ir).differentiated.get(graph.id)
+    if before is not None:
+        raise ValueError(
+            f"graph {graph.id} was already differentiated by pf.autodiff: autodiff modifies the "
+            f"forward graph in place (its outputs went from {before} to {len(graph.outputs)}: "
+            "the activations the gradient graph reads, flash's out and lse among them, became "
+            "outputs), so differentiating it again would not give its gradient. Differentiate "
+            "each forward graph once and reuse the first result (its "
+            "inputs_dict(call_info) wires every call site)")
 
 
 def _find_flash_graphs(graph, found, seen):
@@ -110,19 +146,6 @@ def _find_flash_graphs(graph, found, seen):
         return
     for g in graph.called_graphs:
         _find_flash_graphs(g, found, seen)
-
-
-def _descendants(graph):
-    """All graphs reachable from ``graph`` through called graphs (``graph`` excluded)."""
-    out, stack, seen = [], list(graph.called_graphs), {graph.id}
-    while stack:
-        g = stack.pop()
-        if g.id in seen:
-            continue
-        seen.add(g.id)
-        out.append(g)
-        stack.extend(g.called_graphs)
-    return out
 
 
 def _check_no_lse_gradient(graph, loss_ids, seen):
@@ -149,12 +172,22 @@ def _check_no_lse_gradient(graph, loss_ids, seen):
                     f"a gradient flows into lse ({outs[_LSE_OUTPUT]}) of the flash_attention call "
                     f"of {callee.id} in {graph.id}: the flash backward takes no lse gradient, "
                     "so it would be dropped. Keep lse off the loss path (or use "
-                    "popxl.ops.detach), or leave the tensors it reaches out of grads_provided")
+                    "popxl.ops.detach), or leave the tensors it reaches out of grads_provided"
+                    + _differentiated_hint(graph, outs[_LSE_OUTPUT]))
             continue
         callee_outs = [t.id for t in callee.outputs]
         sub = {callee_outs[i] for i, t in enumerate(outs) if t in reach and i < len(callee_outs)}
         if sub:
             _check_no_lse_gradient(callee, sub, seen)
+
+
+def _differentiated_hint(graph, lse_id):
+    """A hint for an lse that is an output of ``graph``: autodiff may have made it one."""
+    if lse_id not in {t.id for t in graph.outputs}:
+        return ""
+    return (f". lse is an output of {graph.id}: if {graph.id} was already differentiated, "
+            "autodiff added it (with the other activations the gradient graph reads) as an "
+            "output; differentiate each forward graph once and reuse the first result")
 
 
 def _reaching(pb_ops, targets):

@@ -6,151 +6,100 @@ only the block probabilities from the stashed ``lse``; it never reruns the forwa
 Graph structure::
 
     build(dout, q, k, v, out, lse)
-      Dvec = rowsum(dout * out)                   [G, Lq]    float32, once
-      pad everything to whole chunks
-      repeat V x block_body                        # one step per visited block, kv-major
-        i, j, branch = block_list[t]               # planner constants (pattern ids: in partials)
-        q_i, do_i, lse_i, Dvec_i, dq_i = dynamic_slice(..., i); k_j, v_j = dynamic_slice(..., j)
-        conditional(branch, ...)                   # (full|partial, whole|split, last) graphs
-                                                   # last block of kv chunk j: fresh dk_j, dv_j
-        dynamic_update_(dq, i, dq_i)               # by-ref accumulators, in place
-        dynamic_update_(dk, j, dk_j), dynamic_update_(dv, j, dv_j)   # the last write wins
+      Dvec = rowsum(dout * out)                   [G, Lq, 1]  float32, once
+      lse_safe = where(lse > MASKED_SCORE, lse, 0)             once (rows that see nothing)
+      pad everything to whole chunks; v_t = v^T [Gk, D, Lkv_pad]
+      dq, dk, dv = 0                               float32 accumulators, full length
+      in order:
+        for each step group (steps.step_groups, kv-major step order):
+          repeat V_g x group_body                  # no conditional (segment ids: one)
+            i0, j0 = q_row[t], kv_row[t]           # masked groups: pattern[id[t]]
+            q_i, do_i, lse_i, Dvec_i, k_j, v_t_j; dq_i, dk_j, dv_j = slices
+            dq_i, dk_j, dv_j = grad_block_update(...)
+            write dq_i, dk_j, dv_j back in place   # by reference: aliased, not copied
+        then: dq = scale * dq, dk = scale * dk (once), cast, drop padding rows
 
 Per visited block (5 matmuls; statistics and accumulators float32)::
 
     P    = exp(scale * q_i k_j^T - lse_i)          (masked to 0 in partial blocks)
     dv_j += P^T do_i
     dS   = P * (do_i v_j^T - Dvec_i)
-    dq_i += scale * dS k_j
-    dk_j += scale * dS^T q_i
+    dq_i += dS k_j                                 (times scale once, after the loops)
+    dk_j += dS^T q_i                               (times scale once, after the loops)
 """
-from popxl_flash import blocks, segments
+from popxl_flash import blocks
 from popxl_flash.backend import popxl
-from popxl_flash.config import AttentionConfig
+from popxl_flash.module import AttentionModule
 
 ops = popxl.ops
-ByRef = popxl.TensorByRef
-
 
 _mm = blocks.matmul_f32
 _fold, _unfold = blocks.fold_heads, blocks.unfold_heads
 
 
-def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, visible=None):
-    """One block of the backward.
+def probabilities(cfg, q_i, k_j, lse_i, visible=None):
+    """The block's softmax probabilities recomputed from the stashed lse.
+
+    Args:
+        q_i: ``[G, rows, D]``; k_j: ``[Gk, cols, D]``; lse_i: float32 ``[G, rows, 1]`` (0 for
+            rows that see nothing, so no ``s + inf``); visible: ``None`` or bool mask
+            ``[1 or G, rows, cols]``.
+
+    Returns:
+        float32 ``P [G, rows, cols]``, exactly 0 on masked cells (``exp(MASKED_SCORE)``).
+    """
+    s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
+    if visible is None:
+        return ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
+    masked = blocks.scalar(blocks.MASKED_SCORE, blocks.float32())
+    return ops.exp(ops.where(visible, s - lse_i, masked))
+
+
+def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_t,
+                      visible=None):
+    """One block of the backward (dq and dk without the factor ``scale``: applied once after
+    the loops).
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        dq_i: float32 ``[G, cq, D]``; dk_j, dv_j: float32 ``[Gk, ckv, D]`` accumulators.
-        q_i, do_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
-            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`,
-            so dk_j and dv_j sum over the q groups sharing a kv group inside the matmul).
-        lse_i, dvec_i: float32 ``[G, cq, 1]``.
-        visible: ``None`` (full block) or bool ``[1, cq, ckv]`` (partial block).
+        dq_i: float32 ``[G, rows, D]``; dk_j, dv_j: float32 ``[Gk, cols, D]`` accumulators.
+        q_i, do_i: ``[G, rows, D]``; k_j: ``[Gk, cols, D]``; v_t: ``v_j^T [Gk, D, cols]`` in the
+            input dtype (``Gk < G``: grouped-query attention; the matmuls fold q's groups,
+            :func:`blocks.fold_heads`, so dk_j and dv_j sum over the q groups sharing a kv
+            group inside the matmul).
+        lse_i, dvec_i: float32 ``[G, rows, 1]``.
+        visible: ``None`` (full block) or bool ``[1 or G, rows, cols]``.
 
     Returns:
         Updated ``(dq_i, dk_j, dv_j)``.
     """
-    f32 = blocks.float32()
-    s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
-    if visible is None:
-        p = ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
-    else:
-        # Rows that see nothing have lse_i = -inf: subtract 0 there (s + inf would trap under
-        # FP checks), and send masked cells to exp(MASKED_SCORE) = 0 exactly.
-        seen = ops.greater(lse_i, blocks.scalar(blocks.MASKED_SCORE, f32))  # [G, cq, 1]
-        lse_safe = ops.where(seen, lse_i, blocks.scalar(0.0, f32))
-        x = ops.where(visible, s - lse_safe, blocks.scalar(blocks.MASKED_SCORE, f32))
-        p = ops.exp(x)  # [G, cq, ckv]
-    do_f = _fold(cfg, do_i)  # [Gk, r*cq, D]
-    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, ckv, r*cq]
-    dv_j = dv_j + _mm(p_t, do_f)  # [Gk, ckv, D]
-    dp = _unfold(cfg, _mm(do_f, v_j.transpose((0, 2, 1))))  # [G, cq, ckv]
-    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*cq, ckv]
-    dq_i = dq_i + _unfold(cfg, _mm(ds, k_j)) * cfg.scale  # [G, cq, D]
-    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i)) * cfg.scale  # [Gk, ckv, D]
+    p = probabilities(cfg, q_i, k_j, lse_i, visible)  # [G, rows, cols]
+    do_f = _fold(cfg, do_i)  # [Gk, r*rows, D]
+    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, cols, r*rows]
+    dv_j = dv_j + _mm(p_t, do_f)  # [Gk, cols, D]
+    dp = _unfold(cfg, _mm(do_f, v_t))  # [G, rows, cols]
+    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*rows, cols]
+    dq_i = dq_i + _unfold(cfg, _mm(ds, k_j))  # [G, rows, D]
+    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i))  # [Gk, cols, D]
     return dq_i, dk_j, dv_j
 
 
-def _init_state(cfg):
-    """Running ``dk_j, dv_j`` at a kv chunk's first block: zeros, float32 ``[Gk, ckv, D]``
-    (two distinct tensors: one parent tensor may not feed two repeat inputs)."""
-    shape = (cfg.kv_groups, cfg.chunk_kv, cfg.head_dim)
-    return tuple(ops.init(shape, blocks.float32(), init_type="zero") for _ in range(2))
+def loop_spec():
+    """The backward's :class:`blocks.LoopSpec`: state ``dq`` (q rows), ``dk, dv`` (kv rows);
+    operands ``q, do, lse, Dvec`` (q rows), ``k`` (kv rows), ``v^T`` (kv rows on axis 2)."""
+    return blocks.LoopSpec(update=grad_block_update, state_sides=("q", "kv", "kv"),
+                           operand_axes=(("q", 1),) * 4 + (("kv", 1), ("kv", 2)))
 
 
-def _finish(cfg, dk_j, dv_j):
-    """A kv chunk's results are its accumulated ``dk_j, dv_j``."""
-    return dk_j, dv_j
+def _finish(cfg, dq, dk, dv):
+    """The gradients from the accumulators: ``scale`` applied to dq and dk once, cast to the
+    input dtype, padding dropped."""
+    dq, dk = dq * cfg.scale, dk * cfg.scale
+    return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
+                 for t, n in zip((dq, dk, dv), (cfg.q_len, cfg.kv_len, cfg.kv_len)))
 
 
-def loop_spec(cfg, dtype):
-    """The backward's :class:`blocks.LoopSpec` (kv-major block list, FlashAttention-2 step).
-
-    Args:
-        cfg: the :class:`AttentionConfig`.
-        dtype: the popxl dtype of q, k, v.
-    """
-    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
-    f32, spec = blocks.float32(), popxl.TensorSpec
-    kv_acc = spec((Gk, ckv, D), f32)
-    return blocks.LoopSpec(
-        order="kv_major", update=grad_block_update,
-        roles=("q", "kv", "kv", "q", "q", "q", "q", "kv", "kv"),
-        block_specs=(spec((G, cq, D), f32), kv_acc, kv_acc),
-        operand_specs=(spec((G, cq, D), dtype), spec((G, cq, D), dtype), spec((G, cq, 1), f32),
-                       spec((G, cq, 1), f32), spec((Gk, ckv, D), dtype),
-                       spec((Gk, ckv, D), dtype)),
-        carried=(1, 2), init=_init_state, finish=_finish, finished_specs=(kv_acc, kv_acc))
-
-
-def _block_body(cfg, step, t, dk_j, dv_j, q, do, lse, dvec, k, v, dq: ByRef, dk: ByRef,
-                dv: ByRef, *seg):
-    """Repeat body: one visited block of the kv-major block list.
-
-    Carried: step ``t [1]`` and the running ``dk_j, dv_j [Gk, ckv, D]`` (float32; fresh after a
-    kv chunk's last block). Invariant: padded ``q, do``, ``lse, dvec [G, Lq_pad, 1]``,
-    ``k, v`` by value (read-only, so the lowering can alias them) and, by reference, the
-    float32 accumulators ``dq [G, Lq_pad, D]``
-    (chunk i read and written back every step) and ``dk, dv [Gk, Lkv_pad, D]`` (chunk j written
-    every step: zeros until the kv chunk's last block writes the result). With segment ids,
-    ``seg`` holds the padded ids (and positions) and the steps' runtime branches (read-only,
-    by value).
-    """
-    cq, ckv = cfg.chunk_q, cfg.chunk_kv
-    *seg, branches = seg or (None,)
-    i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
-    q_i, do_i, lse_i, dvec_i, dq_i = (blocks.rows(x, i0, cq) for x in (q, do, lse, dvec, dq))
-    k_j, v_j = blocks.rows(k, j0, ckv), blocks.rows(v, j0, ckv)  # [Gk, ckv, D]
-    seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
-    dk_j, dv_j, dq_i, dk_done, dv_done = step.run(
-        t, branch, (dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_j, *seg_operands))
-    blocks.write_rows_(dq, i0, dq_i)
-    blocks.write_rows_(dk, j0, dk_done)
-    blocks.write_rows_(dv, j0, dv_done)
-    return t + 1, dk_j, dv_j
-
-
-def _build_loop_graph(cfg, q, do, lse, dvec, k, v, seg=()):
-    """Create the branch graphs and the repeat body over the kv-major block list (from specs).
-
-    ``seg``: with segment ids, the padded ids (and positions) and the runtime branches.
-
-    Returns:
-        The body graph (inputs ``t, dk_j, dv_j, q, do, lse, dvec, k, v, dq, dk, dv``).
-    """
-    ir = popxl.gcg().ir
-    G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
-    spec = loop_spec(cfg, q.dtype)
-    step = blocks.BlockStep(spec, cfg)
-    dq_spec = popxl.TensorSpec((G, cfg.padded_q_len, D), f32)
-    dkv_spec = popxl.TensorSpec((cfg.kv_groups, cfg.padded_kv_len, D), f32)
-    return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
-                           *spec.block_specs[1:], q.spec, do.spec, lse.spec, dvec.spec, k.spec,
-                           v.spec, dq_spec, dkv_spec, dkv_spec, *(t.spec for t in seg))
-
-
-class FlashAttentionGrad(popxl.Module):
+class FlashAttentionGrad(AttentionModule):
     """FlashAttention backward: ``build(dout, q, k, v, out, lse) -> (dq, dk, dv)``.
 
     Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``;
@@ -167,20 +116,11 @@ class FlashAttentionGrad(popxl.Module):
         dq, dk, dv with the shapes and dtype of q, k, v.
     """
 
-    def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None):
-        self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
-
     def config(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None) -> AttentionConfig:
-        """Validate all specs against the options."""
-        cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
-                                          (q.dtype.name, k.dtype.name, v.dtype.name),
-                                          **self.options)
-        automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        cfg = cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                automatic)
+               q_positions=None, kv_positions=None):
+        """Validate all specs against the options (an :class:`AttentionConfig`)."""
+        cfg = self.attention_config(q, k, v, (q_segment_ids, kv_segment_ids, q_positions,
+                                              kv_positions))
         for name, t in (("dout", dout), ("out", out)):
             cfg.check_like(name, t.shape, t.dtype.name, q.shape, cfg.dtype)
         cfg.check_like("lse", lse.shape, lse.dtype.name, (cfg.groups, cfg.q_len), "float32")
@@ -192,24 +132,16 @@ class FlashAttentionGrad(popxl.Module):
         cfg = self.config(dout, q, k, v, out, lse, *segment_inputs)
         f32 = blocks.float32()
         G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
-        with popxl.in_sequence():  # the loops write dq/dk/dv in place: read them after
-            # Dvec = rowsum(dO * O)  [G, Lq, 1] float32, computed once
-            dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
-                           keepdims=True)
-            padded = [blocks.pad_rows(t, cfg.padded_q_len)
-                      for t in (q, dout, lse.reshape((G, Lq, 1)), dvec)]
-            k_pad, v_pad = (blocks.pad_rows(t, cfg.padded_kv_len) for t in (k, v))
-            Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
-            grads = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
-                     for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
-            steps = cfg.schedule.visited_blocks
-            seg = []
-            if cfg.segments is not None and steps:
-                seg, classes = segments.prepare(cfg, *segment_inputs)
-                seg.append(blocks.runtime_branches(cfg, "kv_major", classes))
-            if steps:
-                body = _build_loop_graph(cfg, *padded, k_pad, v_pad, seg)
-                ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), *padded, k_pad,
-                           v_pad, *grads, *seg)
-            return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
-                         for t, n in zip(grads, (Lq, cfg.kv_len, cfg.kv_len)))
+        Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
+        dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
+                       keepdims=True)  # [G, Lq, 1]
+        lse = lse.reshape((G, Lq, 1))
+        seen = ops.greater(lse, blocks.scalar(blocks.MASKED_SCORE, f32))
+        lse_safe = ops.where(seen, lse, blocks.scalar(0.0, f32))  # -inf -> 0, once
+        operands = [blocks.pad_rows(t, Lq_pad) for t in (q, dout, lse_safe, dvec)]
+        operands.append(blocks.pad_rows(k, Lkv_pad))
+        operands.append(blocks.pad_rows(v, Lkv_pad).transpose_((0, 2, 1)))  # [Gk, D, Lkv_pad] view
+        state = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
+                 for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
+        return self.run_pass(cfg, loop_spec(), "kv_major", operands, state, segment_inputs,
+                             lambda *acc: _finish(cfg, *acc))

@@ -377,8 +377,9 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
         ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
-        (FLOPs, iterations) and modelled figures (ops, bytes copied, working set, fit, time),
-        and ``table()`` to print them.
+        (FLOPs, iterations) and modelled figures (ops, bytes copied under PopART's rules,
+        working set, fit, time), the loop ``structures`` weighed at the chosen chunking
+        (:func:`popxl_flash.costmodel.structures`), and ``table()`` to print them.
     """
     kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
     cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,

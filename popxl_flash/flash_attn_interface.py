@@ -19,9 +19,11 @@ q head ``h`` reads kv head ``h // (Hq // Hkv)`` of its own batch entry, flash-at
 """
 from collections import namedtuple
 
+from popxl_flash import provenance
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
-from popxl_flash.functional import check_tensors, flash_attention, keyword_hints
+from popxl_flash.functional import (check_stash_options, check_tensors, flash_attention,
+                                    flash_attention_grad, keyword_hints)
 
 #: Accepted ``layout`` values: flash-attn's ``[B, L, H, D]`` and PyTorch SDPA's ``[B, H, L, D]``.
 LAYOUTS = ("BLHD", "BHLD")
@@ -167,6 +169,77 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
         out, lse = flash_attention(*groups, return_lse=True, **options)
-        out = _from_groups(out, dims.batch, dims.q_heads, layout)
-        lse = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
-    return (out, lse) if return_lse else out
+        out_l = _from_groups(out, dims.batch, dims.q_heads, layout)
+        lse_l = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
+    provenance.record_alias(out_l, out)
+    provenance.record_alias(lse_l, lse)
+    return (out_l, lse_l) if return_lse else out_l
+
+
+@keyword_hints(KEYWORD_HINTS)
+def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), layout="BLHD", num_chunks_q=None,
+                         num_chunks_kv=None):
+    """Hand-written backward of :func:`flash_attn_func`: gradients of q, k and v.
+
+    The counterpart of :func:`popxl_flash.flash_attention_grad` in flash-attn's names, defaults
+    and layouts: ``causal`` defaults to ``False`` here, as in :func:`flash_attn_func` (the
+    ``[G, L, D]`` functions default to ``True``), so a forward and backward written with the
+    same keywords always match. Stash mode (``out`` and ``lse`` from
+    ``flash_attn_func(..., return_lse=True)``) or recompute mode (both ``None``); an
+    ``out``/``lse`` pair that ``flash_attn_func`` returned with other ``causal``,
+    ``softmax_scale`` or ``window_size`` is refused (``ValueError``).
+
+    Args:
+        dout: gradient of out, q's shape and dtype (``[B, Lq, Hq, D]``, ``[B, Hq, Lq, D]`` with
+            ``layout="BHLD"``).
+        q, k, v: the forward's inputs, as :func:`flash_attn_func`.
+        out, lse: the forward's ``out`` (layout of q) and ``lse`` (float32 ``[B, Hq, Lq]``),
+            or both ``None``.
+        softmax_scale, causal, window_size, layout, num_chunks_q, num_chunks_kv: the
+            forward's options (chunk counts may differ: they do not change the result).
+
+    Returns:
+        ``(dq, dk, dv)`` in the layout, shapes and dtype of q, k, v (grouped-query: dk and dv
+        summed over the q heads that share a k/v head).
+    """
+    check_tensors(dout=dout, q=q, k=k, v=v)
+    dims = _check_shapes(q, k, v, layout)
+    if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "
+                         f"got {tuple(dout.shape)} {dout.dtype.name}")
+    options, _ = core_options(
+        dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, return_lse=False)
+    stash = _check_stash(out, lse, dims, q, layout, options)
+    with popxl.name_scope("flash_attn_func_grad"):
+        groups = [_to_groups(t, layout) for t in (dout, q, k, v)]  # [B*H, L, D]
+        if stash:
+            stash = (_to_groups(out, layout),
+                     lse.reshape((dims.batch * dims.q_heads, dims.q_len)))  # [B*Hq, Lq]
+        grads = flash_attention_grad(*groups, *(stash or (None, None)), **options)
+        heads = (dims.q_heads, dims.kv_heads, dims.kv_heads)
+        return tuple(_from_groups(g, dims.batch, h, layout) for g, h in zip(grads, heads))
+
+
+def _check_stash(out, lse, dims, q, layout, options):
+    """Validate a stash pair of :func:`flash_attn_func_grad`; returns whether one is given."""
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse must be given together (stash mode) or both be None "
+                         f"(recompute mode), got out={out!r}, lse={lse!r}")
+    if out is None:
+        return False
+    check_tensors(out=out, lse=lse)
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype.name} "
+                         f"(layout={layout!r}), got {tuple(out.shape)} {out.dtype.name}")
+    want = (dims.batch, dims.q_heads, dims.q_len)
+    if tuple(lse.shape) != want or lse.dtype.name != "float32":
+        raise ValueError(f"lse must be float32 [B, Hq, Lq] = {want}, got {tuple(lse.shape)} "
+                         f"{lse.dtype.name}")
+    kv = (dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim)
+    cfg = AttentionConfig.from_shapes((dims.batch * dims.q_heads, dims.q_len, dims.head_dim),
+                                      kv, kv, (q.dtype.name,) * 3, **options)
+    check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale and window_size",
+                        out=out, lse=lse)
+    return True

@@ -2,141 +2,107 @@
 
 Graph structure (all static; the op count does not grow with L or the chunk counts)::
 
-    build(q, k, v)                      # module graph
-      pad q, k, v to whole chunks
-      repeat V x block_body             # one step per visited block, q-major (planner's list)
-        i, j, branch = block_list[t]    # planner constants (pattern ids: in partial branches)
-        q_i, k_j, v_j = dynamic_slice(q, i), dynamic_slice(k, j), dynamic_slice(v, j)
-        conditional(branch, ...)        # one branch graph per (full|partial, whole|split, last)
-          online-softmax update (split blocks: two sub-blocks, skipping an invisible quadrant)
-          at q chunk i's last block: out_i = acc / l_i, lse_i = m_i + log(l_i); fresh state
-        dynamic_update_(out, i, out_i), dynamic_update_(lse, i, lse_i)  # by-ref; last one wins
+    build(q, k, v)                          # module graph
+      pad q, k, v to whole chunks; k_t = k^T [Gk, D, Lkv_pad]
+      m = MASKED_SCORE, l = 0, acc = 0      # running state [G, Lq_pad, 1|1|D], float32
+      in order:
+        for each step group (steps.step_groups: sub-block shape, masked or not):
+          repeat V_g x group_body           # no conditional (segment ids: one, see blocks)
+            i0, j0 = q_row[t], kv_row[t]    # body constants; masked groups: pattern[id[t]]
+            q_i, k_t_j, v_j = slices; m_i, l_i, acc_i = slices of the state
+            m_i, l_i, acc_i = online_softmax_update(...)
+            write m_i, l_i, acc_i back in place    # by reference: aliased, not copied
+        then (unordered among themselves): out = acc / l, lse = m + log(l)   # once
       drop padding rows
+
+The state lives in full-length tensors instead of being carried from step to step, so steps
+need no "first"/"last" bookkeeping and run in any order: full blocks, diagonal sub-blocks and
+other masked blocks are separate loops, each with one body.
 
 Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
 
-    s     = scale * q_i k_j^T                  [G, cq, ckv]
-    m_new = max(m_i, rowmax(s))                [G, cq, 1]
-    p     = exp(s - m_new)                     [G, cq, ckv]
-    alpha = exp(m_i - m_new)
+    s     = scale * q_i k_j^T                  [G, rows, cols]
+    m_new = max(m_i, rowmax(s))                [G, rows, 1]
+    p     = exp(s - m_new)                     [G, rows, cols]
+    alpha = exp(m_i - m_new)                   (blocks.exp_diff: no overflow)
     l_i   = alpha * l_i + rowsum(p)
-    acc   = alpha * acc + p v_j                [G, cq, D]
+    acc   = alpha * acc + p v_j                [G, rows, D]
 """
 import numpy as np
 
-from popxl_flash import blocks, segments
+from popxl_flash import blocks
 from popxl_flash.backend import popxl
-from popxl_flash.config import AttentionConfig
+from popxl_flash.module import AttentionModule
 
 ops = popxl.ops
-ByRef = popxl.TensorByRef
 
 
-def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_j, v_j, visible=None):
+def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, visible=None):
     """One block of the online softmax.
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        m_i, l_i: running max and sum, float32 ``[G, cq, 1]``.
-        acc: output accumulator, float32 ``[G, cq, D]``.
-        q_i: ``[G, cq, D]``; k_j, v_j: ``[Gk, ckv, D]`` in the input dtype (``Gk < G``:
-            grouped-query attention; the matmuls fold q's groups, :func:`blocks.fold_heads`).
-        visible: ``None`` (full block) or bool ``[1, cq, ckv]`` mask pattern (partial block).
+        m_i, l_i: running max and sum, float32 ``[G, rows, 1]`` (``MASKED_SCORE`` and 0 before
+            the row's first block).
+        acc: output accumulator, float32 ``[G, rows, D]``.
+        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]``; v_j: ``[Gk, cols, D]``, in the
+            input dtype (``Gk < G``: grouped-query attention; the matmuls fold q's groups,
+            :func:`blocks.fold_heads`).
+        visible: ``None`` (full block) or bool ``[1 or G, rows, cols]`` mask.
 
     Returns:
         Updated ``(m_i, l_i, acc)``.
     """
     f32 = blocks.float32()
-    s = blocks.scores(cfg, q_i, k_j)  # [G, cq, ckv]
+    s = blocks.scores(cfg, q_i, k_t)  # [G, rows, cols]
     s_max = s
     if visible is not None:
         s_max = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
-    m_new = ops.maximum(m_i, ops.max(s_max, axis=-1, keepdims=True))  # [G, cq, 1]
+    m_new = ops.maximum(m_i, ops.max(s_max, axis=-1, keepdims=True))  # [G, rows, 1]
     if visible is not None:
         # Masked cells enter the exp as m_new (exp(0), zeroed below): never MASKED_SCORE -
         # m_new, which overflows for scores beyond 2^103 and would trap under FP checks.
         s = ops.where(visible, s, m_new)
-    p = ops.exp(s - m_new)  # [G, cq, ckv], <= 1
+    p = ops.exp(s - m_new)  # [G, rows, cols], <= 1
     if visible is not None:
         p = ops.where(visible, p, blocks.scalar(0.0, f32))
-    # A row that has seen nothing yet (l_i == 0) has m_i == MASKED_SCORE: its alpha multiplies
-    # zeros, so take exp(0) there instead of exp(MASKED_SCORE - m_new), which can overflow.
-    seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
-    alpha = ops.exp(ops.where(seen, m_i, m_new) - m_new)  # [G, cq, 1]
+    # A row that has seen nothing yet has m_i == MASKED_SCORE: exp_diff gives 0 (or 1 when
+    # m_new is MASKED_SCORE too), and alpha then multiplies zeros.
+    alpha = blocks.exp_diff(m_i, m_new)  # [G, rows, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
-    p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*cq, ckv]
-    pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, cq, D]
+    p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*rows, cols]
+    pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, rows, D]
     return m_new, l_new, alpha * acc + pv
 
 
-def _finalise(cfg, m_i, l_i, acc):
-    """``out_i = acc / l_i`` (0 where the row saw nothing) and ``lse_i = m_i + log(l_i)``.
-
-    Returns:
-        out_i ``[G, cq, D]`` in the input dtype and lse_i float32 ``[G, cq]`` (-inf where
-        nothing was seen).
-    """
-    f32 = blocks.float32()
-    seen = ops.greater(l_i, blocks.scalar(0.0, f32))  # [G, cq, 1]
-    l_safe = ops.where(seen, l_i, blocks.scalar(1.0, f32))  # no x/0, no log(0)
-    out_i = blocks.to_input_dtype(cfg, acc / l_safe)
-    lse_i = ops.where(seen, m_i + ops.log(l_safe), blocks.scalar(-np.inf, f32))
-    G, cq, _ = l_i.shape
-    return out_i, lse_i.reshape((G, cq))
-
-
-def _init_state(cfg):
-    """Running state at a q chunk's first block: ``m_i = MASKED_SCORE``, ``l_i = 0``,
-    ``acc = 0`` (float32 ``[G, cq, 1]``, ``[G, cq, 1]``, ``[G, cq, D]``)."""
-    G, cq, f32 = cfg.groups, cfg.chunk_q, blocks.float32()
-    m_i = popxl.constant(np.full((G, cq, 1), blocks.MASKED_SCORE, np.float32))
-    l_i = ops.init((G, cq, 1), f32, init_type="zero")
-    acc = ops.init((G, cq, cfg.head_dim), f32, init_type="zero")
-    return m_i, l_i, acc
-
-
-def loop_spec(cfg, dtype):
-    """The forward's :class:`blocks.LoopSpec` (q-major block list, online softmax).
+def finalise(cfg, m, l, acc):
+    """``out = acc / l`` (0 where the row saw nothing) and ``lse = m + log(l)``, once after the
+    loops, unpadded.
 
     Args:
-        cfg: the :class:`AttentionConfig`.
-        dtype: the popxl dtype of q, k, v.
+        m, l: float32 ``[G, Lq_pad, 1]``; acc: float32 ``[G, Lq_pad, D]``.
+
+    Returns:
+        out ``[G, Lq, D]`` in the input dtype and lse float32 ``[G, Lq]`` (-inf where nothing
+        was seen).
     """
-    G, Gk, D, cq, ckv = cfg.groups, cfg.kv_groups, cfg.head_dim, cfg.chunk_q, cfg.chunk_kv
-    f32, spec = blocks.float32(), popxl.TensorSpec
-    return blocks.LoopSpec(
-        order="q_major", update=online_softmax_update, roles=("q",) * 4 + ("kv",) * 2,
-        block_specs=(spec((G, cq, 1), f32), spec((G, cq, 1), f32), spec((G, cq, D), f32)),
-        operand_specs=(spec((G, cq, D), dtype), spec((Gk, ckv, D), dtype),
-                       spec((Gk, ckv, D), dtype)),
-        carried=(0, 1, 2), init=_init_state, finish=_finalise,
-        finished_specs=(spec((G, cq, D), dtype), spec((G, cq), f32)))
+    f32 = blocks.float32()
+    m, l, acc = (blocks.unpad_rows(t, cfg.q_len) for t in (m, l, acc))
+    seen = ops.greater(l, blocks.scalar(0.0, f32))  # [G, Lq, 1]
+    l_safe = ops.where(seen, l, blocks.scalar(1.0, f32))  # no x/0, no log(0)
+    out = blocks.to_input_dtype(cfg, acc / l_safe)
+    lse = ops.where(seen, m + ops.log(l_safe), blocks.scalar(-np.inf, f32))
+    return out, lse.reshape((cfg.groups, cfg.q_len))
 
 
-def _block_body(cfg, step, t, m_i, l_i, acc, q, k, v, out: ByRef, lse: ByRef, *seg):
-    """Repeat body: one visited block of the q-major block list.
-
-    Carried: step ``t [1]`` and the running state ``m_i, l_i [G, cq, 1]``, ``acc [G, cq, D]``
-    (float32; fresh after a q chunk's last block). Invariant: padded q, k, v by value
-    (read-only, so the lowering can alias them) and, by reference, the results
-    ``out [G, Lq_pad, D]``, ``lse [G, Lq_pad]``. Every step writes
-    its q chunk of out and lse (zeros until the chunk's last block writes the result: the
-    chunk's blocks are consecutive, so the last write wins). With segment ids, ``seg`` holds
-    the padded ids (and positions) and the steps' runtime branches (read-only, by value).
-    """
-    *seg, branches = seg or (None,)
-    i0, j0, branch = step.tables(branches).lookup(t)  # first rows of the chunks
-    q_i = blocks.rows(q, i0, cfg.chunk_q)  # [G, cq, D]
-    k_j, v_j = blocks.rows(k, j0, cfg.chunk_kv), blocks.rows(v, j0, cfg.chunk_kv)
-    seg_operands = segments.step_operands(cfg, seg, i0, j0) if seg else []
-    m_i, l_i, acc, out_i, lse_i = step.run(t, branch, (m_i, l_i, acc, q_i, k_j, v_j,
-                                                       *seg_operands))
-    blocks.write_rows_(out, i0, out_i)
-    blocks.write_rows_(lse, i0, lse_i)
-    return t + 1, m_i, l_i, acc
+def loop_spec():
+    """The forward's :class:`blocks.LoopSpec`: state ``m, l, acc`` over q rows; operands
+    ``q`` (q rows), ``k^T`` (kv rows on axis 2), ``v`` (kv rows)."""
+    return blocks.LoopSpec(update=online_softmax_update, state_sides=("q", "q", "q"),
+                           operand_axes=(("q", 1), ("kv", 2), ("kv", 1)))
 
 
-class FlashAttention(popxl.Module):
+class FlashAttention(AttentionModule):
     """FlashAttention forward: ``build(q, k, v) -> (out, lse)``.
 
     Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window`` as
@@ -155,64 +121,22 @@ class FlashAttention(popxl.Module):
         out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
     """
 
-    def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None):
-        self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
-
     def config(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-               kv_positions=None) -> AttentionConfig:
-        """Validate the inputs' specs against the options."""
-        cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
-                                          (q.dtype.name, k.dtype.name, v.dtype.name),
-                                          **self.options)
-        automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        return cfg.with_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                                 automatic)
+               kv_positions=None):
+        """Validate the inputs' specs against the options (an :class:`AttentionConfig`)."""
+        return self.attention_config(q, k, v, (q_segment_ids, kv_segment_ids, q_positions,
+                                               kv_positions))
 
     def build(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
               kv_positions=None):
         segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
         cfg = self.config(q, k, v, *segment_inputs)
-        G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
-        with popxl.in_sequence():  # the q loop writes out/lse in place: read them after it
-            q_pad = blocks.pad_rows(q, cfg.padded_q_len)
-            k_pad = blocks.pad_rows(k, cfg.padded_kv_len)
-            v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
-            out = ops.init((G, cfg.padded_q_len, D), q.dtype, init_type="zero")
-            lse = ops.init((G, cfg.padded_q_len), f32, init_type="zero")
-            if (cfg.schedule.visited_per_q == 0).any():  # chunks no step writes: lse -inf
-                lse = blocks.fill(lse, float("-inf"))
-            steps = cfg.schedule.visited_blocks
-            seg = []
-            if cfg.segments is not None and steps:
-                seg, classes = segments.prepare(cfg, *segment_inputs)
-                seg.append(blocks.runtime_branches(cfg, "q_major", classes))
-            if steps:
-                body = build_loop_graph(cfg, q_pad, k_pad, v_pad, seg)
-                ops.repeat(body, steps, blocks.counter(0), *_init_state(cfg), q_pad, k_pad,
-                           v_pad, out, lse, *seg)
-            return blocks.unpad_rows(out, cfg.q_len), blocks.unpad_rows(lse, cfg.q_len)
-
-
-def build_loop_graph(cfg, q_pad, k_pad, v_pad, seg=()):
-    """Create the branch graphs and the repeat body over the q-major block list.
-
-    Args:
-        cfg: the :class:`AttentionConfig`.
-        q_pad, k_pad, v_pad: padded inputs (only their specs are used).
-        seg: with segment ids, the padded ids (and positions) and the runtime branches
-            (specs used).
-
-    Returns:
-        The body graph (inputs ``t, m_i, l_i, acc, q, k, v, out, lse``).
-    """
-    ir = popxl.gcg().ir
-    G, D, f32 = cfg.groups, cfg.head_dim, blocks.float32()
-    spec = loop_spec(cfg, q_pad.dtype)
-    step = blocks.BlockStep(spec, cfg)
-    return ir.create_graph(_block_body, cfg, step, popxl.TensorSpec((1,), popxl.int32),
-                           *spec.block_specs, q_pad.spec, k_pad.spec, v_pad.spec,
-                           popxl.TensorSpec((G, cfg.padded_q_len, D), q_pad.dtype),
-                           popxl.TensorSpec((G, cfg.padded_q_len), f32),
-                           *(t.spec for t in seg))
+        G, D, Lq_pad, f32 = cfg.groups, cfg.head_dim, cfg.padded_q_len, blocks.float32()
+        q_pad = blocks.pad_rows(q, Lq_pad)
+        k_t = blocks.pad_rows(k, cfg.padded_kv_len).transpose_((0, 2, 1))  # [Gk, D, Lkv_pad] view
+        v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
+        m = blocks.fill(ops.init((G, Lq_pad, 1), f32, init_type="zero"), blocks.MASKED_SCORE)
+        l = ops.init((G, Lq_pad, 1), f32, init_type="zero")
+        acc = ops.init((G, Lq_pad, D), f32, init_type="zero")
+        return self.run_pass(cfg, loop_spec(), "q_major", (q_pad, k_t, v_pad), (m, l, acc),
+                             segment_inputs, lambda *state: finalise(cfg, *state))

@@ -302,7 +302,7 @@ def _backward(dout, q, k, v, out, lse, segments, options):
         out, lse = _forward(q, k, v, segments, options)
     check_tensors(out=out, lse=lse)
     cfg = module.config(dout, q, k, v, out, lse, *segments)
-    _check_stash_options(cfg, out=out, lse=lse)
+    check_stash_options(cfg, out=out, lse=lse)
     return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments)
 
 
@@ -318,21 +318,26 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
     return _backward(dout, q, k, v, out, lse, segments, options)
 
 
-def _check_stash_options(cfg, **stash):
+def check_stash_options(cfg, who="flash_attention_grad", names="causal, scale and window",
+                        **stash):
     """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
     window options (or with segment ids where the backward has none, or the reverse) returned
     (its gradients would be silently wrong), or a pair from two calls.
 
     Only the very tensors ``flash_attention`` returned in this Ir are known (see
     :mod:`popxl_flash.provenance`); chunk counts may differ, they do not change the result.
+
+    Args:
+        cfg: the backward's :class:`AttentionConfig`. who, names: the calling function and its
+            option names (for the message). stash: ``out=``, ``lse=`` tensors.
     """
     wanted = dict(causal=cfg.causal, scale=cfg.scale, window=cfg.window)
     records = {name: provenance.output_record(t) for name, t in stash.items()}
     for name, rec in records.items():
         if rec is not None and rec.attention_options() != wanted:
             raise ValueError(f"{name} was produced by flash_attention with options "
-                             f"{rec.attention_options()}, but flash_attention_grad was given "
-                             f"{wanted}; pass the forward's causal, scale and window")
+                             f"{rec.attention_options()}, but {who} was given {wanted}; pass the "
+                             f"forward's {names}")
         if rec is not None and (rec.config.segments is None) != (cfg.segments is None):
             given = "without" if cfg.segments is None else "with"
             raise ValueError(f"{name} was produced by flash_attention "

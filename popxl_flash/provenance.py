@@ -47,6 +47,7 @@ class _IrRecord:
     grad_infos: Dict[str, object] = field(default_factory=dict)
     calls: int = 0
     no_grad_graph: object = None
+    differentiated: Dict[str, int] = field(default_factory=dict)  # graph id -> outputs before
 
 
 _RECORDS = weakref.WeakKeyDictionary()
@@ -73,6 +74,14 @@ def record_forward(graph, options, config, outputs):
     rec.graphs.setdefault(graph.id, ForwardRecord(dict(options), config))
     for t in outputs:
         rec.outputs[t.id] = call
+
+
+def record_alias(tensor, source):
+    """Record ``tensor`` (a layout change of ``source``, e.g. ``flash_attn_func``'s ``[B, L, H,
+    D]`` out) as produced by the call that produced ``source`` (no-op if that is unknown)."""
+    rec = ir_record(tensor.ir)
+    if source.id in rec.outputs:
+        rec.outputs[tensor.id] = rec.outputs[source.id]
 
 
 def record_graph(graph, grad_module):

@@ -137,7 +137,8 @@ def varlen_segments(cu_seqlens, total):
     bottom-right per sequence, as flash-attn's varlen functions do.
 
     Args:
-        cu_seqlens: non-decreasing integer ``[num_seqs + 1]``.
+        cu_seqlens: integer ``[num_seqs + 1]``; if it decreases anywhere, every row is padding
+            (:func:`is_packing`).
         total: the number of rows (``total_q`` or ``total_k``).
 
     Returns:
@@ -147,11 +148,24 @@ def varlen_segments(cu_seqlens, total):
     rows = np.arange(total)
     seg = np.full(total, -1, dtype=np.int64)
     pos = np.zeros(total, dtype=np.int64)
-    for s in range(len(cu) - 1):
+    for s in range(len(cu) - 1 if is_packing(cu) else 0):
         inside = (rows >= cu[s]) & (rows < cu[s + 1])
         seg[inside] = s
         pos[inside] = rows[inside] - cu[s + 1]
     return seg[None], pos[None]
+
+
+def is_packing(cu_seqlens):
+    """Whether offsets describe a packing: they never decrease. The varlen functions treat
+    every row of a call whose ``cu_seqlens_q`` or ``cu_seqlens_k`` decreases as padding.
+
+    Args:
+        cu_seqlens: integer ``[num_seqs + 1]``.
+
+    Returns:
+        bool.
+    """
+    return bool(np.all(np.diff(np.asarray(cu_seqlens, dtype=np.int64)) >= 0))
 
 
 def _repeat_kv_rows(segments, groups):
@@ -237,6 +251,12 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **seg
     return dq, sum_groups(dk, kv_groups), sum_groups(dv, kv_groups)
 
 
+def _num_seqs(cu_seqlens_q, cu_seqlens_k):
+    """Sequences to run: ``num_seqs``, or 0 (all padding) if either offset list decreases."""
+    ok = is_packing(cu_seqlens_q) and is_packing(cu_seqlens_k)
+    return len(cu_seqlens_q) - 1 if ok else 0
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                      window=None):
     """Per-sequence oracle of flash-attn's varlen attention, in float64.
@@ -247,7 +267,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
     Args:
         q: ``[G, total_q, D]``; k, v: ``[G, total_k, D]`` (heads as groups).
-        cu_seqlens_q, cu_seqlens_k: non-decreasing integer ``[num_seqs + 1]``.
+        cu_seqlens_q, cu_seqlens_k: integer ``[num_seqs + 1]``; if either decreases anywhere,
+            every row is padding (as in :func:`popxl_flash.flash_attn_varlen_func`).
         causal, scale, window: as :func:`attention`.
 
     Returns:
@@ -257,7 +278,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     G, total_q, D = np.shape(q)
     out = np.zeros((G, total_q, D))
     lse = np.full((G, total_q), -np.inf)
-    for s in range(len(cu_seqlens_q) - 1):
+    for s in range(_num_seqs(cu_seqlens_q, cu_seqlens_k)):
         rows = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
         cols = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
         if rows.start == rows.stop or cols.start == cols.stop:
@@ -280,7 +301,7 @@ def attention_varlen_grad(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=F
         ``(dq, dk, dv)`` float64 with the shapes of q, k, v.
     """
     dq, dk, dv = (np.zeros(np.shape(a)) for a in (q, k, v))
-    for s in range(len(cu_seqlens_q) - 1):
+    for s in range(_num_seqs(cu_seqlens_q, cu_seqlens_k)):
         rows = slice(int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]))
         cols = slice(int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1]))
         if rows.start == rows.stop or cols.start == cols.stop:

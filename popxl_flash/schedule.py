@@ -1,8 +1,9 @@
 """Static block schedule of a FlashAttention mask: the Python face of the compiled planner.
 
-Each pass is one loop over the flat list of visited blocks (forward q-major, backward
-kv-major). For every block (q chunk ``i``, kv chunk ``j``) the schedule says whether to skip
-it, run it unmasked (full) or run it with one of a few deduplicated mask patterns (partial). It is computed on the host at
+Each pass iterates the flat list of visited blocks (forward q-major, backward kv-major), in
+one loop per group of same-shaped steps (:mod:`popxl_flash.steps`). For every block (q chunk
+``i``, kv chunk ``j``) the schedule says whether to skip it, run it unmasked (full) or run it
+with one of a few deduplicated mask patterns (partial). It is computed on the host at
 graph-build time by ``popxl_flash._planner`` (C++, ``cpp/planner.cpp``) and cached, so every layer
 of a transformer that asks for the same shape gets the same :class:`BlockSchedule` object.
 
@@ -228,10 +229,11 @@ class BlockSchedule:
 
         * naive: scores and probabilities ``float32[G, Lq, Lkv]`` each, plus q, out
           ``[G, Lq, D]`` and k, v ``[Gk, Lkv, D]`` at ``itemsize``.
-        * flash: q, k, v, out as above; lse ``float32[G, Lq]``; the accumulator
-          ``float32[G, chunk_q, D]``, m_i and l_i ``float32[G, chunk_q]``; one score block and
-          one probability block ``float32[G, chunk_q, chunk_kv]``; plus the graph's block-list
-          tables (16 bytes per visited block) and the pattern table.
+        * flash: q, k, v, out as above; lse ``float32[G, Lq]``; the running state the loops
+          update in place, ``acc float32[G, Lq, D]``, ``m`` and ``l float32[G, Lq]``; one
+          score block and one probability block ``float32[G, chunk_q, chunk_kv]``; plus the
+          loop bodies' tables (at most 12 bytes per loop step: q and kv offsets, a pattern id;
+          a split block is two steps) and the pattern table.
 
         Args:
             head_dim: D.
@@ -252,10 +254,11 @@ class BlockSchedule:
         io_bytes = (g * 2 * self.Lq + gk * 2 * self.Lkv) * d * item  # q, out; k, v
         naive_scores = 2 * g * self.Lq * self.Lkv * _FLOAT32_BYTES  # scores + probabilities
         lse = g * self.Lq * _FLOAT32_BYTES
-        accumulator = g * self.chunk_q * d * _FLOAT32_BYTES
-        running_stats = 2 * g * self.chunk_q * _FLOAT32_BYTES  # m_i, l_i
+        accumulator = g * self.Lq * d * _FLOAT32_BYTES  # acc, full length
+        running_stats = 2 * g * self.Lq * _FLOAT32_BYTES  # m, l
         block_scores = 2 * g * self.chunk_q * self.chunk_kv * _FLOAT32_BYTES  # scores + probs
-        tables = 16 * self.visited_blocks + self.patterns.nbytes
+        split = int((self.split[self.kind != SKIP] != WHOLE).sum())
+        tables = 12 * (self.visited_blocks + split) + self.patterns.nbytes
         flash = io_bytes + lse + accumulator + running_stats + block_scores + tables
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
 

@@ -84,9 +84,12 @@ def varlen_segments(cu_seqlens, total):
     Sequence ``s`` holds rows ``cu_seqlens[s] <= r < cu_seqlens[s + 1]``; rows outside every
     sequence (after ``cu_seqlens[-1]``, or before ``cu_seqlens[0]``) are padding. Repeating the
     last offset gives empty sequences (the way to pass fewer sequences than the static bound).
+    Offsets that decrease anywhere (``cu_seqlens[s + 1] < cu_seqlens[s]``) describe no packing:
+    then every row is padding (checked on the device, no host round trip), so the call gives
+    out 0, lse ``-inf`` and zero gradients everywhere instead of attending across sequences.
 
     Args:
-        cu_seqlens: int32 ``[num_seqs + 1]``, non-decreasing (not checked on the device).
+        cu_seqlens: int32 ``[num_seqs + 1]`` (non-decreasing, or every row is padding).
         total: the number of rows, ``total_q`` or ``total_k`` (int).
 
     Returns:
@@ -100,10 +103,20 @@ def varlen_segments(cu_seqlens, total):
     seg = ops.sum(ops.cast(started, popxl.int32), axis=-1, keepdims=True) - _i32(1)  # [total, 1]
     last = ops.slice(cu, start=[n - 1], stop=[n], axis=[1])  # [1, 1]
     real = ops.logical_and(ops.greater(seg, _i32(-1)), ops.greater(last, rows))
+    real = ops.logical_and(real, _non_decreasing(cu))
     end = ops.min(ops.where(started, _i32(BIG), cu), axis=-1, keepdims=True)  # next offset > r
     seg = ops.where(real, seg, _i32(-1))
     pos = ops.where(real, rows - end, _i32(0))
     return seg.reshape((1, total)), pos.reshape((1, total))
+
+
+def _non_decreasing(cu):
+    """``[1, 1]`` bool: ``cu [1, n]`` (n >= 2) never decreases (``cu[s] <= cu[s + 1]``)."""
+    n = cu.shape[1]
+    head = ops.slice(cu, start=[0], stop=[n - 1], axis=[1])  # cu[s]      [1, n-1]
+    tail = ops.slice(cu, start=[1], stop=[n], axis=[1])  # cu[s + 1]  [1, n-1]
+    drops = ops.cast(ops.greater(head, tail), popxl.int32)
+    return ops.logical_not(ops.greater(ops.max(drops, axis=[1], keepdims=True), _i32(0)))
 
 
 def pad_ids(ids, padded_len, fill):
@@ -291,29 +304,18 @@ def step_classes(classes, q_chunk, kv_chunk):
     return ops.gather(flat, popxl.constant(index.astype(np.int32)))
 
 
-def operand_specs(cfg):
-    """Specs of the segment operands a block step receives: ids (and positions) of its q and
-    kv chunks, ``[Gs, cq]``, ``[Gsk, ckv]``."""
-    seg, spec, i32 = cfg.segments, popxl.TensorSpec, popxl.int32
-    specs = [spec((seg.q_groups, cfg.chunk_q), i32), spec((kv_rows(cfg), cfg.chunk_kv), i32)]
-    return specs * 2 if seg.positions else specs
-
-
-#: Whether each segment operand runs over the block's q rows or its kv columns (axis 1).
-OPERAND_ROLES = ("q", "kv", "q", "kv")
-
-
-def step_operands(cfg, tensors, q_offset, kv_offset):
+def step_operands(cfg, tensors, q_offset, kv_offset, lengths=None):
     """The segment operands of one step: the chunks of the padded ids (and positions).
 
     Args:
         cfg: the config; tensors: the padded tensors of :func:`prepare`.
-        q_offset, kv_offset: int32 ``[1]`` first rows of the step's chunks.
+        q_offset, kv_offset: int32 ``[1]`` first rows of the step's q and kv rows.
+        lengths: ``(rows, cols)`` of the step (``None``: whole chunks).
 
     Returns:
-        ``[q_ids_i [Gs, cq], kv_ids_j [Gsk, ckv]]`` (then the positions' chunks).
+        ``[q_ids_i [Gs, rows], kv_ids_j [Gsk, cols]]`` (then the positions' slices).
     """
-    lengths = (cfg.chunk_q, cfg.chunk_kv)
+    lengths = lengths or (cfg.chunk_q, cfg.chunk_kv)
     return [ops.dynamic_slice(t, offset, axes=[1], sizes=[lengths[n % 2]], no_overlap=True)
             for n, (t, offset) in enumerate(zip(tensors, (q_offset, kv_offset) * 2))]
 

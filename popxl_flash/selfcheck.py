@@ -13,6 +13,9 @@ padded tail chunks; chunk length 1; rows that see no key (causal with ``Lq > Lkv
 window); a large softmax scale; grouped- and multi-query attention (k/v with fewer groups than
 q); packed sequences with padding (segment ids, causal and windowed); and, without
 ``--quick``, two long sequences (causal, and a 512-token window).
+
+``--copies`` runs :mod:`popxl_flash.copycheck` instead: the lowering copies of one forward and
+one backward as PopART decides them (its log, on the SDK) next to the emulator's model.
 """
 import argparse
 import sys
@@ -232,7 +235,14 @@ def main(argv=None):
     parser.add_argument("--no-fp-checks", action="store_true",
                         help="run without the floating-point traps (on by default: an "
                              "overflow, division by zero or invalid operation fails the case)")
+    parser.add_argument("--copies", action="store_true",
+                        help="instead of the matrix: the lowering copies of one forward and one "
+                             "backward, PopART's decisions (read from its log, SDK only) next "
+                             "to the emulator's model (popxl_flash.copycheck)")
     args = parser.parse_args(argv)
+    if args.copies:
+        from popxl_flash import copycheck
+        return copycheck.run(args.device)
     cases = [c for c in CASES if c.quick or not args.quick]
     return 1 if run(cases, args.device, fp_checks=not args.no_fp_checks) else 0
 

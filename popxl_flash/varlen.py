@@ -103,7 +103,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             non-decreasing offsets: sequence ``s`` is q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
             and k/v rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``. ``num_seqs`` is a static
             bound: repeat the last offset for absent sequences. Rows after the last offset are
-            padding. Not validated on the device (offsets beyond ``total`` read as padding).
+            padding (offsets beyond ``total`` too). Offsets that decrease anywhere describe no
+            packing: the device checks it and then treats every row as padding (out 0, lse
+            ``-inf``, gradients 0), never attending across sequences.
         max_seqlen_q, max_seqlen_k: ints >= 1, upper bounds on the sequence lengths (as in
             flash-attn; not checked on the device); they set the automatic chunk length
             ``min(64, max_seqlen, total)``.

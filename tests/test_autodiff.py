@@ -235,3 +235,24 @@ def test_grad_refuses_out_and_lse_of_two_calls():
         _, lse = pf.flash_attention(q, q, q, return_lse=True)
         with pytest.raises(ValueError, match="two different flash_attention calls"):
             pf.flash_attention_grad(out, q, q, q, out, lse)
+
+
+# -- differentiating twice ----------------------------------------------------------------
+def test_differentiating_twice_says_so():
+    """autodiff adds lse (and the other stashed activations) as outputs of the forward graph;
+    a second pf.autodiff says the graph was already differentiated instead of reporting a
+    gradient through lse, and the entries of a graph differentiated elsewhere point there."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        arrays, _ = random_inputs(0)
+        ts = [popxl.constant(a) for a in arrays]
+        layer = ir.create_graph(make_layer("flash"), *ts)
+        pf.autodiff(layer)
+        for again in (pf.autodiff, pf.called_graphs_grad_info):
+            with pytest.raises(ValueError, match="already differentiated by pf.autodiff"):
+                again(layer)
+        other = ir.create_graph(make_layer("flash"), *ts)
+        popxl.transforms.autodiff(other,
+                                  called_graphs_grad_info=pf.called_graphs_grad_info(other))
+        with pytest.raises(ValueError, match="lse is an output of .* already differentiated"):
+            pf.called_graphs_grad_info(other)

@@ -5,6 +5,7 @@ from hypothesis import given
 
 import popxl_flash as pf
 from popxl_flash.config import AttentionConfig
+from popxl_flash.steps import loop_steps
 from popxl_flash.tolerance import grad_bounds
 
 from attention_utils import (FP_CHECKS, assert_within_rule, naive_attention_grad, random_qkv,
@@ -48,12 +49,12 @@ def test_backward_matches_reference(case):
 @emulator_only
 @given(attention_cases(max_len=60, max_dim=8))
 def test_iterations_and_flops_equal_planner_count(case):
-    """The backward loop runs one iteration per visited block (kv-major list: no skip
-    iterations) and exactly the planner's executed FLOPs, 2.5x the forward's. The run holds the
-    forward (for out and lse) and the backward: two loops of V iterations."""
+    """The backward loops run one iteration per visited block and one more per split block (no
+    skip iterations) and exactly the planner's executed FLOPs, 2.5x the forward's. The run
+    holds the forward (for out and lse) and the backward: the same steps twice."""
     _, session, cfg = check_backward(case)
     schedule = cfg.schedule
-    assert session.profile.loop_iterations == 2 * schedule.visited_blocks
+    assert session.profile.loop_iterations == 2 * loop_steps(schedule)
     assert len(schedule.block_list("kv_major")) == schedule.visited_blocks
     forward = schedule.forward_flops(cfg.head_dim, cfg.groups).executed
     backward = schedule.backward_flops(cfg.head_dim, cfg.groups, mode="stash").executed

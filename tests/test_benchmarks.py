@@ -126,15 +126,27 @@ def test_unwritable_output_fails_before_the_sweep(tmp_path, option, capsys, monk
 
 @emulator_only
 def test_cli_explain_and_new_columns(tmp_path, capsys):
-    """--explain prints the cost model's candidates; the table counts iterations (== visited
-    blocks) and ops per block."""
+    """--explain prints the cost model's candidates; the table counts iterations (== loop
+    steps: visited blocks plus split blocks' second sub-blocks) and ops per block."""
     rows = _run(tmp_path, "--pass", "fwd", "--seq-len", "256", "--chunks", "auto",
                 "--explain", "--no-naive")["rows"]
     out = capsys.readouterr().out
-    assert "cost model: fwd float32 causal L=256" in out and "chosen: " in out
+    assert "cost model: float32 causal L=256" in out and "chosen: " in out
     assert "iters" in out and "ops/block" in out
     flash, planner = rows[0]["flash"], rows[0]["planner"]
-    assert flash["loop_iterations"] == planner["visited_blocks"]
+    assert flash["loop_iterations"] == planner["loop_steps"]
+
+
+@emulator_only
+def test_cli_explain_prints_each_table_once(tmp_path, capsys):
+    """--pass both: the forward and backward cases of a shape share one cost-model table (it
+    weighs both passes), so it is printed once per shape, not once per pass."""
+    _run(tmp_path, "--pass", "both", "--seq-len", "128,256", "--chunks", "auto", "--explain",
+         "--no-naive")
+    out = capsys.readouterr().out
+    for L in (128, 256):
+        assert out.count(f"cost model: float32 causal L={L} ") == 1
+    assert out.count("chosen: ") == 2
 
 
 def test_packed_benchmark_row(tmp_path, capsys):

@@ -123,11 +123,22 @@ def _autodiff_grads(mask):
     return build
 
 
+def _func_grad_grads(mask, stash=True):
+    """Build function: dq, dk, dv by pf.flash_attn_func_grad in flash-attn's layout (stash or
+    recompute mode), with the forward's keywords."""
+    def build(q, k, v, do):
+        out, lse = (pf.flash_attn_func(q, k, v, return_lse=True, **CHUNKS, **mask) if stash
+                    else (None, None))
+        return pf.flash_attn_func_grad(do, q, k, v, out, lse, **CHUNKS, **mask)
+    return build
+
+
 def check_grads_against_reference(q, k, v, dout, mask, dtype, route="composed"):
     """Gradients of flash_attn_func's attention (``route``: "composed" by hand or "autodiff")
     under the 3x rule; dk/dv come back with Hkv heads, summed over the q heads sharing each."""
     opts = core_options(mask)
-    build = {"composed": _composed_grads, "autodiff": _autodiff_grads}[route](mask)
+    build = {"composed": _composed_grads, "autodiff": _autodiff_grads,
+             "func_grad": _func_grad_grads}[route](mask)
     grads, _ = run_graph(build, [q, k, v, dout])
     qg, kg, vg, dog = (to_groups(x) for x in (q, k, v, dout))
     refs = pf.reference.attention_grad(dog, qg, kg, vg, **opts)
@@ -149,7 +160,7 @@ GRAD_CASES = list(itertools.product([1, 2, 3], HEADS, ["causal", "full", "causal
                                     ["float16", "float32"]))
 
 
-@pytest.mark.parametrize("route", ["composed", "autodiff"])
+@pytest.mark.parametrize("route", ["composed", "autodiff", "func_grad"])
 @pytest.mark.parametrize("B,heads,mask,dtype", GRAD_CASES,
                          ids=[f"B{b}-H{hq}x{hkv}-{m}-{d}" for b, (hq, hkv), m, d in GRAD_CASES])
 def test_grads_match_reference(B, heads, mask, dtype, route):
@@ -160,6 +171,64 @@ def test_grads_match_reference(B, heads, mask, dtype, route):
     q, k, v = random_blhd(rng, B, *_lengths(B, Hkv), Hq, Hkv, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     check_grads_against_reference(q, k, v, dout, MASKS[mask], dtype, route)
+
+
+@pytest.mark.parametrize("layout", ["BLHD", "BHLD"])
+def test_func_grad_recompute_equals_stash_and_defaults_match_the_forward(layout):
+    """flash_attn_func_grad defaults to causal=False like flash_attn_func (flash-attn's
+    default), so the same keywords give the matching backward; recompute mode (no out/lse)
+    gives the stash-mode gradients bit for bit; dk, dv come back with Hkv heads."""
+    rng = np.random.default_rng(5)
+    q, k, v = random_blhd(rng, 2, 7, 11, 4, 2, "float32", layout=layout)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+
+    def build(stash, **opts):
+        def fn(q, k, v, do):
+            out, lse = (pf.flash_attn_func(q, k, v, return_lse=True, layout=layout, **opts)
+                        if stash else (None, None))
+            return pf.flash_attn_func_grad(do, q, k, v, out, lse, layout=layout, **opts)
+        return fn
+    stash, _ = run_graph(build(True), [q, k, v, dout])
+    recompute, _ = run_graph(build(False), [q, k, v, dout])
+    explicit, _ = run_graph(build(True, causal=False), [q, k, v, dout])
+    causal, _ = run_graph(build(True, causal=True), [q, k, v, dout])
+    for a, b, c, d, like in zip(stash, recompute, explicit, causal, (q, k, v)):
+        assert a.shape == like.shape
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+        assert np.abs(a - d).max() > 1e-3  # the causal mask changes them
+
+
+@pytest.mark.parametrize("fwd, grad, fragment", [
+    (dict(causal=True), dict(), "flash_attn_func_grad was given .*causal, softmax_scale"),
+    (dict(), dict(softmax_scale=0.25), "flash_attn_func_grad was given"),
+    (dict(window_size=(2, 0)), dict(), "flash_attn_func_grad was given"),
+])
+def test_func_grad_refuses_stash_of_other_options(fwd, grad, fragment):
+    def fn():
+        q = popxl.constant(np.ones((1, 6, 2, 4), np.float32))
+        out, lse = pf.flash_attn_func(q, q, q, return_lse=True, **fwd)
+        return pf.flash_attn_func_grad(q, q, q, q, out, lse, **grad)
+    with pytest.raises(ValueError, match=fragment):
+        build_only(fn)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (dict(out=None), "out and lse must be given together"),
+    (dict(lse="q"), "lse must be float32 \\[B, Hq, Lq\\]"),
+    (dict(out="lse"), "out must have q's shape"),
+    (dict(dout="lse"), "dout must have q's shape"),
+])
+def test_func_grad_rejects_bad_stash(override, fragment):
+    def fn():
+        q = popxl.constant(np.ones((1, 6, 2, 4), np.float32))
+        out, lse = pf.flash_attn_func(q, q, q, return_lse=True)
+        named = dict(dout=q, out=out, lse=lse, q=q)
+        args = {n: (named[v] if isinstance(v, str) else v) for n, v in override.items()}
+        call = {**dict(dout=q, out=out, lse=lse), **args}
+        return pf.flash_attn_func_grad(call["dout"], q, q, q, call["out"], call["lse"])
+    with pytest.raises(ValueError, match=fragment):
+        build_only(fn)
 
 
 def test_grouped_query_reads_kv_head_h_over_r():

@@ -1,7 +1,7 @@
 """One graph per configuration and readable names (popxl.name_scope) in the functional API.
 
-Graphs are counted through the public API (``Graph.called_graphs``, transitively from the main
-graph), so the counts hold on the real SDK too.
+Graphs are counted with ``pf.reachable_graphs(ir.main_graph)`` (public ``Graph.called_graphs``,
+transitively), so the counts hold on the real SDK too.
 """
 import numpy as np
 import pytest
@@ -9,20 +9,10 @@ import pytest
 import popxl_flash as pf
 from attention_utils import run_graph
 from popxl_flash import popxl
+from test_forward import emulator_only
 
 ops = popxl.ops
 G, L, D = 2, 12, 8
-
-
-def reachable_graphs(ir):
-    """Every graph called, directly or not, from ``ir``'s main graph."""
-    seen, stack = {}, [ir.main_graph]
-    while stack:
-        for g in stack.pop().called_graphs:
-            if g.id not in seen:
-                seen[g.id] = g
-                stack.append(g)
-    return list(seen.values())
 
 
 def count_graphs(build, n_calls):
@@ -32,7 +22,7 @@ def count_graphs(build, n_calls):
         q, k, v = (popxl.variable(np.zeros((G, L, D), np.float32)) for _ in range(3))
         for layer in range(n_calls):
             build(q, k, v, layer)
-    return len(reachable_graphs(ir))
+    return len(pf.reachable_graphs(ir.main_graph))
 
 
 def forward(q, k, v, layer):
@@ -178,7 +168,7 @@ def test_outputs_are_named_by_scope(fn, scope):
     for t in outs:
         assert t.id.startswith(scope), t.id
     ours = ("flash_attention/", "flash_attention_grad/", "flash_attn_func/")
-    for graph in reachable_graphs(ir):  # the traced graphs' tensors carry a scope too
+    for graph in pf.reachable_graphs(ir.main_graph):  # the traced graphs' tensors carry a scope too
         for t in graph.inputs:
             assert t.name.startswith(ours), (graph.name, t.name)
 
@@ -188,7 +178,7 @@ def test_graph_names_name_the_module():
     names = [g.name for g in ir.main_graph.called_graphs]
     assert any("FlashAttentionGrad" in n for n in names), names
     assert any(n.startswith("FlashAttention") and "Grad" not in n
-               for g in reachable_graphs(ir) for n in [g.name]), names
+               for g in pf.reachable_graphs(ir.main_graph) for n in [g.name]), names
 
 
 def test_user_scope_prefixes_ours():
@@ -198,3 +188,70 @@ def test_user_scope_prefixes_ours():
         with popxl.name_scope("layer0"):
             out = pf.flash_attention(q, q, q)
     assert out.id.startswith("layer0/flash_attention/"), out.id
+
+
+def test_in_order_restores_in_sequence_on_an_exception(monkeypatch):
+    """``blocks.in_order`` resumes PopXL's ``in_sequence`` context on an exception: PopXL's own
+    context manager resets its global flag after ``yield`` without ``finally`` (modelled here by
+    a stand-in with that shape), so a raise inside would leave every later op chained."""
+    import contextlib
+
+    from popxl_flash import blocks
+
+    flag = {"mode": None}
+
+    @contextlib.contextmanager
+    def in_sequence(mode=True):  # PopXL 3.4's shape: no try/finally around the yield
+        previous = flag["mode"]
+        flag["mode"] = mode
+        yield mode
+        flag["mode"] = previous
+
+    monkeypatch.setattr(blocks.popxl, "in_sequence", in_sequence)
+    with pytest.raises(ZeroDivisionError):
+        with blocks.in_order():
+            assert flag["mode"] is True
+            1 / 0
+    assert flag["mode"] is None
+    with blocks.in_order(False):
+        assert flag["mode"] is False
+    assert flag["mode"] is None
+
+
+@emulator_only
+def test_only_the_loops_and_the_state_reads_are_ordered():
+    """The module graphs order only the loops (in place updates of the state) and the reads of
+    the state after them; the loop bodies and the ops before the loops carry no ``in_sequence``
+    constraint (emulator IR: each op's ``after`` list)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 100, 8), np.float16))
+        out, lse = pf.flash_attention(q, q, q, num_chunks_q=4, num_chunks_kv=4, return_lse=True)
+        pf.flash_attention_grad(q, q, q, q, out, lse, num_chunks_q=4, num_chunks_kv=4)
+    for graph in ir._graphs:
+        ordered = [op for op in graph._ops if op.after]
+        if graph.name.startswith("FlashAttention"):
+            first = min(k for k, op in enumerate(graph._ops) if op.kind == "repeat")
+            assert ordered and all(op.index > first for op in ordered), graph.name
+            assert all(not op.after for op in graph._ops[:first + 1]), graph.name
+        else:
+            assert not ordered, graph.name
+
+
+def test_reachable_graphs_counts_what_a_call_added():
+    """pf.reachable_graphs: each graph once (a shared graph is not counted twice), the caller
+    excluded, and the count before/after a call is the graphs that call built."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((G, L, D), np.float32))
+        assert pf.reachable_graphs(ir.main_graph) == []
+        pf.flash_attention(q, q, q, num_chunks_q=2)
+        first = pf.reachable_graphs(ir.main_graph)
+        (flash,) = ir.main_graph.called_graphs
+        assert first[0] == flash and ir.main_graph not in first
+        assert len({g.id for g in first}) == len(first) > 1
+        assert pf.reachable_graphs(flash) == first[1:]
+        pf.flash_attention(q, q, q, num_chunks_q=2)  # same configuration: nothing new
+        assert len(pf.reachable_graphs(ir.main_graph)) == len(first)
+        pf.flash_attention(q, q, q, num_chunks_q=3)
+        assert len(pf.reachable_graphs(ir.main_graph)) > len(first)

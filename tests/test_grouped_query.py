@@ -45,8 +45,9 @@ def test_memory_below_multi_head_and_flops_equal(dtype):
       k and v are resident for the whole loop (loop-invariant inputs), every other tensor of
       the grouped-query run is at most as large as its multi-head counterpart (the fold is a
       view), and the k/v blocks each step reads are ``[Gk, ckv, D]``;
-    * bytes copied at call, conditional and repeat boundaries are lower too: k/v and their
-      blocks are ``Gk`` groups wherever they cross a boundary.
+    * bytes copied at call, conditional and repeat boundaries are not higher: the loops read
+      k/v and their blocks in place (no conditional to copy them into), so only the state and
+      the step counter cross boundaries, and their size does not depend on Gk.
     """
     cfg = AttentionConfig.from_shapes((G, L, D), (G, L, D), (G, L, D), (dtype,) * 3, **CHUNKS)
     mha_fwd, mha_bwd = _runs(G, dtype)
@@ -59,8 +60,8 @@ def test_memory_below_multi_head_and_flops_equal(dtype):
         saved = 2 * (G - kv_groups) * L * D * np.dtype(dtype).itemsize
         assert fwd.peak_live_bytes <= mha_fwd.peak_live_bytes - saved, (kv_groups, fwd, mha_fwd)
         assert bwd.peak_live_bytes <= mha_bwd.peak_live_bytes - saved, (kv_groups, bwd, mha_bwd)
-        assert fwd.bytes_copied < mha_fwd.bytes_copied, (kv_groups, fwd, mha_fwd)
-        assert bwd.bytes_copied < mha_bwd.bytes_copied, (kv_groups, bwd, mha_bwd)
+        assert fwd.bytes_copied <= mha_fwd.bytes_copied, (kv_groups, fwd, mha_fwd)
+        assert bwd.bytes_copied <= mha_bwd.bytes_copied, (kv_groups, bwd, mha_bwd)
 
 
 def _op_kinds(build):
@@ -95,7 +96,9 @@ def test_grouped_query_adds_only_reshapes(grad):
 def test_cost_model_and_memory_estimate_count_kv_groups():
     """The chunk-choice model and the analytic memory estimate take Gk: FLOPs and iterations
     stay those of G q groups, while the k/v terms shrink exactly by G / Gk (k, v in the input
-    dtype, dk, dv float32 in the backward's working set; k, v in the memory estimate)."""
+    dtype, dk, dv float32 in the backward's working set; k, v in the memory estimate). Bytes
+    copied are the loops' step counters alone (PopART's rules: k/v are read in place), equal
+    for both."""
     Lq, Lkv, dtype, item = 300, 500, "float16", 2
     mha = pf.explain(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, num_chunks_q=3, num_chunks_kv=4)
     mqa = pf.explain(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, num_chunks_q=3, num_chunks_kv=4,
@@ -105,8 +108,8 @@ def test_cost_model_and_memory_estimate_count_kv_groups():
         b.forward_flops, b.backward_flops, b.iterations)
     lkv = 4 * 125  # padded Lkv
     assert a.working_set_bytes - b.working_set_bytes == (G - 1) * 2 * lkv * D * (item + 4)
-    assert b.bytes_copied_forward < a.bytes_copied_forward
-    assert b.bytes_copied_backward < a.bytes_copied_backward
+    assert b.bytes_copied_forward == a.bytes_copied_forward
+    assert b.bytes_copied_backward == a.bytes_copied_backward
     sched = AttentionConfig.from_shapes((G, Lq, D), (1, Lkv, D), (1, Lkv, D), (dtype,) * 3,
                                         num_chunks_q=3, num_chunks_kv=4).schedule
     est_mha, est_mqa = (sched.memory_bytes(D, G, itemsize=item, kv_groups=gk) for gk in (G, 1))

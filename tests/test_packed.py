@@ -338,3 +338,45 @@ def test_recompute_and_packed_qkv_forms_take_segment_ids():
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(packed_out, out)
     np.testing.assert_array_equal(dqkv, np.stack(grads[:3]))
+
+
+@settings(max_examples=10)
+@given(cu=st.lists(st.integers(0, 24), min_size=2, max_size=6), side=st.sampled_from(
+    ["q", "k", "both"]), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_decreasing_offsets_make_every_row_padding(cu, side, causal, seed):
+    """Offsets that decrease anywhere (in cu_seqlens_q, cu_seqlens_k or both) describe no
+    packing: the device makes every row padding (out 0, lse -inf, gradients 0, no NaN, traps
+    on), and the reference says the same; non-decreasing offsets are unaffected (they run the
+    sequences, checked against the reference under the rules)."""
+    total, H, D = 24, 2, 8
+    cu = np.array(cu, np.int32)
+    good = np.sort(cu)
+    cu_q, cu_k = {"q": (cu, good), "k": (good, cu), "both": (cu, cu)}[side]
+    rng = np.random.default_rng(seed)
+    q, k, v = packed_inputs(rng, Packing((total,), (total,)), H, D, "float32")
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    to_thd = (lambda x: np.ascontiguousarray(x.transpose(1, 0, 2)))
+    opts = dict(num_chunks_q=3, num_chunks_kv=2, causal=causal)
+
+    def build(do, q, k, v, cu_q, cu_k):
+        out, lse = pf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, total, total,
+                                             return_lse=True, **opts)
+        return [out, lse, *varlen_grads(do, q, k, v, out, lse, cu_q, cu_k, opts)]
+    (out, lse, *grads), _ = run_graph(build, [to_thd(dout), to_thd(q), to_thd(k), to_thd(v),
+                                              cu_q, cu_k], fp_checks=FP_CHECKS)
+    ref_out, ref_lse = pf.reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+    refs = pf.reference.attention_varlen_grad(dout, q, k, v, cu_q, cu_k, causal=causal)
+    packing_ok = pf.reference.is_packing(cu_q) and pf.reference.is_packing(cu_k)
+    assert packing_ok == bool(np.all(np.diff(cu) >= 0))
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    if not packing_ok:
+        assert np.isneginf(lse).all() and (out == 0).all() and not np.isnan(lse).any()
+        assert all((g == 0).all() for g in grads)
+        assert (ref_out == 0).all() and all((r == 0).all() for r in refs)
+        for cu_s in (cu_q, cu_k):
+            ids, pos = pf.reference.varlen_segments(cu_s, total)
+            assert (ids == -1).all() if not pf.reference.is_packing(cu_s) else True
+    else:
+        np.testing.assert_allclose(out.transpose(1, 0, 2), ref_out, atol=1e-5)
+        for g, r in zip(grads, refs):
+            np.testing.assert_allclose(g, r, atol=1e-4)

@@ -19,7 +19,19 @@ import types
 
 from .errors import PopartError
 
-_OP_TYPES = {"call": "Call", "repeat": "Loop", "conditional": "If"}
+#: Emulator op kind -> PopART ``Op::opType`` (ONNX-style names) for the kinds listed; any
+#: other kind reports itself.
+_OP_TYPES = {"call": "Call", "repeat": "Loop", "conditional": "If", "add": "Add", "sub": "Sub",
+             "mul": "Mul", "div": "Div", "matmul": "MatMul", "group_norm": "GroupNormalization",
+             "init": "Init", "host_load": "HostLoad", "host_store": "HostStore",
+             "accumulate_": "Accumulate", "accumulate_square_": "Accumulate",
+             "accumulate_mean_": "Accumulate", "accumulate_moving_average_": "Accumulate",
+             "accumulate_moving_average_square_": "Accumulate",
+             "accumulator_scale_": "AccumulatorScale", "accumulator_zero_": "AccumulatorScale",
+             "copy_var_update_": "CopyVarUpdate", "transpose": "Transpose",
+             "reshape": "Reshape", "cast": "Cast", "softmax": "Softmax", "exp": "Exp",
+             "log": "Log", "sqrt": "Sqrt", "gather": "Gather", "identity": "Identity",
+             "where": "Where", "concat": "Concat", "split": "Split", "slice": "Slice"}
 
 
 class ExpectedConnectionType(enum.Enum):
@@ -60,14 +72,31 @@ class BwdGraphInfo:
         self.expectedOutputs = list(expectedOutputs)
 
 
+class TensorInfo:
+    """``_ir.TensorInfo`` of a tensor (read-only): ``shape()``, ``nelms()``, ``rank()``."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def shape(self):
+        return list(self._tensor.shape)
+
+    def nelms(self):
+        return self._tensor.nelms
+
+    def rank(self):
+        return self._tensor.rank
+
+
 class PbTensor:
-    """Wrapper of an emulator Tensor with the ``_ir.Tensor`` methods used: ``id``,
+    """Wrapper of an emulator Tensor with the ``_ir.Tensor`` methods used: ``id``, ``info``,
     ``getGraph()``, ``hasProducer()``, ``getProducer()``."""
 
     def __init__(self, tensor):
         self._tensor = tensor
 
     id = property(lambda self: self._tensor.id)
+    info = property(lambda self: TensorInfo(self._tensor))
 
     def getGraph(self):  # noqa: N802
         return PbGraph(self._tensor._graph)
@@ -101,7 +130,7 @@ class PbOp:
     def __init__(self, op):
         self._op = op
 
-    id = property(lambda self: self._op.index)
+    id = property(lambda self: self._op.op_id)
 
     def __eq__(self, other):
         return isinstance(other, PbOp) and other._op is self._op
@@ -327,12 +356,18 @@ view = types.SimpleNamespace(Region=_Region)
 #: Emulator op kind -> PopART op class name (``_ir.op.<name>``), for isinstance checks.
 _OP_CLASSES = {"call": "CallOp", "repeat": "LoopOp", "conditional": "IfOp", "init": "InitOp",
                "add": "AddOp", "sub": "SubtractOp", "mul": "MulOp", "div": "DivOp",
-               "matmul": "MatMulOp", "add_": "AddLhsInplaceOp", "accumulate_": "AccumulateOp",
-               "host_load": "HostLoadOp", "host_store": "HostStoreOp"}
+               "matmul": "MatMulOp", "add_": "AddLhsInplaceOp", "host_load": "HostLoadOp",
+               "host_store": "HostStoreOp",
+               **{k: "AccumulateOp" for k in ("accumulate_", "accumulate_square_",
+                                              "accumulate_mean_", "accumulate_moving_average_",
+                                              "accumulate_moving_average_square_")}}
 _EXCHANGE = ("HostLoadOp", "HostStoreOp")
 _classes = {name: _op_class(name) for name in sorted(set(_OP_CLASSES.values()))}
 for _name in ("IpuCopyOp", "MulLhsInplaceOp", "MulRhsInplaceOp"):
     _classes[_name] = _op_class(_name)
+for _name in ("CallOp", "LoopOp"):  # SubgraphOp::getCalledGraph
+    _classes[_name].getCalledGraph = lambda self: PbGraph(self._op.subgraphs[0])
+_classes["LoopOp"].getTripCountValue = lambda self: self._op.attrs["count"]
 op = types.SimpleNamespace(**{n: c for n, c in _classes.items() if n not in _EXCHANGE},
                            exchange=types.SimpleNamespace(
                                **{n: _classes[n] for n in _EXCHANGE}))

@@ -180,6 +180,12 @@ class Context:
     def pop_graph(self):
         return pop_graph()
 
+    def _get_op_settings(self, name):
+        """PopXL builds PopART op settings here for ops created through the C++ bindings
+        (custom ops): not possible on the emulator."""
+        raise NotImplementedError(f"creating PopART op {name!r} through the C++ bindings "
+                                  "(a custom op) is not possible on the emulator")
+
     @property
     def in_sequence(self):
         return _state["in_sequence"]

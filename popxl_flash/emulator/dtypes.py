@@ -7,18 +7,29 @@ import numpy as np
 
 
 class dtype:
-    """A PopXL data type (not constructible by users; use the module-level instances)."""
+    """A PopXL data type (PopXL 3.4 ``python_files/dtypes.py``): not constructible by users
+    (``TypeError``); use the module-level instances, ``dtype.from_name`` or ``dtype.as_dtype``.
+    """
 
-    def __init__(self, name, np_type, is_int, is_float, is_signed):
-        self._name = name
-        self._np = np_type
-        self._is_int = is_int
-        self._is_float = is_float
-        self._is_signed = is_signed
+    def __init__(self):
+        raise TypeError("Cannot create popxl.dtypes.dtype instances.")
+
+    @classmethod
+    def _make(cls, name, np_type, is_int, is_float, is_signed, is_complex=False, py_type=None,
+              torch_name=None):
+        self = object.__new__(cls)
+        self._name, self._np = name, np_type
+        self._is_int, self._is_float, self._is_signed = is_int, is_float, is_signed
+        self._is_complex, self._py_type, self._torch_name = is_complex, py_type, torch_name
+        return self
 
     @property
     def name(self):
         return self._name
+
+    @property
+    def is_complex(self):
+        return self._is_complex
 
     @property
     def is_int(self):
@@ -32,11 +43,65 @@ class dtype:
     def is_signed(self):
         return self._is_signed
 
+    @classmethod
+    def from_name(cls, name):
+        """Args: name: a dtype name ("float32"; aliases such as "half" are not names).
+        Returns: the dtype. Raises ValueError for any other value."""
+        try:
+            return ALL[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"There is not a `popxl.dtype` that has a name: {name}.") from None
+
+    @classmethod
+    def as_dtype(cls, type_value):
+        """Convert like PopXL, trying in turn: a dtype name, a Python type (``bool``,
+        ``float`` -> float32), a numpy dtype, a torch dtype, ``np.dtype(type_value)``, then
+        the ``.dtype`` of an array or torch tensor.
+
+        Returns: the dtype. Raises ValueError when none matches.
+        """
+        for table in (ALL, _PY):
+            try:
+                return table[type_value]
+            except (KeyError, TypeError):
+                pass
+        try:
+            return _NP[type_value]
+        except (KeyError, TypeError):
+            pass
+        found = _from_torch(type_value)
+        if found is not None:
+            return found
+        try:
+            return _NP[np.dtype(type_value)]
+        except (KeyError, TypeError, ValueError):  # numpy 2 raises ValueError for a tensor
+            pass
+        if hasattr(type_value, "dtype"):
+            try:
+                return _NP[type_value.dtype]
+            except (KeyError, TypeError):
+                pass
+            found = _from_torch(type_value.dtype)
+            if found is not None:
+                return found
+        raise ValueError("There is not a `popxl.dtype` that is compatible with value: "
+                         f"{type_value}, type: {type(type_value)}.")
+
     def as_numpy(self):
-        """Returns: the numpy dtype of this type."""
-        if self._np is None:
-            raise TypeError(f"popxl.{self._name} has no numpy equivalent")
+        """Returns: the numpy dtype of this type (float8: PopXL's structured one-byte dtype)."""
         return np.dtype(self._np)
+
+    def as_torch(self):
+        """Returns: the torch dtype (ModuleNotFoundError without torch, TypeError for types
+        torch lacks: uint16/32/64, float8)."""
+        import importlib
+        try:
+            torch = importlib.import_module("torch")
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError("PyTorch is not installed.") from None
+        if self._torch_name is None:
+            raise TypeError(f"`popxl.{self._name}` does not have a corresponding PyTorch dtype.")
+        return getattr(torch, self._torch_name)
 
     def __repr__(self):
         return f"popxl.dtypes.{self._name}"
@@ -44,26 +109,42 @@ class dtype:
     __str__ = __repr__
 
 
+def _from_torch(value):
+    """Returns: the dtype of a torch dtype, or None (torch is only looked at when loaded)."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.dtype):
+        return None
+    for dt in ALL.values():
+        if dt._torch_name is not None and getattr(torch, dt._torch_name) == value:
+            return dt
+    return None
+
+
+_F8_143 = np.dtype([("float8_143", "u1")])  # PopXL's numpy stand-ins for float8
+_F8_152 = np.dtype([("float8_152", "u1")])
 _TABLE = [
-    # name, numpy, is_int, is_float, is_signed
-    ("bool", np.bool_, False, False, False),
-    ("int8", np.int8, True, False, True),
-    ("int16", np.int16, True, False, True),
-    ("int32", np.int32, True, False, True),
-    ("int64", np.int64, True, False, True),
-    ("uint8", np.uint8, True, False, False),
-    ("uint16", np.uint16, True, False, False),
-    ("uint32", np.uint32, True, False, False),
-    ("uint64", np.uint64, True, False, False),
-    ("float8_143", np.uint8, False, True, True),
-    ("float8_152", np.uint8, False, True, True),
-    ("float16", np.float16, False, True, True),
-    ("float32", np.float32, False, True, True),
-    ("float64", np.float64, False, True, True),
-    ("complex64", np.complex64, False, False, True),
-    ("complex128", np.complex128, False, False, True),
+    # name, numpy, is_int, is_float, is_signed, is_complex, Python type, torch name
+    ("bool", np.bool_, False, False, False, False, bool, "bool"),
+    ("int8", np.int8, True, False, True, False, None, "int8"),
+    ("int16", np.int16, True, False, True, False, None, "int16"),
+    ("int32", np.int32, True, False, True, False, None, "int32"),
+    ("int64", np.int64, True, False, True, False, None, "int64"),
+    ("uint8", np.uint8, True, False, False, False, None, "uint8"),
+    ("uint16", np.uint16, True, False, False, False, None, None),
+    ("uint32", np.uint32, True, False, False, False, None, None),
+    ("uint64", np.uint64, True, False, False, False, None, None),
+    ("float8_143", _F8_143, False, True, True, False, None, None),
+    ("float8_152", _F8_152, False, True, True, False, None, None),
+    ("float16", np.float16, False, True, True, False, None, "float16"),
+    ("float32", np.float32, False, True, True, False, float, "float32"),
+    ("float64", np.float64, False, True, True, False, None, "float64"),
+    ("complex64", np.complex64, False, False, True, True, None, "complex64"),
+    ("complex128", np.complex128, False, False, True, True, None, "complex128"),
 ]
-ALL = {row[0]: dtype(*row) for row in _TABLE}
+ALL = {row[0]: dtype._make(*row) for row in _TABLE}
+_PY = {row[6]: ALL[row[0]] for row in _TABLE if row[6] is not None}
+_NP = {np.dtype(row[1]): ALL[row[0]] for row in _TABLE}
 globals().update(ALL)
 half = ALL["float16"]
 float = ALL["float32"]  # noqa: A001 - PopXL alias

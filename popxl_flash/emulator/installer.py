@@ -6,9 +6,10 @@ It puts module objects into ``sys.modules``: ``popxl`` (the emulator's
 (``popxl.context``, ``popxl.tensor``, ``popxl.ops.call``, ``popxl.transforms.autodiff``, ...),
 ``popart`` and ``popart._internal.ir``. Each submodule holds the names of the PopXL 3.4 module of
 that name (``python/popxl/python_files/<path>.py``) that the emulator implements, stubs raising
-``NotImplementedError`` for the public ones it does not, and nothing PopXL lacks. PopXL
-submodules not listed in :data:`_SUBMODULES` are stub modules (any attribute raises
-``NotImplementedError``), so importing them works and using them fails loudly.
+``NotImplementedError`` for the public ones it does not, and nothing PopXL lacks. The files of
+``popxl.ops``, ``popxl.ops.var_updates`` and ``popxl.transforms`` resolve their functions from
+the package; the other PopXL submodules (``popxl_names.STUB_SUBMODULES``) are stub modules (any
+attribute raises ``NotImplementedError``), so importing them works and using them fails loudly.
 
 When a real ``popxl`` is importable nothing changes (``install()`` returns False).
 """
@@ -41,15 +42,19 @@ def install():
 
 
 class _OpModule(types.ModuleType):
-    """``popxl.ops.<file>``: its names are the ``popxl.ops`` names (the op functions) plus the
+    """A file of a PopXL package (``popxl.ops.add``, ``popxl.ops.var_updates.accumulate``,
+    ``popxl.transforms.merge_exchange``): its names are the package's functions plus the
     module-level names set on it; anything else raises NotImplementedError."""
 
+    def __init__(self, qualname, package, names):
+        super().__init__(qualname)
+        self._package, self._names = package, frozenset(names)
+
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("__") or name in ("_package", "_names"):
             raise AttributeError(name)
-        ops = sys.modules.get("popxl.ops") or MODULES["popxl.ops"]
-        if name in _names.OPS:
-            return getattr(ops, name)
+        if name in self._names:
+            return getattr(MODULES[self._package], name)
         raise NotImplementedError(f"{self.__name__}.{name} is not implemented by the PopXL "
                                   "emulator")
 
@@ -79,7 +84,7 @@ def attach(popxl):
         if parent in MODULES and leaf not in vars(MODULES[parent]):
             setattr(MODULES[parent], leaf, mod)
         elif parent == "popxl" and isinstance(vars(popxl).get(leaf), types.ModuleType):
-            setattr(popxl, leaf, mod)  # replaces the bare stub module of that name
+            setattr(popxl, leaf, mod)  # replaces the stub module (or emulator module) bound
 
 
 def _build_modules(popxl):
@@ -99,7 +104,10 @@ def _build_modules(popxl):
             "op_debug_context", "_execution_context", "Context")}},
         public=("get_source_location",))
     mods["popxl.tensor"] = popxl.tensor  # HostTensor, host_tensor_types: see popxl.py
-    mods["popxl.dtypes"] = dtypes
+    mods["popxl.dtypes"] = _module("popxl.dtypes", {
+        "dtype": dtypes.dtype, **dtypes.ALL, "half": dtypes.half, "float": dtypes.float,
+        "double": dtypes.double, "np_dtype_float8_143": dtypes._F8_143,
+        "np_dtype_float8_152": dtypes._F8_152})
     mods["popxl.errors"] = _module("popxl.errors", {"UndefinedValue": errors.UndefinedValue})
     mods["popxl.graph"] = _module("popxl.graph", {"Graph": popxl.Graph})
     mods["popxl.ir"] = _module("popxl.ir", {"Ir": popxl.Ir})
@@ -112,8 +120,8 @@ def _build_modules(popxl):
         "Stream": ir.Stream, "HostToDeviceStream": popxl.HostToDeviceStream,
         "DeviceToHostStream": popxl.DeviceToHostStream, "h2d_stream": popxl.h2d_stream,
         "d2h_stream": popxl.d2h_stream})
-    mods["popxl.utils"] = _module("popxl.utils", {"to_numpy": utils.to_numpy},
-                                  public=("table_to_string",))
+    mods["popxl.utils"] = _module("popxl.utils", {"to_numpy": utils.to_numpy,
+                                                  "table_to_string": utils.table_to_string})
     mods["popxl.transforms.autodiff"] = _module("popxl.transforms.autodiff", {
         n: getattr(transforms, n) for n in ("autodiff", "GradGraphInfo", "ExpectedConnection",
                                             "ExpectedConnectionType")})
@@ -125,10 +133,14 @@ def _build_modules(popxl):
                                              "conv_transpose_pow2scaled"))
     mods["popxl.ops.var_updates"] = ops.var_updates
     mods["popxl.ops.collectives"] = ops.collectives
+    for package, files, names in (
+            ("popxl.ops", _names.OP_MODULES, _names.OPS),
+            ("popxl.ops.var_updates", _names.VAR_UPDATE_MODULES, _names.VAR_UPDATES),
+            ("popxl.transforms", _names.TRANSFORM_MODULES, _names.TRANSFORMS)):
+        for name in files:
+            mods.setdefault(f"{package}.{name}", _OpModule(f"{package}.{name}", package, names))
     for name in _names.STUB_SUBMODULES:
         mods.setdefault(name, stub_module(name))
-    for name in _names.OP_MODULES:
-        mods.setdefault(f"popxl.ops.{name}", _OpModule(f"popxl.ops.{name}"))
     # type aliases PopXL defines in op modules
     mods["popxl.ops.negative_log_likelihood"].REDUCTION_TYPE = Literal["mean", "sum", "none"]
     mods["popxl.ops.collectives.collectives"] = _module("popxl.ops.collectives.collectives", {
@@ -140,6 +152,10 @@ def _build_modules(popxl):
         "DeviceType": popart.DeviceType, "DeviceInfo": popart.DeviceInfo,
         "SessionOptions": popart.SessionOptions}, public=("PyWeightsIO", "getLogger"),
         doc="The emulator's ``popart`` (install()): the names PopXL code uses next to popxl.")
-    mods["popart._internal"] = _module("popart._internal", {"ir": _internal_ir})
-    mods["popart._internal.ir"] = _internal_ir
+    pb_ir = _module("popart._internal.ir", {n: getattr(_internal_ir, n) for n in (
+        "ExpectedConnection", "ExpectedConnectionType", "BwdGraphInfo", "Graph", "Ir", "Op",
+        "Tensor", "TensorInfo", "GraphId", "TopoCons", "op", "view", "patterns",
+        "ExecutionContext")}, doc=_internal_ir.__doc__)
+    mods["popart._internal"] = _module("popart._internal", {"ir": pb_ir})
+    mods["popart._internal.ir"] = pb_ir
     return mods

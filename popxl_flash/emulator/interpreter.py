@@ -5,6 +5,7 @@ bytes copied at subgraph boundaries.
 """
 import numpy as np
 
+from .copies import KINDS
 from .plan import MULTI, PLAIN
 
 _ndarray, _asarray = np.ndarray, np.asarray
@@ -24,6 +25,8 @@ class Runtime:
         self.stores = dict.fromkeys(d2h, 0)
         self.live = self.peak = base_bytes
         self.ops = self.flops = self.copied = 0
+        self.copied_by_kind = dict.fromkeys(KINDS, 0)  # lowering copies by boundary kind
+        self.copy_sites = {}  # (site, kind, bytes per execution) -> executions
         self.iterations = 0  # repeat-body executions
         # Replication (see replication.py): this replica's index, the rendezvous where the
         # replicas meet at collectives, bytes this replica received from collectives.
@@ -41,6 +44,14 @@ class Runtime:
         if self.rendezvous is None:
             return combine([value])[0]
         return self.rendezvous.meet(self.replica, op, value, combine)
+
+    def add_copies(self, kind, nbytes, site, times=1):
+        """Count ``times`` executions of ``nbytes`` lowering copies of boundary ``kind``
+        (copies.KINDS) at ``site`` (a label: boundary and graph name)."""
+        self.copied += times * nbytes
+        self.copied_by_kind[kind] += times * nbytes
+        key = (site, kind, nbytes)
+        self.copy_sites[key] = self.copy_sites.get(key, 0) + times
 
     def load(self, stream):
         """Returns: a copy of the stream's next buffer entry (wrapping)."""

@@ -18,12 +18,13 @@ class Op:
     """
 
     __slots__ = ("kind", "inputs", "attrs", "outputs", "graph", "index", "alias", "modifies",
-                 "after", "subgraphs", "flops")
+                 "after", "subgraphs", "flops", "op_id")
 
     def __init__(self, kind, inputs, attrs, graph, alias=None, modifies=(), subgraphs=()):
         self.kind, self.inputs, self.attrs, self.graph = kind, tuple(inputs), attrs, graph
         self.alias, self.modifies, self.subgraphs = alias, tuple(modifies), tuple(subgraphs)
         self.outputs, self.after, self.flops, self.index = (), [], 0, -1
+        self.op_id = -1  # Ir-wide, from 100 in creation order (PopART's Ir::opsCounter)
 
     def __repr__(self):
         return f"Op[{self.kind} #{self.index} in {self.graph.name}]"
@@ -132,6 +133,7 @@ class Graph:
 
     def _add_op(self, op, out_specs, out_names):
         op.index = len(self._ops)
+        op.op_id, self._ir._op_counter = self._ir._op_counter, self._ir._op_counter + 1
         outs = []
         for (shape, dt), nm in zip(out_specs, out_names):
             outs.append(self._new_tensor(Tensor, nm, dt, shape))
@@ -158,6 +160,7 @@ class Ir:
         self.replication_factor = replication
         Ir._count += 1
         self._id = Ir._count  # PopXL: the PopART Ir's getId(), unique per process
+        self._op_counter = 100  # PopART's Ir::opsCounter starts at 100 (willow ir.hpp)
         self._main = Graph._create(self, "main")
         from .popart import SessionOptions
         self._session_options = SessionOptions()  # read when a Session compiles the Ir

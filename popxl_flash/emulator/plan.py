@@ -8,6 +8,7 @@ import copy
 from collections import defaultdict
 
 from . import dtypes
+from .copies import Aliases as _Aliases, CopyModel
 from .errors import PopartError
 from .fpchecks import checking
 from .registry import COMPILE_CHECKS, FLOPS, IMPLS, MULTI_OUTPUT, PREPARE, RUNTIME
@@ -27,16 +28,23 @@ class Plan:
         self.in_bytes = self.entry_free_bytes = self.flops = 0
         self.n_ops, self.n_outputs, self.repeat_count = 0, len(graph.outputs), None
         self.const_bytes = 0
-        # Lowering-copy bytes (see call_copy_bytes and siblings below): inputs the graph modifies (copied in), by-ref
-        # inputs it modifies (copied back), outputs needing their own buffer, all inputs and
-        # outputs (IfOpx copies everything), carried outputs (LoopOpx clones).
-        self.modified_in_bytes = self.modified_by_ref_bytes = self.fresh_out_bytes = 0
-        self.all_in_bytes = self.all_out_bytes = 0
+        # Lowering copies (copies.py): IfOpx's when this graph is a taken branch; per execution
+        # of a call site / per repeat and per iteration of a repeat site (set by with_copies).
+        self.branch_copies = self.all_out_bytes = 0
+        self.call_copies, self.loop_once, self.loop_step = 0, {}, {}
+        self.shared_in = ()  # inputs whose storage is the caller's (AliasZeroCopy)
 
     def with_repeat(self, count):
         """Returns: a shallow copy carrying the repeat trip count."""
         p = copy.copy(self)
         p.repeat_count = count
+        return p
+
+    def with_copies(self, call=0, once=None, step=None):
+        """Returns: a shallow copy carrying one site's lowering copies (bytes: ``call`` per
+        call; ``once``/``step``: by kind, per repeat and per iteration)."""
+        p = copy.copy(self)
+        p.call_copies, p.loop_once, p.loop_step = call, once or {}, step or {}
         return p
 
 
@@ -48,7 +56,7 @@ def build_plans(ir, fp_checks=False):
     Returns:
         (main plan, {id(graph): plan}).
     """
-    plans, building = {}, set()
+    plans, building, model = {}, set(), CopyModel(ir)
     # A repeat body's loop-invariant inputs (index >= N outputs) are read by every iteration:
     # their storage lives for the whole loop, not only until their last read in one iteration.
     # (Plans are per graph: a graph that is also called or branched to keeps the plain rule.)
@@ -63,26 +71,11 @@ def build_plans(ir, fp_checks=False):
         if id(g) in building:
             raise PopartError(f"graph {g.name} calls itself (recursion is not allowed)")
         building.add(id(g))
-        plans[id(g)] = _build(g, plan_of, fp_checks, invariant_from.get(id(g)))
+        plans[id(g)] = _build(g, plan_of, fp_checks, model, invariant_from.get(id(g)))
         building.discard(id(g))
         return plans[id(g)]
 
     return plan_of(ir.main_graph), plans
-
-
-class _Aliases:
-    """Union of tensors sharing storage (in-place outputs and views alias input 0)."""
-
-    def __init__(self, graph):
-        self.parent = {}
-        for op in graph._ops:
-            if op.alias:
-                self.parent[id(op.outputs[0])] = self.find(op.inputs[0])
-
-    def find(self, t):
-        while id(t) in self.parent:
-            t = self.parent[id(t)]
-        return t
 
 
 def _check_device_dtypes(g):
@@ -94,7 +87,7 @@ def _check_device_dtypes(g):
                               "(device dtypes: bool, int32, uint32, float16, float32)")
 
 
-def _build(g, plan_of, fp_checks, invariant_from=None):
+def _build(g, plan_of, fp_checks, model, invariant_from=None):
     _check_device_dtypes(g)
     for op in g._ops:
         if op.kind in COMPILE_CHECKS:
@@ -109,13 +102,16 @@ def _build(g, plan_of, fp_checks, invariant_from=None):
     modified = _modified_roots(g, al, pinned)
     last, members = _liveness(g, al, slot)
     out_roots = {id(al.find(o)) for o in g._outputs}
+    plan.shared_in = model.shared(g)
     _plan_inputs(g, plan, slot, modified, last, out_roots)
     _plan_outputs(g, plan, slot, al, pinned)
-    held = set(pinned)  # storage no step frees: pinned, and a repeat body's invariant inputs
-    if invariant_from is not None:
+    plan.branch_copies = model.branch_bytes(g)
+    held = set(pinned)  # storage no step frees: pinned, a repeat body's invariant inputs, and
+    if invariant_from is not None:  # inputs sharing the caller's storage (the caller frees them)
         held.update(id(al.find(t)) for t in g._inputs[invariant_from:])
+    held.update(id(al.find(t)) for t, s in zip(g._inputs, plan.shared_in) if s)
     for k, op in enumerate(g._ops):
-        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of)
+        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of, model)
         if fp_checks and step[4] != CONTROL:  # a control op's callee ops check themselves
             step = (checking(step[0], op),) + step[1:]
         plan.steps.append(step)
@@ -163,19 +159,18 @@ def _liveness(g, al, slot):
 
 
 def _plan_inputs(g, plan, slot, modified, last, out_roots):
-    for t in g._inputs:
+    """Input slots, numeric copies (a by-value input the callee modifies gets its own array)
+    and live-byte facts: an input not sharing the caller's storage is the callee's buffer
+    (``in_bytes``); a by-value one nobody reads is freed at entry."""
+    for t, shared in zip(g._inputs, plan.shared_in):
         by_ref = t in g._by_ref_inputs
         plan.in_slots.append(slot[id(t)])
         plan.copy_in.append(not by_ref and id(t) in modified)
-        plan.all_in_bytes += t.nbytes
-        if id(t) in modified:
-            plan.modified_in_bytes += t.nbytes
-        if by_ref:
-            if id(t) in modified:  # CallOpx copies it in and back: the callee holds a copy
-                plan.modified_by_ref_bytes += t.nbytes
-                plan.in_bytes += t.nbytes
+        if shared:
             continue
         plan.in_bytes += t.nbytes
+        if by_ref:
+            continue
         if id(t) not in last and id(t) not in out_roots:
             plan.entry_free.append(slot[id(t)])
             plan.entry_free_bytes += t.nbytes
@@ -188,12 +183,10 @@ def _plan_outputs(g, plan, slot, al, pinned):
         plan.out_slots.append(slot[id(o)])
         plan.copy_out.append(root in pinned or root in inputs or root in seen)
         plan.all_out_bytes += o.nbytes
-        if plan.copy_out[-1] and not (root in inputs and al.find(o) in g._by_ref_inputs):
-            plan.fresh_out_bytes += o.nbytes
         seen.add(root)
 
 
-def _step(op, k, slot, al, held, last, members, out_roots, plan_of):
+def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model):
     """One step tuple of a plan (module docstring). ``held``: storage roots no step frees
     (pinned storage, and a repeat body's loop-invariant inputs)."""
     alloc = 0 if op.alias else sum(t.nbytes for t in op.outputs)
@@ -206,11 +199,21 @@ def _step(op, k, slot, al, held, last, members, out_roots, plan_of):
     ins = tuple(slot[id(t)] for t in op.inputs)
     outs = tuple(slot[id(t)] for t in op.outputs)
     if op.kind in RUNTIME:
-        data = PREPARE[op.kind](op, plan_of)
+        data = _with_copies(op, PREPARE[op.kind](op, plan_of), model)
         code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, held, out_roots)
     else:
         code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
     return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)
+
+
+def _with_copies(op, data, model):
+    """Attach the site's lowering copies (copies.py) to a call's or repeat's plan."""
+    if op.kind == "call":
+        return data.with_copies(call=model.call_bytes(op.graph, op))
+    if op.kind == "repeat":
+        once, step = model.repeat_bytes(op.graph, op)
+        return data.with_copies(once=once, step=step)
+    return data
 
 
 def _entry_accounting(op, data, al, last, k, pinned, out_roots):
@@ -224,22 +227,25 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
     Values passed by reference stay: they are the callee's storage. A call or repeat input the
     callee does not modify and the caller reads for the last time shares one buffer with the
     callee's input (AliasZeroCopy), so it is not counted twice at entry; a conditional copies
-    every input (IfOpx never aliases).
+    every input (IfOpx never aliases). An input sharing the caller's storage (AliasZeroCopy,
+    ``Plan.shared_in``) is neither in ``entry`` nor released: it is one buffer, freed by the
+    caller after the call.
     """
     if op.kind not in ("call", "repeat", "conditional"):
         return 0, 0  # host IO and other runtime ops run no callee frame
     plans = data[:2] if op.kind == "conditional" else (data,)
     entry = max(p.in_bytes for p in plans)
     by_ref = {id(al.find(op.inputs[pos])) for pos in op.modifies}
-    release, aliased = {}, 0
-    for pos, t in enumerate(op.inputs):
+    shared = set()
+    if op.kind != "conditional":  # the condition is op input 0; branch inputs are never shared
+        shared = {id(al.find(t)) for t, s in zip(op.inputs, data.shared_in) if s}
+    release = {}
+    for t in op.inputs:
         rid = id(al.find(t))
         if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref \
-                and rid not in release:
+                and rid not in shared:
             release[rid] = al.find(t).nbytes
-            if op.kind != "conditional" and not data.copy_in[pos]:
-                aliased += t.nbytes
-    return sum(release.values()), entry - aliased
+    return sum(release.values()), entry
 
 
 def check_ambiguity(g, al):
@@ -272,27 +278,3 @@ def check_ambiguity(g, al):
                         f"{names[root]} (or an alias of it) while "
                         f"{ops[k]} reads it, and nothing orders the two. Use popxl.in_sequence() "
                         "or a data dependency.")
-
-
-def call_copy_bytes(plan):
-    """Bytes CallOpx copies per call of ``plan``'s graph (AliasZeroCopy applied as PopART's
-    ``checkSubgraphInputCompatible`` allows: an input the callee does not modify shares its
-    parent's buffer; a modified one is copied in, and copied back when by reference; an output
-    gets its own copy only when it is a graph input or a constant)."""
-    return plan.modified_in_bytes + plan.modified_by_ref_bytes + plan.fresh_out_bytes
-
-
-def if_copy_bytes(plan):
-    """Bytes IfOpx copies when ``plan``'s branch is taken: all its inputs and outputs (never
-    aliased)."""
-    return plan.all_in_bytes + plan.all_out_bytes
-
-
-def repeat_copy_bytes(plan, count):
-    """Bytes LoopOpx copies for ``count`` iterations of ``plan``'s graph: carried values into
-    the clones once before, body outputs into the clones every iteration (never elided), the
-    clones out once after; the wrapper's CallOpx copies every iteration; modified implicit
-    inputs in once and by-ref ones back once."""
-    carried = plan.all_out_bytes
-    once = 2 * carried + plan.modified_in_bytes + plan.modified_by_ref_bytes
-    return once + count * (carried + call_copy_bytes(plan))

@@ -86,12 +86,14 @@ TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "
 #: ``NotImplementedError``). Every ``popxl.ops.<file>`` is listed in ``OP_MODULES``.
 STUB_SUBMODULES = tuple(f"popxl.{m}" for m in (
     "fp8_utils", "random_seed", "remote_buffer", "tensorlocation", "typing_", "testing",
-    "transforms.decompose_sum", "transforms.merge_exchange", "ops.collectives.collectives",
-    "ops.collectives.all_reduce", "ops.collectives.replicated_all_gather",
-    "ops.collectives.replicated_all_reduce", "ops.collectives.replicated_reduce_scatter",
-    "ops.var_updates.accumulate", "ops.var_updates.adam_updater",
-    "ops.var_updates.adam_var_update", "ops.var_updates.copy_var_update",
-    "ops.var_updates.utils"))
+    "ops.collectives.collectives", "ops.collectives.all_reduce",
+    "ops.collectives.replicated_all_gather", "ops.collectives.replicated_all_reduce",
+    "ops.collectives.replicated_reduce_scatter", "ops.var_updates.utils"))
+
+#: The files of ``popxl.ops.var_updates`` and ``popxl.transforms`` (PopXL 3.4), registered like
+#: ``OP_MODULES``.
+VAR_UPDATE_MODULES = ("accumulate", "adam_updater", "adam_var_update", "copy_var_update")
+TRANSFORM_MODULES = ("decompose_sum", "merge_exchange")
 
 #: The op modules of PopXL 3.4 (``python_files/ops/<name>.py``); ``install()`` registers each
 #: as ``popxl.ops.<name>``, whose attributes are the ``popxl.ops`` names of that file.

@@ -21,11 +21,22 @@ class RunProfile:
         const_bytes: bytes of variables and constants (included in peak_live_bytes).
         wall_seconds: wall-clock time of the run.
         bytes_copied: bytes moved by the copies Poplar's lowering makes at call, conditional
-            and repeat boundaries (CallOpx, IfOpx, LoopOpx; model in the emulator README).
+            and repeat boundaries (CallOpx, IfOpx, LoopOpx with PopXL's AliasZeroCopy; model in
+            ``copies.py`` and the emulator README, "Lowering copies").
         device_bytes: tile memory of the session's device (tiles x bytes per tile), ``None``
             for the ``cpu`` device.
         loop_iterations: repeat-body executions, summed over every ``repeat`` executed (a
             nested repeat counts each of its iterations each time it runs).
+        bytes_copied_by_kind: ``bytes_copied`` by boundary kind: ``"call"`` (CallOpx, also the
+            call inside every repeat iteration), ``"branch"`` (IfOpx), ``"loop_carried"``
+            (carried values through LoopOpx's clones, every iteration), ``"loop_in_out"``
+            (once per repeat: initial values in, invariant inputs in and back, results out),
+            ``"loop_control"`` (LoopOpx's iterator and condition copies); sums to
+            ``bytes_copied``.
+        copy_sites: ``{(site, kind, bytes per execution): executions}``, ``site`` naming the
+            boundary and its graph (``"call G"``, ``"repeat G"`` per repeat and per
+            iteration, ``"branch G"`` for the taken branch G); executions times bytes summed
+            over the entries is ``bytes_copied``.
         collective_bytes: bytes received over the IPU links by the replicated collectives
             (ring schedule; see ``ops/collectives.py``).
         replicas: with replication (R > 1), each replica's own profile (replica r at index
@@ -42,6 +53,8 @@ class RunProfile:
     bytes_copied: int = 0
     device_bytes: Optional[int] = None
     loop_iterations: int = 0
+    bytes_copied_by_kind: dict = field(default_factory=dict)
+    copy_sites: dict = field(default_factory=dict)
     collective_bytes: int = 0
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
 
@@ -53,6 +66,12 @@ class RunProfile:
         total = {name: sum(getattr(p, name) for p in profiles)
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
                               "collective_bytes")}
+        for name in ("bytes_copied_by_kind", "copy_sites"):
+            summed = {}
+            for p in profiles:
+                for key, value in getattr(p, name).items():
+                    summed[key] = summed.get(key, 0) + value
+            total[name] = summed
         return replace(first, peak_live_bytes=max(p.peak_live_bytes for p in profiles),
                        replicas=tuple(profiles), **total)
 

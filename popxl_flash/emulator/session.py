@@ -175,6 +175,8 @@ class Session:
         seconds = time.perf_counter() - t0
         profiles = [RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes, seconds, rt.copied,
                                self._device.memory_bytes, loop_iterations=rt.iterations,
+                               bytes_copied_by_kind=dict(rt.copied_by_kind),
+                               copy_sites=dict(rt.copy_sites),
                                collective_bytes=rt.collective_bytes) for rt in runtimes]
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
 

@@ -150,7 +150,26 @@ class Tensor:
         raise NotImplementedError("Tensor.copy_to_ipu is not implemented by the emulator")
 
     def strides(self, shape=None):
-        raise NotImplementedError("Tensor.strides is not implemented by the emulator")
+        """Byte strides of a C-ordered array of ``shape`` (default: the tensor's) in this
+        dtype, as PopART's ``TensorInfo::strides``: ``()`` for a scalar, ``(itemsize,)`` for
+        shape ``(0,)``, else products of the trailing sizes times the item size.
+
+        Args:
+            shape: sequence of ints or None. Returns: tuple of ints.
+        """
+        import operator
+        if shape is None:
+            shape = self.shape
+        try:
+            shape = [operator.index(d) for d in shape]
+        except TypeError:
+            raise TypeError(f"Tensor.strides: shape must be a sequence of ints, got "
+                            f"{shape!r}") from None
+        item = self.dtype.as_numpy().itemsize
+        out = [item] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            out[i] = out[i + 1] * shape[i + 1]
+        return tuple(out)
 
     @property
     def location_info(self):

@@ -59,6 +59,26 @@ def to_numpy(x, dtype=None, downcast=True, copy=True, log2_scale=None, nan_on_ov
     return out.copy() if copy else out
 
 
+def table_to_string(rows, delimiter=" | ", header=True):
+    """``popxl.utils.table_to_string``: rows as left-aligned columns joined by ``delimiter``,
+    one line each; with ``header`` (and more than one row) the first line is underlined by
+    dashes as long as that line including its newline.
+
+    Args:
+        rows: sequence of equally long sequences of stringable items.
+    Returns:
+        str.
+    """
+    widths = [max(len(str(c)) for c in col) for col in zip(*rows)]
+    lines = []
+    for i, row in enumerate(rows):
+        line = delimiter.join(format(c, f"<{w}") for c, w in zip(row, widths)) + "\n"
+        lines.append(line)
+        if header and i == 0 and len(rows) > 1:
+            lines.append("-" * len(line) + "\n")
+    return "".join(lines)
+
+
 def check_tensor_ipu_and_tile_set(*args, **tensors):
     """``popxl.ops.utils.check_tensor_ipu_and_tile_set``: every emulated tensor is on IPU 0 and
     the compute tiles, so only the keyword-only calling convention is checked."""

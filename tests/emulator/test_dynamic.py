@@ -101,6 +101,30 @@ def test_dynamic_slice_out_of_range_raises_on_emulator(starts, dtype):
             session.run(feeds)
 
 
+@emulator_only
+@pytest.mark.parametrize("op", ["dynamic_update", "dynamic_update_"])
+@pytest.mark.parametrize(
+    "starts, dtype", [([4], np.uint32), ([3], np.int32), ([-1], np.int32), ([100], np.uint32)]
+)
+def test_dynamic_update_out_of_range_raises_on_emulator(op, starts, dtype):
+    """Updates share dynamic_slice's start rule (one popops::dynamicUpdate lowering for the
+    out-of-place and in-place ops, popx/op/dynamic/dynamicupdatex.cpp): a start with
+    start + size > dim or start < 0 is unspecified on the device, so the emulator raises
+    ``IndexError`` when the op runs, never clamps the start into range (a clamped update would
+    write rows the program never named) and leaves the target unmodified."""
+    upd = -np.ones((2, 5, 6), np.float32)
+    ir = popxl.Ir()
+    feeds = {}
+    with ir.main_graph:
+        v = popxl.variable(T, name="v")
+        idx = load(feeds, np.array(starts, dtype))
+        store(getattr(ops, op)(v, idx, popxl.constant(upd), [0], [2], False))
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(IndexError, match="out of range for axis 0 of size 4"):
+            session.run(feeds)
+        np.testing.assert_array_equal(session.get_tensor_data(v), T)
+
+
 def test_dynamic_slice_driven_by_counter_in_repeat():
     """Sum of rows t[i] for i = 0..3, the counter carried by the loop (no loop index exposed)."""
     table = np.arange(12, dtype=np.float32).reshape(4, 3)

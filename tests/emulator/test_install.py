@@ -49,6 +49,9 @@ def test_install_makes_popxl_and_popart_the_emulator():
         assert popxl.ops.add.__name__ == "add"          # attribute: the op, as in PopXL
         from popxl.ops.add import add_                   # module: its names
         assert add_ is popxl.ops.add_
+        from popxl.ops.var_updates.accumulate import accumulate_
+        assert accumulate_ is popxl.ops.var_updates.accumulate_
+        from popxl.transforms.merge_exchange import merge_exchange  # a stub, importable
         print("ok")
     """)
     assert out.strip() == "ok"
@@ -124,3 +127,54 @@ def test_backend_after_install_is_the_emulator():
         print(b.BACKEND)
     """)
     assert out.strip() == "emulator"
+
+
+#: Public names of the PopXL 3.4 modules (``python/popxl/python_files/<path>.py``: its
+#: definitions and the names it imports) that install() provides as implemented modules.
+POPXL_34_NAMES = {
+    "popxl.context": {"Context", "_execution_context", "debug_context_frame_offset", "gcg",
+                      "get_current_context", "get_current_graph", "get_ir", "get_main_graph",
+                      "get_source_location", "gir", "gmg", "in_sequence", "io_tiles", "ipu",
+                      "name_scope", "op_debug_context"},
+    "popxl.dtypes": {"dtype", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                     "uint32", "uint64", "float8_143", "float8_152", "float16", "float32",
+                     "float64", "complex64", "complex128", "half", "float", "double",
+                     "np_dtype_float8_143", "np_dtype_float8_152"},
+    "popxl.errors": {"UndefinedValue"},
+    "popxl.graph": {"Graph"}, "popxl.ir": {"Ir"}, "popxl.module": {"Module"},
+    "popxl.replica_grouping": {"ReplicaGrouping"},
+    "popxl.session": {"Session", "d2hStreamBufferMaps", "h2dStreamBufferMaps"},
+    "popxl.streams": {"Stream", "HostToDeviceStream", "DeviceToHostStream", "h2d_stream",
+                      "d2h_stream"},
+    "popxl.utils": {"to_numpy", "table_to_string"},
+    "popxl.tensor": {"Tensor", "Variable", "Constant", "TensorSpec", "TensorByRef", "constant",
+                     "variable", "graph_input", "graph_output", "remote_variable",
+                     "remote_replica_sharded_variable", "replica_sharded_variable",
+                     "replica_sharded_buffer", "HostTensor", "host_tensor_types"},
+    "popxl.ops.utils": {"cast_if_needed", "check_in_graph", "check_tensor_ipu_and_tile_set",
+                        "handle_negative_axis", "convert_optional_float",
+                        "convert_optional_int", "convert_optional_dtype",
+                        "convert_optional_int64_list", "Tensor", "Graph", "dtype"},
+    "popxl.ops.call": {"CallSiteInfo", "call", "call_with_info"},
+    "popxl.ops.conv": {"PadType", "conv", "conv_pow2scaled", "conv_transpose",
+                       "conv_transpose_pow2scaled"},
+    "popxl.transforms.autodiff": {"ExpectedConnection", "ExpectedConnectionType",
+                                  "GradGraphInfo", "autodiff"},
+    "popxl.ops.collectives.collectives": {"CollectiveOps", "CommGroup", "CommGroupType",
+                                          "to_collective_op"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(POPXL_34_NAMES))
+def test_installed_submodules_hold_only_popxl_names(name):
+    from popxl_flash.emulator import installer
+    mod = installer.MODULES[name]
+    present = {k for k in vars(mod) if not k.startswith("__")}
+    assert present <= POPXL_34_NAMES[name], present - POPXL_34_NAMES[name]
+
+
+def test_internal_ir_surface_has_no_emulator_helpers():
+    from popxl_flash.emulator import installer
+    names = {k for k in vars(installer.MODULES["popart._internal.ir"]) if not k.startswith("__")}
+    assert not {n for n in names if n.startswith("Pb") or n.startswith("_")} | (
+        names & {"make_op", "PopartError", "enum", "types"})

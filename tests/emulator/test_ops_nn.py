@@ -58,11 +58,14 @@ def test_group_norm_groups_channels_and_trailing_axes():
                                     ((3, 4), (3,), (4,)),        # weight not per channel
                                     ((3, 4), (4,), (2,))])       # bias not per channel
 def test_layer_norm_shape_errors(shapes):
+    """``GroupNormOp::setup`` checks none of these (``willow/src/op/groupnorm.cpp``): the
+    op builds and the Session (PopLibs' lowering) refuses it."""
     ir = popxl.Ir()
     with ir.main_graph:
         ts = [popxl.constant(np.ones(s, np.float32)) for s in shapes]
-        with pytest.raises(IR_ERRORS):
-            ops.layer_norm(*ts)
+        ops.layer_norm(*ts)
+    with pytest.raises(IR_ERRORS):
+        popxl.Session(ir)
 
 
 def test_group_norm_groups_must_divide_channels():
@@ -70,5 +73,15 @@ def test_group_norm_groups_must_divide_channels():
     with ir.main_graph:
         x = popxl.constant(np.ones((2, 3), np.float32))
         w = popxl.constant(np.ones(3, np.float32))
+        ops.group_norm(x, w, w, num_groups=2)
+    with pytest.raises(IR_ERRORS):
+        popxl.Session(ir)
+
+
+def test_group_norm_of_a_scalar_is_an_ir_error():
+    """setup reads ``dim(0)``: "Invalid input dimension 0, tensor of rank 0"."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.constant(np.float32(1))
         with pytest.raises(IR_ERRORS):
-            ops.group_norm(x, w, w, num_groups=2)
+            ops.group_norm(x, x, x, num_groups=1)

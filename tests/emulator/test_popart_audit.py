@@ -149,8 +149,7 @@ def test_scaled_add_shape_mismatch_builds_then_fails_at_session():
 # --- Tensor attributes PopXL has (tensor.py) ---------------------------------------------------
 
 
-@pytest.mark.parametrize("use", [lambda t: t.strides(), lambda t: t.location_info,
-                                 lambda t: t.in_sync_with_ipu])
+@pytest.mark.parametrize("use", [lambda t: t.location_info, lambda t: t.in_sync_with_ipu])
 def test_unimplemented_tensor_attributes_raise(use):
     ir = popxl.Ir()
     with ir.main_graph:

@@ -6,7 +6,6 @@ from .. import dtypes
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import Graph, check_in_graph
-from ..plan import call_copy_bytes, if_copy_bytes, repeat_copy_bytes
 from ..registry import COMPILE_CHECKS, PREPARE, emit, register
 from ..tensor import Tensor
 
@@ -148,24 +147,30 @@ class CallSiteInfo:
         raise ValueError(f"{graph_tensor} is not an input or output of {g}")
 
     def parent_to_graph(self, parent_tensor):
-        """Args: parent_tensor: call input or output. Returns: the matching graph tensor."""
+        """Args: parent_tensor: a call input (PopXL looks at inputs only; the first index a
+        tensor is bound to wins). Returns: the graph input bound to it."""
         g = self.called_graph
-        if parent_tensor in self._op.inputs:
-            return g.inputs[self._op.inputs.index(parent_tensor)]
-        if parent_tensor in self._op.outputs:
-            return g.outputs[self._op.outputs.index(parent_tensor)]
-        raise ValueError(f"{parent_tensor} is not an input or output of this call site")
+        for idx, t in enumerate(self._op.inputs):
+            if t is parent_tensor:
+                return g.inputs[idx]
+        raise ValueError(f"Tensor {getattr(parent_tensor, 'name', parent_tensor)} is not a "
+                         "parent graph input of the call site.")
 
-    def subgraph_in_to_op_in_index(self, idx):
+    # PopXL 3.4 ``ops/call.py``: a CallOp's subgraph and op indices coincide.
+    def graph_to_parent_input_index(self, idx):
+        """Args: idx: graph input index. Returns: the call's input index."""
         return idx
 
-    def op_in_to_subgraph_in_index(self, idx):
+    def parent_to_graph_input_index(self, idx):
+        """Args: idx: call input index. Returns: the graph input index."""
         return idx
 
-    def subgraph_out_to_op_out_index(self, idx):
+    def graph_to_parent_output_index(self, idx):
+        """Args: idx: graph output index. Returns: the call's output index."""
         return idx
 
-    def op_out_to_subgraph_out_index(self, idx):
+    def parent_to_graph_output_index(self, idx):
+        """Args: idx: call output index. Returns: the graph output index."""
         return idx
 
     def set_parent_input_modified(self, parent_tensor, infer_modified_regions=False):
@@ -183,8 +188,8 @@ class _WrapperSiteInfo(CallSiteInfo):
 
     inputs = property(_unsupported)
     parent_input = graph_to_parent = parent_to_graph = _unsupported
-    subgraph_in_to_op_in_index = op_in_to_subgraph_in_index = _unsupported
-    subgraph_out_to_op_out_index = op_out_to_subgraph_out_index = _unsupported
+    graph_to_parent_input_index = parent_to_graph_input_index = _unsupported
+    graph_to_parent_output_index = parent_to_graph_output_index = _unsupported
 
 
 class RepeatSiteInfo(_WrapperSiteInfo):
@@ -206,7 +211,7 @@ def _call_rule(*parents, graph):
 
 
 def _run_call(rt, plan, args):
-    rt.copied += call_copy_bytes(plan)
+    rt.add_copies("call", plan.call_copies, f"call {plan.graph.name}")
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(args, plan.copy_in)])
 
 
@@ -244,7 +249,11 @@ def _repeat_rule(*parents, graph, count):
 def _run_repeat(rt, plan, args):
     n = plan.n_outputs
     count = plan.repeat_count
-    rt.copied += repeat_copy_bytes(plan, count)
+    site = f"repeat {plan.graph.name}"
+    for kind, nbytes in plan.loop_once.items():  # copies.py: CopyModel.repeat_bytes
+        rt.add_copies(kind, nbytes, site)
+    for kind, nbytes in plan.loop_step.items():
+        rt.add_copies(kind, nbytes, site, count)
     if count == 0:
         return [a.copy() for a in args[:n]]
     vals = list(args)
@@ -326,7 +335,7 @@ def _run_cond(rt, data, args):
         plan, ins = then_plan, args[1:1 + n_then]
     else:
         plan, ins = else_plan, args[1 + n_then:]
-    rt.copied += if_copy_bytes(plan)
+    rt.add_copies("branch", plan.branch_copies, f"branch {plan.graph.name}")
     return rt.run_graph(plan, [a.copy() if c else a for a, c in zip(ins, plan.copy_in)])
 
 

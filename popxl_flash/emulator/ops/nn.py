@@ -14,7 +14,7 @@ gradient kernels (``gelu_grad``, ``group_norm_grad``) are op kinds only autodiff
 import numpy as np
 
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ._common import F32, FLOATS, require, scalar_value
 
 _GELU_C = 0.7978845608028654  # sqrt(2 / pi)
@@ -64,7 +64,20 @@ def gelu_(t):
 
 
 def _group_norm_rule(t, weight, bias, num_groups, eps):
+    """``GroupNormOp::setup`` (``willow/src/op/groupnorm.cpp``) only reads ``dim(0)`` (an IR
+    error for a scalar); the other requirements are the lowering's (``_check_group_norm``)."""
     require("group_norm", t, FLOATS)
+    if t.rank < 1:
+        raise PopartError(f"group_norm: Invalid input dimension 0, tensor of rank 0 ({t.id})")
+    stats = ((t.shape[0] * num_groups,), t.dtype)
+    return [(t.shape, t.dtype), stats, stats]
+
+
+def _check_group_norm(op):
+    """At Session(): what PopLibs' group norm needs (channels on axis 1, one weight and bias
+    value per channel in the input's dtype, groups dividing the channels)."""
+    t, weight, bias = op.inputs
+    num_groups = op.attrs["num_groups"]
     if t.rank < 2:
         raise PopartError(f"group_norm: input {t.id} must have rank >= 2 (axis 0 batch, axis 1 "
                           f"channels), got shape {t.shape}")
@@ -77,8 +90,6 @@ def _group_norm_rule(t, weight, bias, num_groups, eps):
     if num_groups < 1 or channels % num_groups:
         raise PopartError(f"group_norm: num_groups={num_groups} must divide the {channels} "
                           "channels")
-    stats = ((t.shape[0] * num_groups,), t.dtype)
-    return [(t.shape, t.dtype), stats, stats]
 
 
 def _grouped(a, num_groups):
@@ -126,6 +137,7 @@ def _group_norm_grad(dy, a, weight, mean, inv_std, num_groups):
 
 
 register("group_norm", _group_norm_rule, _group_norm, multi=True)
+COMPILE_CHECKS["group_norm"] = _check_group_norm
 register("group_norm_grad", _group_norm_grad_rule, _group_norm_grad, multi=True)
 
 

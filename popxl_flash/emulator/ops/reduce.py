@@ -37,6 +37,18 @@ def _check_duplicate_axes(op):
                           "their lowering is unspecified)")
 
 
+def _check_reduce(op):
+    """Duplicate axes; and max/min/mean over zero elements into a non-empty output, which
+    PopART lowers to PopLibs' reduce without a special case (the result is not specified by
+    its source; sum and prod give their identities 0 and 1)."""
+    _check_duplicate_axes(op)
+    t = op.inputs[0]
+    empty = any(t.shape[a] == 0 for a in op.attrs["axes"])
+    if op.kind in ("max", "min", "mean") and empty and op.outputs[0].nelms > 0:
+        raise PopartError(f"{op.kind} of {t.id} {t.shape} over axes {list(op.attrs['axes'])} "
+                          "reduces zero elements (result unspecified in PopART's lowering)")
+
+
 def _keepdims(kind, keepdims):
     # PopXL passes keepdims to an int64_t parameter through pybind11: bools and ints only.
     if not isinstance(keepdims, (int, np.integer)):
@@ -81,7 +93,7 @@ _REDUCE = {"sum": (_sum, NUMERIC), "mean": (_mean, FLOATS), "max": (_max, NUMERI
            "min": (_min, NUMERIC), "prod": (_prod, NUMERIC)}
 for _kind, (_impl, _allowed) in _REDUCE.items():
     register(_kind, _reduce_rule(_kind, _allowed), _impl)
-    COMPILE_CHECKS[_kind] = _check_duplicate_axes
+    COMPILE_CHECKS[_kind] = _check_reduce
 
 
 def _reduce_op(kind):
@@ -124,6 +136,8 @@ def _check_softmax_axis(op):
 
 
 def _softmax(a, axis):
+    if a.size == 0:
+        return np.empty_like(a)  # nothing to normalise
     n = int(np.prod(a.shape[:axis], dtype=np.int64))
     x = a.reshape(n, -1).astype(F32, copy=False)  # [outer, product of axes axis..]
     e = np.exp(x - np.max(x, axis=1, keepdims=True))

@@ -1,0 +1,551 @@
+"""Inference with a key/value cache: :func:`flash_attn_with_kvcache` (prefill and decode).
+
+flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors. The caches are static-size tensors the
+caller owns (variables, or by-reference inputs of a subgraph); the new keys and values are
+written into them in place at each batch row's run-time length, then every row attends to its
+first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Nothing here adds a
+loop body: the attention is the core's forward with run-time segment ids and positions
+(:mod:`popxl_flash.segments`), which give exactly the per-row masks and the run-time block
+skipping a cache needs::
+
+    write:     k_cache[b, s_b : s_b + Lnew] = k[b]      (dynamic_update_, per batch row)
+    lengths:   n_b = s_b + Lnew                          (int32 [B], on the device)
+    kv rows:   id 0 if j < n_b else -1 (padding)         kv position j
+    q rows:    id 0                                      q position n_b - Lq + i
+    mask:      causal kv_pos <= q_pos; window q_pos - left <= kv_pos <= q_pos + right
+
+A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so a
+decode step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks.
+
+Split-KV (flash-decoding): with ``S = num_splits > 1`` the cache's chunks are dealt to ``S``
+parts round robin (part ``s`` holds chunks ``s, s + S, s + 2S, ...``), the parts become extra
+groups of one batched attention (one matmul per step serves all parts) and their outputs are
+combined by their logsumexp. Step ``m`` of the loop then covers cache rows
+``[m S c, (m + 1) S c)``, so skipping by length still works, at a granule of ``S c`` rows.
+:func:`decode_choice` compares the structures (see ``docs/design.md``, "KV cache").
+
+Layouts (G = B x H, the core's groups)::
+
+    q [B, Lq, Hq, D]          -> [B*Hkv*S*r, Lq, D]     (r = Hq // Hkv, each q row S times)
+    cache [B, Lc, Hkv, D]     -> [B*Hkv*S, Lc / S, D]   (S = 1: [B*Hkv, Lc, D])
+    out [B*Hkv*S*r, Lq, D]    -> combine over S -> [B, Lq, Hq, D]
+    lse                       -> [B, Hq, Lq] float32
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from popxl_flash import costmodel
+from popxl_flash.backend import popxl
+from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
+                                check_window)
+from popxl_flash.flash_attn_interface import KEYWORD_HINTS
+from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
+from popxl_flash.segments import MAX_LEN
+
+ops = popxl.ops
+
+#: Keywords of flash-attn's ``flash_attn_with_kvcache`` (or of other APIs) not supported here.
+KVCACHE_KEYWORD_HINTS = {
+    **{k: v for k, v in KEYWORD_HINTS.items() if k not in ("softcap", "alibi_slopes")},
+    "rotary_cos": "rotary embeddings are not applied here; rotate q and k before the call",
+    "rotary_sin": "rotary embeddings are not applied here; rotate q and k before the call",
+    "rotary_interleaved": "rotary embeddings are not applied here",
+    "cache_batch_idx": "the caches are indexed by batch row directly (no cache_batch_idx)",
+    "cache_leftpad": "left-padded caches are not supported: rows start at cache row 0",
+    "block_table": "paged caches are not supported: pass contiguous [B, Lcache, Hkv, D] caches",
+    "return_softmax_lse": "this API calls it return_lse=",
+}
+
+#: Chunk lengths the automatic decode choice tries (rows of the cache per chunk).
+DECODE_CHUNKS = (16, 32, 64, 128, 256)
+#: Split counts the automatic decode choice tries.
+DECODE_SPLITS = (1, 2, 4, 8)
+#: Largest skipping granule (``chunk x splits`` cache rows) the automatic choice accepts: the
+#: executed work of a step exceeds the filled rows by less than one granule.
+MAX_GRANULE = 256
+#: Largest ``Lq`` treated as a decode shape (one q chunk; larger ``Lq`` is a prefill: q chunks
+#: of at most :data:`PREFILL_CHUNK_Q` rows, no split).
+MAX_DECODE_Q = 16
+PREFILL_CHUNK_Q = 64
+#: Cache fills the automatic choice averages its modelled time over.
+MODEL_FILLS = (0.1, 0.5, 1.0)
+#: Ops executed by one call, fitted on the emulator to this version's graphs (least squares
+#: over B in {1, 2, 4}, 4 to 16 steps, 1 split or 2, three fills: within 3%; held to the
+#: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
+#: + per_executed * executed steps (+ combine with splits)``.
+OPS_DECODE = dict(fixed=141, per_row=8, per_step=23, per_executed=18, combine=21)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of one call: batch, q length, cache length, new rows, heads, head dim."""
+    batch: int
+    q_len: int
+    cache_len: int
+    new_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self):
+        """r = Hq // Hkv."""
+        return self.q_heads // self.kv_heads
+
+
+def _shape4(name, t, meaning):
+    shape = tuple(t.shape)
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"{name} must have rank 4 {meaning} with non-empty dims, got shape "
+                         f"{shape}")
+    return shape
+
+
+def check_shapes(q, k_cache, v_cache, k, v):
+    """Ranks, sizes and dtypes of q, the caches and the new rows.
+
+    Returns:
+        :class:`Dims`.
+    """
+    B, Lq, Hq, D = _shape4("q", q, "[B, Lq, Hq, D]")
+    Bc, Lc, Hkv, Dc = _shape4("k_cache", k_cache, "[B, Lcache, Hkv, D]")
+    if (Bc, Dc) != (B, D):
+        raise ValueError(f"k_cache must have q's batch B={B} and head dim D={D} "
+                         f"([B, Lcache, Hkv, D]), got k_cache shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got "
+                         f"v_cache shape {tuple(v_cache.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"q's head count Hq={Hq} must be a multiple of the caches' Hkv={Hkv} "
+                         "(grouped-query attention)")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None), got "
+                         f"k={'None' if k is None else tuple(k.shape)}, "
+                         f"v={'None' if v is None else tuple(v.shape)}")
+    Lnew = 0
+    if k is not None:
+        Bn, Lnew, Hn, Dn = _shape4("k", k, "[B, Lnew, Hkv, D]")
+        if (Bn, Hn, Dn) != (B, Hkv, D):
+            raise ValueError(f"k must have shape [B={B}, Lnew, Hkv={Hkv}, D={D}] (the caches' "
+                             f"batch, heads and head dim), got k shape {tuple(k.shape)}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
+                             f"{tuple(v.shape)}")
+        if Lnew > Lc:
+            raise ValueError(f"k has Lnew={Lnew} new rows, more than the cache holds "
+                             f"(Lcache={Lc})")
+    if Lc > MAX_LEN:
+        raise ValueError(f"k_cache supports up to {MAX_LEN} rows, got Lcache={Lc}")
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    if k is not None:
+        named.update(k=k, v=v)
+    dtypes = {name: t.dtype.name for name, t in named.items()}
+    AttentionConfig._check_dtypes(dtypes)
+    return Dims(B, Lq, Lc, Lnew, Hq, Hkv, D)
+
+
+def _check_seqlens(cache_seqlens, dims):
+    """``cache_seqlens``: an int32 ``[B]`` tensor, a Python int, or ``None`` (no new rows:
+    the whole cache).
+
+    Returns:
+        The tensor, or the int.
+    """
+    high = dims.cache_len - dims.new_len
+    if cache_seqlens is None:
+        if dims.new_len:
+            raise ValueError("cache_seqlens is required with new rows k, v (where to write "
+                             "them); got cache_seqlens=None")
+        return dims.cache_len
+    if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim:
+        raise TypeError(f"cache_seqlens must be an int32 [B={dims.batch}] popxl.Tensor or an "
+                        "int, got a numpy array (load it with ops.host_load, or make it a "
+                        "popxl.constant or variable)")
+    if not isinstance(cache_seqlens, popxl.Tensor):
+        return _check_int("cache_seqlens", cache_seqlens, low=0, high=high)
+    check_tensors(cache_seqlens=cache_seqlens)
+    if cache_seqlens.dtype.name != "int32":
+        raise TypeError(f"cache_seqlens must have dtype int32 [B={dims.batch}], got dtype "
+                        f"{cache_seqlens.dtype.name}")
+    if tuple(cache_seqlens.shape) != (dims.batch,):
+        raise ValueError(f"cache_seqlens must have shape [B={dims.batch}], got shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    return cache_seqlens
+
+
+def _check_unsupported(softcap, alibi_slopes):
+    if softcap is None or softcap != 0.0:
+        raise ValueError(f"softcap={softcap!r} needs the score-modifier feature, which this "
+                         "version does not have; pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes needs the score-modifier feature, which this version "
+                         "does not have; pass alibi_slopes=None")
+
+
+# -- structure choice ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """One structure of a call: ``splits`` parts, chunks of ``chunk_kv`` cache rows.
+
+    Attributes:
+        splits, chunk_kv, chunk_q: the structure.
+        steps: loop iterations (all run; skipped ones run no matmul).
+        granule: cache rows per step (``splits x chunk_kv``).
+        flops: executed matmul FLOPs at each fill of :data:`MODEL_FILLS` (exact for rows of
+            that length).
+        ops: modelled ops executed at each fill.
+        bytes_copied: modelled lowering copies of one call (mean over the fills).
+        seconds: modelled time averaged over the fills.
+    """
+    splits: int
+    chunk_kv: int
+    chunk_q: int
+    steps: int
+    granule: int
+    flops: tuple
+    ops: tuple
+    bytes_copied: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The automatic structure and the candidates weighed (:func:`decode_choice`)."""
+    chosen: DecodeCandidate
+    candidates: tuple
+    reason: str
+
+    def table(self):
+        """The candidates as a text table (the chosen one marked ``*``)."""
+        fills = "/".join(f"{int(f * 100)}%" for f in MODEL_FILLS)
+        head = ("", "splits", "chunk", "granule", "steps", f"MFLOP {fills}", f"ops {fills}",
+                "model us")
+        rows = [head]
+        for c in self.candidates:
+            rows.append(("*" if c is self.chosen else "", str(c.splits), str(c.chunk_kv),
+                         str(c.granule), str(c.steps),
+                         "/".join(f"{f / 1e6:.2f}" for f in c.flops),
+                         "/".join(str(o) for o in c.ops), f"{c.seconds * 1e6:.1f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines + [f"chosen: num_splits={self.chosen.splits}, chunk "
+                                  f"{self.chosen.chunk_kv} ({self.reason})"])
+
+
+def _balanced(length, target):
+    count = -(-length // target)
+    return -(-length // count)
+
+
+def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
+    """The model's figures of one structure (see :class:`DecodeCandidate`).
+
+    Args:
+        dims: the call's :class:`Dims`; splits, chunk_kv: the structure; dtype: its name.
+        lengths: the longest row's ``cache_seqlens + Lnew`` at which to count (``None``: the
+            fills :data:`MODEL_FILLS` of the cache).
+
+    FLOPs are exact for a step whose longest row holds that many rows: the executed
+    steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
+    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies follow PopART's
+    rules for the forward's segment-id loop (:mod:`popxl_flash.costmodel`): every step copies
+    its counter and the taken branch's inputs and outputs, the state rows for a skipped step,
+    and for an executed one the state rows and the block's operands at two branch levels
+    (averaged over the fills, like the time).
+    """
+    G = dims.batch * dims.q_heads * splits
+    Gk = dims.batch * dims.kv_heads * splits
+    D, Lc = dims.head_dim, dims.cache_len
+    cq = dims.q_len if dims.q_len <= MAX_DECODE_Q else _balanced(dims.q_len, PREFILL_CHUNK_Q)
+    nq = -(-dims.q_len // cq)
+    granule = splits * chunk_kv
+    steps = -(-Lc // granule) * nq
+    flops, op_counts, seconds = [], [], 0.0
+    item = 2 if dtype == "float16" else 4
+    state_rows = G * (2 * cq + cq * D) * 4  # m, l, acc rows: into a branch and out
+    operands = G * cq * D * item + Gk * 2 * chunk_kv * D * item  # q rows, k and v blocks
+    skip_bytes = 2 * state_rows + 2 * costmodel.COUNTER_BYTES
+    run_bytes = 2 * (2 * state_rows + operands) + 2 * costmodel.COUNTER_BYTES
+    copied_mean = 0.0
+    if lengths is None:
+        lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
+    for rows in lengths:
+        executed = -(-rows // granule) * nq
+        f = 4 * G * cq * chunk_kv * D * executed
+        o = round(OPS_DECODE["fixed"] + OPS_DECODE["per_row"] * dims.batch
+                  + OPS_DECODE["per_step"] * steps + OPS_DECODE["per_executed"] * executed
+                  + (OPS_DECODE["combine"] if splits > 1 else 0))
+        flops.append(f)
+        op_counts.append(o)
+        copied = (steps - executed) * skip_bytes + executed * run_bytes
+        copied_mean += copied / len(lengths)
+        seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(lengths)
+    return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
+                           granule=granule, flops=tuple(flops), ops=tuple(op_counts),
+                           bytes_copied=round(copied_mean), seconds=seconds)
+
+
+def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
+                  num_splits=None, chunk_kv=None):
+    """Compare one long kv loop against split-KV for a cache call and choose.
+
+    Candidates: chunks :data:`DECODE_CHUNKS` (balanced over each part, capped at its length)
+    times splits :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split).
+    Those whose granule ``splits x chunk`` is at most :data:`MAX_GRANULE` rows (a step's
+    executed work then follows the fill within one granule) are preferred; among them the least
+    modelled time averaged over the fills :data:`MODEL_FILLS` wins (ties: fewer splits, then
+    the shorter chunk).
+
+    Args:
+        batch, q_len, cache_len, q_heads, kv_heads, head_dim: the call's sizes.
+        dtype: ``"float16"`` or ``"float32"``.
+        num_splits, chunk_kv: fix that part of the structure (``None``: choose).
+
+    Returns:
+        :class:`DecodeChoice`.
+    """
+    dims = Dims(batch, q_len, cache_len, q_len, q_heads, kv_heads, head_dim)
+    if num_splits is not None:
+        split_options = (num_splits,)
+    else:
+        split_options = DECODE_SPLITS if q_len <= MAX_DECODE_Q else (1,)
+    candidates = []
+    for s in split_options:
+        part = -(-cache_len // s)
+        chunks = (chunk_kv,) if chunk_kv is not None else sorted(
+            {_balanced(part, c) for c in DECODE_CHUNKS})
+        candidates.extend(evaluate(dims, s, c, dtype) for c in chunks)
+    granular = [c for c in candidates if c.granule <= MAX_GRANULE] or candidates
+    chosen = min(granular, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
+    fixed = [name for name, value in (("num_splits", num_splits), ("chunk", chunk_kv))
+             if value is not None]
+    reason = f"least modelled time over fills {MODEL_FILLS}"
+    if len(granular) < len(candidates) or chosen.granule <= MAX_GRANULE:
+        reason += f" with granule <= {MAX_GRANULE} rows"
+    if fixed:
+        reason += f"; {' and '.join(fixed)} fixed by the caller"
+    return DecodeChoice(chosen=chosen, candidates=tuple(candidates), reason=reason)
+
+
+def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
+            num_splits=None):
+    """The decode structure choice of a :func:`flash_attn_with_kvcache` call (a
+    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill)."""
+    return decode_choice(batch, q_len, cache_len, q_heads=q_heads,
+                         kv_heads=q_heads if kv_heads is None else kv_heads,
+                         head_dim=head_dim, dtype=dtype, num_splits=num_splits)
+
+
+def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv):
+    """``(splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a call."""
+    if num_splits is not None:
+        num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
+        num_splits = None if num_splits == 0 else num_splits  # flash-attn: 0 = automatic
+    chunk_kv = None
+    if num_chunks_kv is not None:
+        n = _check_int("num_chunks_kv", num_chunks_kv, low=1, high=dims.cache_len)
+        chunk_kv = -(-dims.cache_len // n)
+    choice = decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
+                           kv_heads=dims.kv_heads, head_dim=dims.head_dim, dtype=dtype,
+                           num_splits=num_splits, chunk_kv=chunk_kv).chosen
+    splits = choice.splits
+    chunk_kv = min(choice.chunk_kv, -(-dims.cache_len // splits))
+    per_part = -(-dims.cache_len // (splits * chunk_kv))
+    if num_chunks_q is not None:
+        nq = _check_int("num_chunks_q", num_chunks_q, low=1, high=dims.q_len)
+        chunk_q = -(-dims.q_len // nq)
+    else:
+        chunk_q = choice.chunk_q
+    return splits, chunk_q, -(-dims.q_len // chunk_q), chunk_kv, per_part
+
+
+# -- graph code -------------------------------------------------------------------------------
+def _i32(values):
+    return popxl.constant(np.ascontiguousarray(values, dtype=np.int32))
+
+
+def write_rows_(cache, new, seqlens):
+    """Write ``new [B, Lnew, Hkv, D]`` into ``cache [B, Lcache, Hkv, D]`` in place at rows
+    ``seqlens[b]`` of each batch row.
+
+    Args:
+        seqlens: int32 ``[B]`` tensor (one ``dynamic_update_`` per batch row, index
+            ``[b, seqlens[b]]`` on axes 0 and 1) or an int (one ``dynamic_update_`` for all
+            rows).
+
+    Returns:
+        The updated cache (a tensor aliasing ``cache``).
+    """
+    B, Lnew = new.shape[0], new.shape[1]
+    if not isinstance(seqlens, popxl.Tensor):
+        return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[1], sizes=[Lnew],
+                                   no_overlap=True)
+    for b in range(B):
+        start = ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])  # [1]
+        index = ops.concat([_i32([b]), start], axis=0)  # [2]: batch row, first cache row
+        row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, Lnew, Hkv, D]
+        cache = ops.dynamic_update_(cache, index, row, axes=[0, 1], sizes=[1, Lnew],
+                                    no_overlap=True)
+    return cache
+
+
+def _lengths(seqlens, dims):
+    """``n_b = seqlens[b] + Lnew``: int32 ``[B, 1, 1]`` (a tensor, also for an int)."""
+    if not isinstance(seqlens, popxl.Tensor):
+        return _i32(np.full((dims.batch, 1, 1), seqlens + dims.new_len))
+    return seqlens.reshape((dims.batch, 1, 1)) + _i32(dims.new_len)
+
+
+def _segments(lengths, dims, splits, chunk_kv, per_part):
+    """Segment ids and positions of the core call (see the module docstring).
+
+    Returns:
+        ``(q_ids, kv_ids, q_pos, kv_pos)``: int32 ``[G', Lq]``, ``[Gk', P]``, ``[G', Lq]``,
+        ``[Gk', P]`` with ``G' = B Hkv S r``, ``Gk' = B Hkv S``, ``P = per_part x chunk_kv``.
+    """
+    B, Hkv, r, Lq = dims.batch, dims.kv_heads, dims.group_size, dims.q_len
+    P = per_part * chunk_kv
+    # cache row of part s, local row m*c + t: (m*S + s)*c + t
+    local = np.arange(P)
+    rows = (((local // chunk_kv) * splits)[None, :] + np.arange(splits)[:, None]) * chunk_kv \
+        + (local % chunk_kv)[None, :]  # [S, P]
+    rows_c = _i32(rows.reshape(1, 1, splits, P))
+    kv_valid = ops.greater(lengths.reshape((B, 1, 1, 1)), rows_c)  # [B, 1, S, P]
+    zero = _i32(np.zeros((1, Hkv, 1, 1)))
+    kv_ids = ops.where(kv_valid, zero, _i32(-1)).reshape((B * Hkv * splits, P))
+    # broadcast on the device: no constant of the cache's row count per group
+    kv_pos = (rows_c + _i32(np.zeros((B, Hkv, 1, 1)))).reshape((B * Hkv * splits, P))
+    q_offsets = _i32((np.arange(Lq) - Lq).reshape(1, 1, 1, 1, Lq))
+    zeros_q = _i32(np.zeros((1, Hkv, splits, r, 1)))
+    q_pos = (lengths.reshape((B, 1, 1, 1, 1)) + q_offsets + zeros_q).reshape(
+        (B * Hkv * splits * r, Lq))
+    q_ids = _i32(np.zeros((B * Hkv * splits * r, Lq)))
+    return q_ids, kv_ids, q_pos, kv_pos
+
+
+def _q_groups(q, dims, splits):
+    """``q [B, Lq, Hq, D] -> [B*Hkv*S*r, Lq, D]`` (each q row repeated for the S parts)."""
+    B, Lq, Hkv, r, D = dims.batch, dims.q_len, dims.kv_heads, dims.group_size, dims.head_dim
+    g = q.transpose((0, 2, 1, 3)).reshape((B, Hkv, 1, r, Lq, D))
+    if splits > 1:
+        g = ops.concat([g] * splits, axis=2)
+    return g.reshape((B * Hkv * splits * r, Lq, D))
+
+
+def _cache_groups(cache, dims, splits, chunk_kv, per_part):
+    """``cache [B, Lc, Hkv, D] -> [B*Hkv*S, P, D]``, part ``s`` holding chunks ``s, s+S, ...``
+    (zero rows padded to whole granules; they are padding for every batch row)."""
+    B, Lc, Hkv, D = dims.batch, dims.cache_len, dims.kv_heads, dims.head_dim
+    padded = per_part * chunk_kv * splits
+    if padded > Lc:
+        cache = ops.concat([cache, ops.init((B, padded - Lc, Hkv, D), cache.dtype,
+                                            init_type="zero")], axis=1)
+    if splits == 1:
+        return cache.transpose((0, 2, 1, 3)).reshape((B * Hkv, padded, D))
+    g = cache.reshape((B, per_part, splits, chunk_kv, Hkv, D))
+    g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]
+    return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
+
+
+def _combine(out, lse, dims, splits):
+    """Combine the parts' ``out [G', Lq, D]``, ``lse [G', Lq]`` by their logsumexp (float32).
+
+    Returns:
+        out ``[B, Lq, Hq, D]`` (q's dtype) and lse float32 ``[B, Hq, Lq]`` (``-inf``, out 0
+        where no part saw a key).
+    """
+    B, Lq, Hkv, r, D = dims.batch, dims.q_len, dims.kv_heads, dims.group_size, dims.head_dim
+    out = out.reshape((B, Hkv, splits, r, Lq, D))
+    lse = lse.reshape((B, Hkv, splits, r, Lq, 1))
+    if splits > 1:
+        f32, dtype = popxl.float32, out.dtype
+        seen = ops.greater(lse, popxl.constant(float("-inf"), dtype=f32))
+        lse_f = ops.where(seen, lse, popxl.constant(float(np.finfo(np.float32).min), dtype=f32))
+        m = ops.max(lse_f, axis=2, keepdims=True)  # [B, Hkv, 1, r, Lq, 1]
+        w = ops.where(seen, ops.exp(lse_f - m), popxl.constant(0.0, dtype=f32))  # [.., S, ..]
+        total = ops.sum(w, axis=2)  # [B, Hkv, r, Lq, 1]
+        out32 = out if dtype == f32 else ops.cast(out, f32)
+        acc = ops.sum(w * out32, axis=2)  # [B, Hkv, r, Lq, D]
+        any_seen = ops.greater(total, popxl.constant(0.0, dtype=f32))
+        safe = ops.where(any_seen, total, popxl.constant(1.0, dtype=f32))
+        out = acc / safe
+        out = out if dtype == f32 else ops.cast(out, dtype)
+        lse = ops.where(any_seen, m.reshape((B, Hkv, r, Lq, 1)) + ops.log(safe),
+                        popxl.constant(float("-inf"), dtype=f32))
+    out = out.reshape((B, dims.q_heads, Lq, D)).transpose((0, 2, 1, 3))
+    return out, lse.reshape((B, dims.q_heads, Lq))
+
+
+@keyword_hints(KVCACHE_KEYWORD_HINTS)
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, num_splits=None, return_lse=False,
+                            num_chunks_q=None, num_chunks_kv=None):
+    """flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors: attention over a static-size
+    key/value cache, prefill (``Lq > 1``) and decode (``Lq = 1``).
+
+    If ``k`` and ``v`` are given they are first written into the caches **in place** at rows
+    ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` of each batch row ``b`` (the caches are the
+    caller's tensors: variables, or by-reference inputs of the graph being built); then batch
+    row ``b`` attends to its first ``n_b = cache_seqlens[b] + Lnew`` cache rows, query ``i``
+    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). Cache
+    chunks beyond every row's ``n_b`` are skipped at run time (no matmul).
+
+    The options after ``cache_seqlens`` are keyword-only (flash-attn's positional order has
+    ``rotary_cos``/``rotary_sin`` there).
+
+    Args:
+        q: ``[B, Lq, Hq, D]`` float16 or float32.
+        k_cache, v_cache: ``[B, Lcache, Hkv, D]``, q's dtype, ``Hkv`` divides ``Hq``
+            (grouped-query / multi-query attention: q head ``h`` reads cache head
+            ``h // (Hq // Hkv)``). Modified in place when ``k``, ``v`` are given.
+        k, v: ``None`` or the new rows ``[B, Lnew, Hkv, D]``, ``Lnew <= Lcache``.
+        cache_seqlens: the rows already in the cache per batch row: an int32 ``[B]`` tensor
+            (run time) or an int; ``cache_seqlens[b] + Lnew <= Lcache`` (not checked on the
+            device for a tensor: an out-of-range write is unspecified on the IPU). ``None``
+            (only without ``k``, ``v``): the whole cache is valid.
+        softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
+        causal: causal mask aligned bottom-right per batch row. Default ``False``.
+        window_size: ``(left, right)`` around each row's bottom-right diagonal, ``-1`` for an
+            unbounded side; intersected with ``causal``.
+        softcap, alibi_slopes: must be ``0.0`` and ``None`` (the score-modifier feature is not
+            in this version: ``ValueError``).
+        num_splits: ``None`` or 0 (automatic, :func:`decode_choice`), or ``S >= 1`` parts of
+            split-KV (1: one kv loop).
+        return_lse: also return the logsumexp.
+        num_chunks_q, num_chunks_kv: chunk counts over ``Lq`` and over the whole cache
+            (``None``: automatic). With splits the cache chunks are dealt to the parts, the
+            count rounded up to a multiple of ``num_splits``.
+
+    Returns:
+        out ``[B, Lq, Hq, D]`` in q's dtype (0 where a row sees no key); with ``return_lse``,
+        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` there).
+    """
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    tensors.update({n: t for n, t in (("k", k), ("v", v)) if t is not None})
+    check_tensors(**tensors)
+    dims = check_shapes(q, k_cache, v_cache, k, v)
+    seqlens = _check_seqlens(cache_seqlens, dims)
+    _check_unsupported(softcap, alibi_slopes)
+    causal = check_bool("causal", causal)
+    scale = check_scale(softmax_scale, dims.head_dim, name="softmax_scale")
+    window = check_window(window_size, name="window_size")
+    return_lse = check_bool("return_lse", return_lse)
+    splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
+                                                         num_chunks_q, num_chunks_kv)
+    with popxl.name_scope("flash_attn_with_kvcache"):
+        if k is not None:
+            k_cache = write_rows_(k_cache, k, seqlens)
+            v_cache = write_rows_(v_cache, v, seqlens)
+        lengths = _lengths(seqlens, dims)  # [B, 1, 1]
+        seg = _segments(lengths, dims, splits, chunk_kv, per_part)
+        qg = _q_groups(q, dims, splits)
+        kg = _cache_groups(k_cache, dims, splits, chunk_kv, per_part)
+        vg = _cache_groups(v_cache, dims, splits, chunk_kv, per_part)
+        out, lse = segmented_attention(qg, kg, vg, *seg, num_chunks_q=nq,
+                                       num_chunks_kv=per_part, causal=causal, scale=scale,
+                                       window=window)
+        out, lse = _combine(out, lse, dims, splits)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,356 @@
+"""flash_attn_with_kvcache: prefill and decode against a float64 reference on each row's valid
+prefix, the caches after the in-place update, split-KV, run-time skipping by length (executed
+matmul FLOPs on the emulator's profile), the decode cost model, and build-time errors.
+"""
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import popxl_flash as pf
+from attention_utils import FP_CHECKS, assert_within_rule, build_only, run_graph, zeros_variable
+from popxl_flash import kvcache, popxl
+from popxl_flash.tolerance import naive_attention
+
+ops = popxl.ops
+
+emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator run profile")
+
+
+def make_case(seed, B, Lq, Lc, Hq, Hkv, D, dtype, Lnew=None, seqlens=None):
+    """Random q, caches, new rows (``Lnew`` defaults to ``Lq``; 0: no new rows) and lengths."""
+    rng = np.random.default_rng(seed)
+    Lnew = Lq if Lnew is None else Lnew
+    q = rng.standard_normal((B, Lq, Hq, D)).astype(dtype)
+    kc, vc = (rng.standard_normal((B, Lc, Hkv, D)).astype(dtype) for _ in range(2))
+    kn, vn = ((rng.standard_normal((B, Lnew, Hkv, D)).astype(dtype) for _ in range(2))
+              if Lnew else (None, None))
+    if seqlens is None:
+        seqlens = rng.integers(0, Lc - Lnew + 1, size=B)
+    return q, kc, vc, kn, vn, np.asarray(seqlens, np.int32)
+
+
+def run_kvcache(q, kc, vc, kn, vn, seqlens, *, int_seqlens=False, **options):
+    """Run ``flash_attn_with_kvcache`` (floating-point traps on) and read the caches after it.
+
+    Returns:
+        ``(out, lse, k_cache, v_cache, run)``.
+    """
+    arrays = [q, kc, vc] + ([kn, vn] if kn is not None else []) + \
+        ([] if int_seqlens else [seqlens])
+
+    def build(q, kc, vc, *rest):
+        new = rest[:2] if kn is not None else (None, None)
+        lens = int(seqlens[0]) if int_seqlens else rest[-1]
+        with popxl.in_sequence():  # read the caches after the in-place write
+            out, lse = pf.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=lens,
+                                                  return_lse=True, **options)
+            return [out, lse, ops.identity(kc), ops.identity(vc)]
+    (out, lse, kc2, vc2), run = run_graph(build, arrays, fp_checks=FP_CHECKS)
+    return out, lse, kc2, vc2, run
+
+
+def expected_caches(kc, vc, kn, vn, seqlens):
+    k, v = kc.copy(), vc.copy()
+    if kn is not None:
+        for b, s in enumerate(seqlens):
+            k[b, s:s + kn.shape[1]] = kn[b]
+            v[b, s:s + kn.shape[1]] = vn[b]
+    return k, v
+
+
+def check_rows(out, lse, q, k, v, seqlens, Lnew, *, causal, window, scale=None, dtype):
+    """Each batch row against the float64 reference on its valid prefix (2x rule; rows that
+    see no key exactly out 0, lse -inf)."""
+    D = q.shape[-1]
+    for b in range(q.shape[0]):
+        n = int(seqlens[b]) + Lnew
+        qb = q[b].transpose(1, 0, 2)  # [Hq, Lq, D]
+        ob, lb = out[b].transpose(1, 0, 2), lse[b]
+        assert ob.dtype == np.dtype(dtype) and lb.dtype == np.float32
+        if n == 0:
+            assert (ob == 0).all() and np.isneginf(lb).all()
+            continue
+        kb, vb = (x[b, :n].transpose(1, 0, 2) for x in (k, v))  # [Hkv, n, D]
+        mask = dict(causal=causal, window=window, scale=scale)
+        ref_out, ref_lse = pf.reference.attention(qb, kb, vb, **mask)
+        naive_out, _ = naive_attention(qb, kb, vb, **mask)
+        steps = n + D + 64
+        assert_within_rule(f"out[{b}]", ob, naive_out, ref_out, factor=2, dtype=dtype,
+                           accum_steps=steps, magnitude=float(np.abs(vb).max()))
+        empty = np.isneginf(ref_lse)
+        np.testing.assert_array_equal(np.isneginf(lb), empty)
+        assert (ob[empty] == 0).all() and not np.isnan(ob).any()
+        _, naive_lse = naive_attention(*(x.astype(np.float32) for x in (qb, kb, vb)), **mask)
+        assert_within_rule(f"lse[{b}]", lb, naive_lse, ref_lse, factor=2, dtype="float32",
+                           accum_steps=steps,
+                           magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
+
+
+def check_case(case, dtype, *, causal, window=(-1, -1), int_seqlens=False, **options):
+    q, kc, vc, kn, vn, seqlens = case
+    out, lse, kc2, vc2, run = run_kvcache(q, kc, vc, kn, vn, seqlens, causal=causal,
+                                          window_size=window, int_seqlens=int_seqlens,
+                                          **options)
+    k, v = expected_caches(kc, vc, kn, vn, seqlens)
+    np.testing.assert_array_equal(kc2, k)  # written rows replaced, every other row unchanged
+    np.testing.assert_array_equal(vc2, v)
+    Lnew = 0 if kn is None else kn.shape[1]
+    check_rows(out, lse, q, k, v, seqlens, Lnew, causal=causal,
+               window=tuple(None if w < 0 else w for w in window), dtype=dtype)
+    return run
+
+
+MASKS = [dict(causal=True), dict(causal=False), dict(causal=True, window=(5, -1)),
+         dict(causal=False, window=(3, 2))]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["causal", "full", "causal-window", "window"])
+@pytest.mark.parametrize("Lq", [1, 6], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_rows_match_reference_on_valid_prefix(mask, Lq, dtype):
+    """Per-row lengths including 0 and Lcache - Lnew, grouped-query heads, both dtypes."""
+    Lc = 37
+    case = make_case(1, 4, Lq, Lc, 4, 2, 8, dtype, seqlens=[0, 11, Lc - Lq, 3])
+    check_case(case, dtype, num_chunks_kv=5, **mask)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("mask", MASKS[:3], ids=["causal", "full", "causal-window"])
+def test_split_kv_matches_reference(splits, mask):
+    case = make_case(2, 3, 1, 45, 2, 1, 8, "float16", seqlens=[44, 0, 20])
+    check_case(case, "float16", num_splits=splits, num_chunks_kv=6, **mask)
+
+
+def test_speculative_decode_multi_query_and_int_seqlens():
+    """Lq = 3 new tokens (speculative decoding), multi-query caches, an int cache_seqlens."""
+    case = make_case(3, 2, 3, 30, 4, 1, 16, "float32", seqlens=[9, 9])
+    check_case(case, "float32", causal=True, int_seqlens=True, num_splits=2)
+
+
+def test_without_new_rows_and_lq_longer_than_prefix():
+    """k=v=None: the caches are read as they are; causal rows beyond a short prefix see
+    nothing (bottom-right alignment): out 0, lse -inf."""
+    case = make_case(4, 3, 5, 24, 2, 2, 8, "float32", Lnew=0, seqlens=[2, 24, 0])
+    check_case(case, "float32", causal=True, num_chunks_kv=3)
+
+
+def test_caches_as_variables_are_updated_in_place():
+    """Caches held in variables: two decode steps in one graph append two rows per batch row;
+    the session's variables hold them after the run."""
+    B, Lc, H, D = 2, 12, 2, 4
+    rng = np.random.default_rng(5)
+    kc0, vc0 = (rng.standard_normal((B, Lc, H, D)).astype(np.float32) for _ in range(2))
+    rows = [rng.standard_normal((B, 1, H, D)).astype(np.float32) for _ in range(4)]
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        kc, vc = popxl.variable(kc0), popxl.variable(vc0)
+        lens = popxl.variable(np.array([3, 7], np.int32))
+        for step in range(2):
+            q = popxl.constant(rows[step])
+            pf.flash_attn_with_kvcache(q, kc, vc, popxl.constant(rows[step]),
+                                       popxl.constant(rows[step + 2]), lens, causal=True)
+            ops.var_updates.accumulate_(lens, popxl.constant(np.array([1, 1], np.int32)))
+    session = popxl.Session(ir, "ipu_model")
+    with session:
+        session.run()
+    k_after, v_after = session.get_tensor_data(kc), session.get_tensor_data(vc)
+    k_exp, v_exp = kc0.copy(), vc0.copy()
+    for step in range(2):
+        for b, s in enumerate((3, 7)):
+            k_exp[b, s + step] = rows[step][b, 0]
+            v_exp[b, s + step] = rows[step + 2][b, 0]
+    np.testing.assert_array_equal(k_after, k_exp)
+    np.testing.assert_array_equal(v_after, v_exp)
+
+
+@settings(max_examples=25)
+@given(Lc=st.integers(1, 70), data=st.data(), Lq=st.integers(1, 5), splits=st.integers(1, 4),
+       causal=st.booleans(), window=st.sampled_from([(-1, -1), (3, -1), (2, 1), (0, 0)]),
+       seed=st.integers(0, 2 ** 16))
+def test_hypothesis_cache_lengths_and_chunks(Lc, data, Lq, splits, causal, window, seed):
+    Lnew = data.draw(st.integers(0, min(Lq, Lc)), label="Lnew")
+    seqlens = data.draw(st.lists(st.integers(0, Lc - Lnew), min_size=2, max_size=2),
+                        label="seqlens")
+    if Lnew == 0:
+        seqlens = [max(s, 1) for s in seqlens]  # the whole row of a query-only call
+    splits = min(splits, Lc)
+    nkv = data.draw(st.integers(1, Lc), label="num_chunks_kv")
+    case = make_case(seed, 2, Lq, Lc, 2, 1, 4, "float32", Lnew=Lnew, seqlens=seqlens)
+    check_case(case, "float32", causal=causal, window=window, num_splits=splits,
+               num_chunks_kv=nkv)
+
+
+# -- run-time skipping and the cost model ------------------------------------------------------
+def decode_profile(Lc, fill, *, B=2, Hq=4, Hkv=2, D=64, **options):
+    """One decode step (Lq = Lnew = 1) of a cache holding ``fill`` rows in every batch row."""
+    case = make_case(6, B, 1, Lc, Hq, Hkv, D, "float16", seqlens=[fill] * B)
+    *_, run = run_kvcache(*case, causal=True, **options)
+    return run.profile
+
+
+@emulator_only
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_decode_flops_follow_the_fill(splits):
+    """4096-row cache holding 100 tokens, decoding one more: the executed matmul FLOPs are
+    those of at least the 101 valid rows and at most 256 cache rows."""
+    B, Hq, D = 2, 4, 64
+    profile = decode_profile(4096, 100, B=B, Hq=Hq, D=D, num_splits=splits)
+    per_row = 4 * B * Hq * D  # q k^T and p v for one cache row, Lq = 1
+    assert 101 * per_row <= profile.matmul_flops <= 256 * per_row
+
+
+@emulator_only
+@pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
+def test_decode_model_counts_match_emulator(splits, fill):
+    """The decode model's FLOPs are the emulator's exactly and its ops within 5% (plus the
+    harness's 12: 6 host loads, 4 host stores, 2 identities)."""
+    Lc = 4096
+    choice = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
+                                   num_splits=splits)
+    chosen = choice.chosen
+    model = kvcache.evaluate(kvcache.Dims(2, 1, Lc, 1, 4, 2, 64), chosen.splits,
+                             chosen.chunk_kv, lengths=(fill + 1,))
+    profile = decode_profile(Lc, fill, num_splits=splits)
+    assert model.flops[0] == profile.matmul_flops
+    assert abs(model.ops[0] + 12 - profile.ops_executed) <= 0.05 * profile.ops_executed
+    assert profile.loop_iterations == chosen.steps
+
+
+def test_decode_choice_records_both_structures():
+    choice = pf.kvcache.explain(2, 1, 4096, q_heads=4, kv_heads=2, head_dim=64)
+    assert {c.splits for c in choice.candidates} >= {1, 2, 4}
+    assert choice.chosen.granule <= kvcache.MAX_GRANULE
+    assert "chosen: num_splits=" in choice.table()
+    forced = pf.kvcache.explain(2, 1, 4096, q_heads=4, head_dim=64, num_splits=4)
+    assert forced.chosen.splits == 4
+
+
+# -- build-time errors -------------------------------------------------------------------------
+def _build(q=(2, 1, 4, 8), cache=(2, 16, 2, 8), new=(2, 1, 2, 8), v_cache=None, seqlens=(2,),
+           seqlens_dtype=np.int32, **options):
+    def fn():
+        tensors = [zeros_variable(s) for s in (q, cache, v_cache or cache)]
+        kn = vn = None
+        if new is not None:
+            kn, vn = zeros_variable(new), zeros_variable(new)
+        lens = seqlens
+        if isinstance(seqlens, tuple):
+            lens = zeros_variable(seqlens, seqlens_dtype)
+        return pf.flash_attn_with_kvcache(*tensors, kn, vn, cache_seqlens=lens, **options)
+    return build_only(fn)
+
+
+BAD = [
+    (dict(seqlens=(2, 1)), ValueError, "cache_seqlens must have shape [B=2], got shape (2, 1)"),
+    (dict(seqlens=(3,)), ValueError, "cache_seqlens must have shape [B=2], got shape (3,)"),
+    (dict(seqlens_dtype=np.float32), TypeError,
+     "cache_seqlens must have dtype int32 [B=2], got dtype float32"),
+    (dict(seqlens=None), ValueError, "cache_seqlens is required with new rows"),
+    (dict(seqlens=16), ValueError, "cache_seqlens must be in [0, 15], got cache_seqlens=16"),
+    (dict(seqlens=np.array([1, 2], np.int32)), TypeError,
+     "cache_seqlens must be an int32 [B=2] popxl.Tensor or an int, got a numpy array"),
+    (dict(new=(2, 17, 2, 8)), ValueError, "k has Lnew=17 new rows, more than the cache holds "
+                                          "(Lcache=16)"),
+    (dict(new=(2, 1, 1, 8)), ValueError, "k must have shape [B=2, Lnew, Hkv=2, D=8]"),
+    (dict(q=(2, 1, 3, 8)), ValueError, "q's head count Hq=3 must be a multiple of the caches' "
+                                       "Hkv=2"),
+    (dict(v_cache=(2, 16, 1, 8)), ValueError, "v_cache must have the shape of k_cache"),
+    (dict(q=(2, 1, 4, 4)), ValueError, "k_cache must have q's batch B=2 and head dim D=4"),
+    (dict(q=(1, 4, 8)), ValueError, "q must have rank 4 [B, Lq, Hq, D]"),
+    (dict(softcap=30.0), ValueError, "softcap=30.0 needs the score-modifier feature"),
+    (dict(alibi_slopes=0.5), ValueError, "alibi_slopes needs the score-modifier feature"),
+    (dict(num_splits=-1), ValueError, "num_splits must be in [0, 16], got num_splits=-1"),
+    (dict(num_splits=1.5), TypeError, "num_splits must be an int"),
+    (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(rotary_cos=1), TypeError, "rotary embeddings are not applied here"),
+    (dict(block_table=1), TypeError, "paged caches are not supported"),
+]
+
+
+@pytest.mark.parametrize("override, exc, fragment", BAD)
+def test_bad_input_is_a_build_time_error(override, exc, fragment):
+    with pytest.raises(exc, match=re.escape(fragment)):
+        _build(**override)
+
+
+def test_k_without_v_and_dtype_mismatch():
+    def one_new():
+        q, c = zeros_variable((1, 1, 1, 4)), zeros_variable((1, 4, 1, 4))
+        return pf.flash_attn_with_kvcache(q, c, c, zeros_variable((1, 1, 1, 4)), None, 0)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        build_only(one_new)
+
+    def mixed():
+        q = zeros_variable((1, 1, 1, 4), np.float16)
+        c = zeros_variable((1, 4, 1, 4))
+        return pf.flash_attn_with_kvcache(q, c, c, cache_seqlens=0)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        build_only(mixed)
+
+
+# -- optional PyTorch cross-check ---------------------------------------------------------------
+def _sdpa(q, k, v, n, causal, dtype):
+    """PyTorch SDPA of one batch row's ``q [Lq, Hq, D]`` over its valid prefix ``k, v [n, Hkv,
+    D]`` (explicit bottom-right causal mask; grouped-query via ``enable_gqa``)."""
+    import torch
+    tq, tk, tv = (torch.tensor(a.astype(np.float64)).to(dtype).transpose(0, 1)[None]
+                  for a in (q, k[:n], v[:n]))  # [1, H, L, D]
+    Lq = q.shape[0]
+    mask = None
+    if causal:
+        mask = torch.arange(n)[None, :] <= torch.arange(Lq)[:, None] + (n - Lq)
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask,
+                                                           enable_gqa=True)
+    return out[0].transpose(0, 1).double().numpy()  # [Lq, Hq, D]
+
+
+@pytest.mark.parametrize("Lq,dtype,splits", [(1, "float16", None), (1, "float32", 3),
+                                             (4, "float16", 1)])
+def test_matches_pytorch_sdpa_on_valid_prefix(Lq, dtype, splits):
+    """Outputs and updated caches against PyTorch SDPA on each row's valid prefix (2x the
+    same-precision SDPA's error against float64 SDPA, plus the rule's floor)."""
+    torch = pytest.importorskip("torch")
+    Lc = 50
+    q, kc, vc, kn, vn, seqlens = make_case(7, 3, Lq, Lc, 4, 2, 16, dtype,
+                                           seqlens=[Lc - Lq, 13, 30])
+    out, _, kc2, vc2, _ = run_kvcache(q, kc, vc, kn, vn, seqlens, causal=True,
+                                      num_splits=splits)
+    k, v = expected_caches(kc, vc, kn, vn, seqlens)
+    np.testing.assert_array_equal(kc2, k)
+    np.testing.assert_array_equal(vc2, v)
+    low = torch.float16 if dtype == "float16" else torch.float32
+    for b in range(3):
+        n = int(seqlens[b]) + Lq
+        ref = _sdpa(q[b], k[b], v[b], n, True, torch.float64)
+        same = _sdpa(q[b], k[b], v[b], n, True, low)
+        assert_within_rule(f"out[{b}]", out[b], same, ref, factor=2, dtype=dtype,
+                           accum_steps=n + 16 + 64, magnitude=float(np.abs(v[b, :n]).max()))
+
+
+def test_docstring_names_every_parameter():
+    import inspect
+    doc = inspect.getdoc(pf.flash_attn_with_kvcache)
+    params = inspect.signature(pf.flash_attn_with_kvcache).parameters
+    assert not [p for p in params if not re.search(rf"\b{p}\b", doc)]
+
+
+def test_benchmark_section_replaces_its_markers(tmp_path):
+    """benchmarks/kvcache.py on a small cache: counts per fill, the section replaced in place."""
+    from benchmarks import kvcache as bench
+    out = tmp_path / "bench.md"
+    out.write_text("# Title\n\nkept\n")
+    argv = ["--cache-len", "512", "--fills", "0.25,1", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--batch", "1", "--markdown", str(out)]
+    rows = bench.main(argv)
+    bench.main(argv)  # a second run replaces the section, it does not append another
+    text = out.read_text()
+    assert text.startswith("# Title\n\nkept\n") and text.count(bench.BEGIN) == 1
+    if pf.BACKEND == "emulator":
+        by = {(r["fill"], r["graph"].split(" (")[0]): r for r in rows}
+        naive = [r for r in rows if r["graph"] == "naive over the cache"]
+        assert naive[0]["matmul_flops"] == naive[1]["matmul_flops"]  # whatever the fill
+        auto = [r for k, r in by.items() if k[1] == "flash auto"]
+        assert auto[0]["matmul_flops"] < auto[1]["matmul_flops"]  # follows the fill
