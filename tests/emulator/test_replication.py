@@ -436,3 +436,23 @@ def test_error_in_one_replica_stops_the_others():
     with popxl.Session(ir, "ipu_model") as session:
         with pytest.raises(FloatingPointError):
             session.run({s: data})
+
+
+def test_non_constant_grouped_variable_per_replica():
+    """assignment [0, 1, 1, 0]: replicas 0 and 3 share group 0's row, 1 and 2 group 1's; the
+    host value read back is each group's first replica's (PopXL's to_device/to_host maps)."""
+    r = 4
+    ir = popxl.Ir(replication=r)
+    group = ir.replica_grouping_from_assignments([0, 1, 1, 0])
+    init = np.array([[1, 2, 3], [10, 20, 30]], np.float32)
+    with ir.main_graph:
+        v = popxl.variable(init, name="v", replica_grouping=group)
+        idx = coll.replicated_slice(popxl.constant(np.arange(r, dtype=np.float32)))
+        v2 = ops.var_updates.accumulate_(v, idx.reshape((1,)) + popxl.constant(
+            np.zeros(3, np.float32)))
+        d = popxl.d2h_stream((3,), f32)
+        ops.host_store(d, v2 + 0.0)
+    (out,), session = _run(ir, {}, [d])
+    want = np.stack([init[g] + rep for rep, g in enumerate([0, 1, 1, 0])])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(session.get_tensor_data(v), want[[0, 1]])
