@@ -133,7 +133,15 @@ def markdown(argv, args, rows):
 
 
 def _ints(text):
-    return [int(x) for x in text.split(",")]
+    """A comma-separated list of positive ints (argparse type)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") \
+            from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return values
 
 
 def parse_args(argv):
@@ -141,25 +149,35 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length L (default 2048)")
     p.add_argument("--heads", type=int, default=4, help="query heads H (default 4)")
-    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: H)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="K/V heads, a divisor of H (default: H)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
-    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
+                   help="dtype of q, k, v (default float16)")
     p.add_argument("--replicas", type=_ints, default=[1, 2, 4, 8],
                    help="comma-separated replica counts (default 1,2,4,8)")
     p.add_argument("--gather-steps", type=_ints, default=[1, 4],
                    help="comma-separated K/V gather round counts; those not dividing L / R are "
                         "left out (default 1,4)")
-    p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag")
-    p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--pass", dest="pass_", choices=("fwd", "both"), default="both")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=devices.NAMES, default=devices.default_device())
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag",
+                   help="how the sequence is laid out over the replicas (default zigzag)")
+    p.add_argument("--no-causal", dest="causal", action="store_false",
+                   help="no mask (default: causal)")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "both"), default="both",
+                   help="fwd, or both (forward then the stash-mode backward; default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
+    p.add_argument("--device", choices=devices.NAMES, default=devices.default_device(),
+                   help="PopXL device (default: ipu_hw with the Poplar SDK, else ipu_model)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed runs first (default 0)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs averaged (default 1)")
     p.add_argument("--markdown", metavar="FILE", help="write the table as Markdown")
     args = p.parse_args(argv)
+    if min(args.seq_len, args.heads, args.head_dim, args.repeats) < 1 or args.warmup < 0:
+        p.error("need --seq-len, --heads, --head-dim, --repeats >= 1 and --warmup >= 0")
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        p.error(f"--kv-heads must divide --heads={args.heads}, got {args.kv_heads}")
     per = 2 if args.layout == "zigzag" else 1
-    bad = [R for R in args.replicas if R < 1 or args.seq_len % (per * R)]
+    bad = [R for R in args.replicas if args.seq_len % (per * R)]
     if bad:
         p.error(f"--seq-len {args.seq_len} must be divisible by {per} x each of --replicas "
                 f"(not {bad})")
