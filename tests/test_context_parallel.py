@@ -191,9 +191,11 @@ def test_zigzag_balances_causal_flops():
     assert max(flops) >= 3 * min(flops), flops
 
 
-def test_peak_bytes_fall_with_replicas():
-    """R = 4 with kv_gather_steps=4 peaks below half of one replica holding everything."""
-    q, k, v = random_qkv(np.random.default_rng(0), 4, 512, 512, 32, np.float32)
+@pytest.mark.parametrize("G,L,D,dtype", [(4, 512, 32, np.float32), (4, 1024, 64, np.float16)])
+def test_peak_bytes_fall_with_replicas(G, L, D, dtype):
+    """R = 4 with kv_gather_steps=4 peaks below half of one replica holding everything (the
+    context-parallel call at R = 1, and flash_attention)."""
+    q, k, v = random_qkv(np.random.default_rng(0), G, L, L, D, dtype)
     peaks = {}
     for R, steps in ((1, 1), (2, 1), (4, 4)):
         _, _, session = run_cp(q, k, v, R, "zigzag", kv_gather_steps=steps)
@@ -202,6 +204,8 @@ def test_peak_bytes_fall_with_replicas():
             prof.peak_live_bytes
     assert peaks[4] < peaks[2] < peaks[1]
     assert peaks[4] < peaks[1] / 2, peaks
+    _, _, flash = run_flash(q, k, v, causal=True)
+    assert peaks[4] < flash.profile.peak_live_bytes / 2, (peaks, flash.profile.peak_live_bytes)
 
 
 def test_gather_steps_cut_gathered_bytes_not_totals():
