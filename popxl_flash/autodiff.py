@@ -236,7 +236,9 @@ def _flash_grad_info(fwd):
         ir = fwd.ir
         q, k, v, *segments = fwd.inputs  # segment ids (and positions): int32, no gradient
         out, lse = fwd.outputs[:2]
-        module = FlashAttentionGrad(**provenance.forward_record(fwd).options)
+        record = provenance.forward_record(fwd)
+        module = (record.grad_module() if record.grad_module is not None
+                  else FlashAttentionGrad(**record.options))
         with ir.main_graph:
             grad = ir.create_graph(module, out.spec, q.spec, k.spec, v.spec, out.spec, lse.spec,
                                    *(t.spec for t in segments))

@@ -25,10 +25,14 @@ class ForwardRecord:
         options: the ``FlashAttention`` constructor options (to build the matching backward).
         config: the validated configuration of the call.
         call: a per-Ir call counter (tells two calls of one cached graph apart).
+        grad_module: for graphs of other attention forwards (context parallelism): a
+            callable returning the backward module whose graph autodiff uses, with
+            ``build(dout, *graph inputs, *graph outputs)``; ``None`` for flash graphs.
     """
     options: dict
     config: AttentionConfig
     call: int = -1
+    grad_module: object = None
 
     def attention_options(self):
         """The options that change the result (:func:`attention_options`)."""
@@ -90,6 +94,17 @@ def record_alias(tensor, source):
     rec = ir_record(tensor.ir)
     if source.id in rec.outputs:
         rec.outputs[tensor.id] = rec.outputs[source.id]
+
+
+def record_graph(graph, grad_module):
+    """Record an attention forward graph that is not a ``FlashAttention`` graph (its inputs
+    ``(q, k, v)``, its outputs ``(out, lse)``), with the factory of its backward module.
+
+    Args:
+        graph: the forward graph. grad_module: callable returning the backward module.
+    """
+    rec = ir_record(graph.ir)
+    rec.graphs.setdefault(graph.id, ForwardRecord({}, None, grad_module=grad_module))
 
 
 def forward_record(graph) -> Optional[ForwardRecord]:

@@ -177,12 +177,20 @@ def check_score_mods(ns):
     assert np.isfinite(ns["result"]["dq"]).all()
 
 
+def check_context_parallel(ns):
+    """Context-parallel example: the unsharded out over 4 replicas is causal attention on the
+    whole sequence (grouped-query K/V, 4 gather rounds) under the 2x rule."""
+    L, R = ns["L"], ns["R"]
+    _forward_rule("out", ns["out_host"], ns["q_host"], ns["k_host"], ns["v_host"],
+                  chunks=(4 * R * 2, L // (R * 2)), causal=True)
+
+
 #: What each runnable example computes, checked after it ran (by example id, in file order).
 CHECKS = {"README.md-0": check_usage, "user-guide.md-0": check_flash_attn_func,
           "user-guide.md-1": check_complete, "user-guide.md-2": check_training_loop,
           "user-guide.md-3": check_by_hand_step, "user-guide.md-4": check_explain,
           "user-guide.md-5": check_varlen, "user-guide.md-6": check_score_mods,
-          "user-guide.md-7": check_kvcache_decode}
+          "user-guide.md-7": check_kvcache_decode, "user-guide.md-8": check_context_parallel}
 
 
 def test_every_runnable_example_has_a_check():

@@ -1,6 +1,6 @@
 """The emulator's op implementations. ``popxl.ops`` (in ``../popxl.py``) exposes these under
 PopXL's names; PopXL ops not implemented here are stubs there."""
-from . import var_updates
+from . import collectives, var_updates
 from .control import (CallSiteInfo, ConditionalSiteInfo, RepeatSiteInfo, call, call_with_info,
                       conditional, conditional_with_info, repeat, repeat_with_info)
 from .dynamic import dynamic_slice, dynamic_update, dynamic_update_
