@@ -209,7 +209,7 @@ def _flash_call_with_modifiers(op):
     if op.opType() != "Call":
         return False
     record = provenance.forward_record(popxl.Graph._from_pb(op.getCalledGraphs()[0]))
-    return record is not None and record.config.mods is not None
+    return record is not None and record.config is not None and record.config.mods is not None
 
 
 def _reaching(pb_ops, targets, flash_inputs=None):

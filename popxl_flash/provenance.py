@@ -23,14 +23,14 @@ class ForwardRecord:
 
     Attributes:
         options: the ``FlashAttention`` constructor options (to build the matching backward).
-        config: the validated configuration of the call.
+        config: the validated configuration of the call (``None`` for other attention forwards).
         call: a per-Ir call counter (tells two calls of one cached graph apart).
         grad_module: for graphs of other attention forwards (context parallelism): a
             callable returning the backward module whose graph autodiff uses, with
             ``build(dout, *graph inputs, *graph outputs)``; ``None`` for flash graphs.
     """
     options: dict
-    config: AttentionConfig
+    config: Optional[AttentionConfig]
     call: int = -1
     grad_module: object = None
 
