@@ -28,7 +28,7 @@ Layouts (``shard``/``unshard`` lay a host sequence out and back):
   diagonal ones).
 """
 
-from popxl_flash import provenance
+from popxl_flash import functional, provenance
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool
 from popxl_flash.context_parallel_graphs import (ContextParallelAttention,
@@ -37,7 +37,7 @@ from popxl_flash.context_parallel_plan import (CHUNK_TARGET, DEFAULT_KV_BUDGET, 
                                                ContextParallelCost, Plan, _check_layout,
                                                choose_gather_steps, explain, positions, shard,
                                                unshard)
-from popxl_flash.functional import _GRAPH_CACHE_ATTR, _check_rank3, check_tensors
+from popxl_flash.functional import _check_rank3, check_tensors
 
 ops = popxl.ops
 
@@ -48,19 +48,10 @@ __all__ = ["context_parallel_attention", "context_parallel_attention_grad", "sha
 
 
 def _cached_graph(module, inputs, group):
-    """The graph of ``module`` for ``inputs``' specs, once per Ir, plan and grouping (kept in
-    the Ir's graph cache, as :func:`popxl_flash.functional._cached_graph`)."""
-    ir = popxl.gcg().ir
-    cache = getattr(ir, _GRAPH_CACHE_ATTR, None)
-    if cache is None:
-        cache = {}
-        setattr(ir, _GRAPH_CACHE_ATTR, cache)
-    specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
+    """The graph of ``module`` for ``inputs``' specs, once per Ir, plan and grouping
+    (:func:`popxl_flash.functional._cached_graph`)."""
     groups = None if group is None else tuple(group.assignment)
-    key = (type(module), module.plan.key(), groups, specs)
-    if key not in cache:
-        cache[key] = ir.create_graph(module, *inputs)
-    return cache[key]
+    return functional._cached_graph(module, inputs, config=(module.plan.key(), groups))
 
 
 # -- functional API ---------------------------------------------------------------------------

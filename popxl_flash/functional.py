@@ -107,7 +107,7 @@ def _check_rank3(**tensors):
                              "pf.flash_attn_func, or reshape to [B*H, L, D]")
 
 
-def _cached_graph(module, inputs):
+def _cached_graph(module, inputs, config=None):
     """The graph of ``module`` for ``inputs``' specs: created once per Ir and configuration.
 
     The key is the module class, its validated :class:`AttentionConfig` (which holds every
@@ -118,6 +118,8 @@ def _cached_graph(module, inputs):
     Args:
         module: a ``FlashAttention`` or ``FlashAttentionGrad``.
         inputs: the tensors its ``build`` takes.
+        config: what else the graph depends on, hashable; default ``module.config(*inputs)``
+            (other attention modules, such as context parallelism's, pass their own).
 
     Returns:
         The ``popxl.Graph``.
@@ -128,7 +130,7 @@ def _cached_graph(module, inputs):
         cache = {}
         setattr(ir, _GRAPH_CACHE_ATTR, cache)
     specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
-    key = (type(module), module.config(*inputs), specs)
+    key = (type(module), module.config(*inputs) if config is None else config, specs)
     if key not in cache:
         cache[key] = ir.create_graph(module, *inputs)
     return cache[key]
