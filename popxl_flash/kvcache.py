@@ -101,6 +101,11 @@ MODEL_FILLS = (0.1, 0.5, 1.0)
 #: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
 #: + per_executed * executed steps (+ combine with splits)``.
 OPS_DECODE = dict(fixed=141, per_row=8, per_step=23, per_executed=18, combine=21)
+#: Ops the score modifiers add to a call, measured on the emulator (exact over three fills, one
+#: loop and split-KV): softcap per executed step; ALiBi per executed step and per call (the
+#: slopes laid out per group and negated: 4, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1
+#: with splits; the model counts ``[Hq]``). Skipped steps run none of them.
+OPS_MODS = dict(softcap=3, alibi=7, alibi_fixed=4)
 
 
 @dataclass(frozen=True)
@@ -273,13 +278,26 @@ def _balanced(length, target):
     return -(-length // count)
 
 
-def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
+def _mod_ops(dims, splits, softcap, alibi):
+    """``(per call, per executed step)`` ops of the score modifiers (:data:`OPS_MODS`)."""
+    fixed = per_step = 0
+    if softcap:
+        per_step += OPS_MODS["softcap"]
+    if alibi:
+        per_step += OPS_MODS["alibi"]
+        fixed += OPS_MODS["alibi_fixed"] + int(dims.batch > 1) + int(splits > 1)
+    return fixed, per_step
+
+
+def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=False,
+             alibi=False):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
     Args:
         dims: the call's :class:`Dims`; splits, chunk_kv: the structure; dtype: its name.
         lengths: the longest row's ``cache_seqlens + Lnew`` at which to count (``None``: the
             fills :data:`MODEL_FILLS` of the cache).
+        softcap, alibi: whether the call caps scores / adds ALiBi (ops :data:`OPS_MODS`).
 
     FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
@@ -305,12 +323,14 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     copied_mean = 0.0
     if lengths is None:
         lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
+    mod_fixed, mod_step = _mod_ops(dims, splits, softcap, alibi)
     for rows in lengths:
         executed = -(-rows // granule) * nq
         f = 4 * G * cq * chunk_kv * D * executed
         o = round(OPS_DECODE["fixed"] + OPS_DECODE["per_row"] * dims.batch
                   + OPS_DECODE["per_step"] * steps + OPS_DECODE["per_executed"] * executed
-                  + (OPS_DECODE["combine"] if splits > 1 else 0))
+                  + (OPS_DECODE["combine"] if splits > 1 else 0)
+                  + mod_fixed + mod_step * executed)
         flops.append(f)
         op_counts.append(o)
         copied = (steps - executed) * skip_bytes + executed * run_bytes
@@ -322,7 +342,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
 
 
 def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
-                  num_splits=None, chunk_kv=None):
+                  num_splits=None, chunk_kv=None, softcap=False, alibi=False):
     """Compare one long kv loop against split-KV for a cache call and choose.
 
     Candidates: chunks :data:`DECODE_CHUNKS` (balanced over each part, capped at its length)
@@ -336,6 +356,7 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         batch, q_len, cache_len, q_heads, kv_heads, head_dim: the call's sizes.
         dtype: ``"float16"`` or ``"float32"``.
         num_splits, chunk_kv: fix that part of the structure (``None``: choose).
+        softcap, alibi: the call's score modifiers (counted in the ops, :data:`OPS_MODS`).
 
     Returns:
         :class:`DecodeChoice`.
@@ -350,7 +371,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         part = -(-cache_len // s)
         chunks = (chunk_kv,) if chunk_kv is not None else sorted(
             {_balanced(part, c) for c in DECODE_CHUNKS})
-        candidates.extend(evaluate(dims, s, c, dtype) for c in chunks)
+        candidates.extend(evaluate(dims, s, c, dtype, softcap=softcap, alibi=alibi)
+                          for c in chunks)
     granular = [c for c in candidates if c.granule <= MAX_GRANULE] or candidates
     chosen = min(granular, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
     fixed = [name for name, value in (("num_splits", num_splits), ("chunk", chunk_kv))
@@ -364,15 +386,17 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
 
 
 def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
-            num_splits=None):
+            num_splits=None, softcap=0.0, alibi=False):
     """The decode structure choice of a :func:`flash_attn_with_kvcache` call (a
-    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill)."""
+    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill;
+    ``softcap > 0`` and ``alibi=True`` count the score modifiers' ops)."""
     return decode_choice(batch, q_len, cache_len, q_heads=q_heads,
                          kv_heads=q_heads if kv_heads is None else kv_heads,
-                         head_dim=head_dim, dtype=dtype, num_splits=num_splits)
+                         head_dim=head_dim, dtype=dtype, num_splits=num_splits,
+                         softcap=bool(softcap), alibi=bool(alibi))
 
 
-def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv):
+def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None):
     """``(splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a call."""
     if num_splits is not None:
         num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
@@ -383,7 +407,9 @@ def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv):
         chunk_kv = -(-dims.cache_len // n)
     choice = decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, dtype=dtype,
-                           num_splits=num_splits, chunk_kv=chunk_kv).chosen
+                           num_splits=num_splits, chunk_kv=chunk_kv,
+                           softcap=mods is not None and mods.softcap > 0,
+                           alibi=mods is not None and mods.alibi).chosen
     splits = choice.splits
     chunk_kv = min(choice.chunk_kv, -(-dims.cache_len // splits))
     per_part = -(-dims.cache_len // (splits * chunk_kv))
@@ -585,7 +611,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     window = check_window(window_size, name="window_size")
     return_lse = check_bool("return_lse", return_lse)
     splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
-                                                         num_chunks_q, num_chunks_kv)
+                                                         num_chunks_q, num_chunks_kv, mods)
     with popxl.name_scope("flash_attn_with_kvcache"):
         if k is not None:
             k_cache = write_rows_(k_cache, k, seqlens)

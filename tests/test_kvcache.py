@@ -311,6 +311,23 @@ def test_decode_model_counts_match_emulator(splits, fill):
     assert profile.loop_iterations == chosen.steps
 
 
+@emulator_only
+@pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
+def test_decode_model_counts_modifier_ops_exactly(splits, fill):
+    """softcap and ALiBi ([Hq] slopes) add exactly the model's ops to a decode step (the
+    harness's one more host load for the slopes aside), and no FLOPs."""
+    Lc, dims = 4096, kvcache.Dims(2, 1, 4096, 1, 4, 2, 64)
+    chunk = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
+                                  num_splits=splits, softcap=True, alibi=True).chosen.chunk_kv
+    plain, both = (kvcache.evaluate(dims, splits, chunk, lengths=(fill + 1,), softcap=m,
+                                    alibi=m) for m in (False, True))
+    base = decode_profile(Lc, fill, num_splits=splits)
+    modified = decode_profile(Lc, fill, num_splits=splits, softcap=30.0,
+                              slopes=geometric_slopes(4))
+    assert modified.matmul_flops == base.matmul_flops == both.flops[0]
+    assert modified.ops_executed - base.ops_executed == both.ops[0] - plain.ops[0] + 1
+
+
 def test_decode_choice_records_both_structures():
     choice = pf.kvcache.explain(2, 1, 4096, q_heads=4, kv_heads=2, head_dim=64)
     assert {c.splits for c in choice.candidates} >= {1, 2, 4}
