@@ -246,7 +246,7 @@ def test_modifiers_int_seqlens_and_no_new_rows():
     case = make_case(12, 2, 3, 30, 4, 1, 16, "float32", seqlens=[9, 9])
     check_case(case, "float32", causal=True, int_seqlens=True, num_splits=2, softcap=3.0,
                slopes=make_slopes("H", 2, 4))
-    case = make_case(13, 3, 2, 24, 2, 2, 8, "float32", Lnew=0, seqlens=[2, 24, 5])
+    case = make_case(13, 3, 2, 24, 2, 2, 8, "float32", Lnew=0, seqlens=[0, 24, 5])
     check_case(case, "float32", causal=True, num_chunks_kv=3, slopes=make_slopes("BH", 3, 2))
 
 
