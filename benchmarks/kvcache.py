@@ -18,12 +18,12 @@ With ``--markdown FILE`` the table replaces the section between the ``kvcache`` 
 regenerating ``docs/benchmarks.md`` with ``benchmarks.attention``.
 """
 import argparse
-import re
 import sys
 
 import numpy as np
 
 import popxl_flash as pf
+from benchmarks import sections
 from popxl_flash import devices, kvcache, popxl
 from popxl_flash.harness import run_graph
 
@@ -126,19 +126,8 @@ def markdown(argv, args, auto, rows):
 
 
 def update_section(path, section):
-    """Replace the marked section of ``path`` (or append it)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = ""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + section
-    with open(path, "w") as f:
-        f.write(text)
+    """Replace this benchmark's marked section of ``path`` (or append it)."""
+    sections.update_section(path, section, BEGIN, END)
 
 
 def _fills(text):

@@ -7,6 +7,9 @@ from popxl_flash.autodiff import autodiff, called_graphs_grad_info
 from popxl_flash.backend import BACKEND, popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash import costmodel
+from popxl_flash import context_parallel
+from popxl_flash.context_parallel import (context_parallel_attention,
+                                          context_parallel_attention_grad)
 from popxl_flash.config import AttentionConfig, explain
 from popxl_flash.flash_attn_interface import flash_attn_func, flash_attn_func_grad
 from popxl_flash.forward import FlashAttention
@@ -27,5 +30,6 @@ __all__ = [
     "flash_attn_func_grad",
     "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",
     "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache", "reachable_graphs",
+    "context_parallel", "context_parallel_attention", "context_parallel_attention_grad",
 ]
 __version__ = "0.1.0"

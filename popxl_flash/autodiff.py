@@ -101,7 +101,9 @@ def autodiff(graph, **kwargs):
             entries you pass in ``called_graphs_grad_info`` win over the generated ones.
             ``grads_required`` defaults to the graph's floating-point inputs (PopXL's default,
             every input, fails for integer inputs such as segment ids or ``cu_seqlens``,
-            which have no gradient).
+            which have no gradient), except those whose only path to the provided gradients
+            runs into a flash call's score-modifier inputs (ALiBi slopes, ``score_mod_inputs``:
+            no gradient by design).
 
     Returns:
         What ``popxl.transforms.autodiff`` returns.
@@ -114,7 +116,9 @@ def autodiff(graph, **kwargs):
     _check_not_differentiated(graph)
     n_outputs = len(graph.outputs)
     if kwargs.get("grads_required") is None:
-        kwargs["grads_required"] = [t for t in graph.inputs if t.dtype.is_floating_point]
+        modifier_only = _modifier_only_inputs(graph, kwargs.get("grads_provided"))
+        kwargs["grads_required"] = [t for t in graph.inputs if t.dtype.is_floating_point
+                                    and t.id not in modifier_only]
     given = dict(kwargs.pop("called_graphs_grad_info", None) or {})
     entries = called_graphs_grad_info(graph, kwargs.get("grads_provided"))
     entries.update(given)
@@ -190,14 +194,35 @@ def _differentiated_hint(graph, lse_id):
             "output; differentiate each forward graph once and reuse the first result")
 
 
-def _reaching(pb_ops, targets):
+def _modifier_only_inputs(graph, grads_provided):
+    """Ids of ``graph``'s inputs that reach the provided gradients only through the
+    score-modifier inputs of flash calls in ``graph`` (no gradient flows there)."""
+    provided = {t.id for t in (graph.outputs if grads_provided is None else grads_provided)}
+    pb_ops = graph._pb_graph.getOps()
+    every = _reaching(pb_ops, provided)
+    through_qkv = _reaching(pb_ops, provided, flash_inputs=3)
+    return {t.id for t in graph.inputs if t.id in every and t.id not in through_qkv}
+
+
+def _flash_call_with_modifiers(op):
+    """Whether a pb op calls a flash forward graph that has score-modifier inputs."""
+    if op.opType() != "Call":
+        return False
+    record = provenance.forward_record(popxl.Graph._from_pb(op.getCalledGraphs()[0]))
+    return record is not None and record.config is not None and record.config.mods is not None
+
+
+def _reaching(pb_ops, targets, flash_inputs=None):
     """Tensor ids with a path to ``targets`` (reverse passes until nothing changes, so the
-    order ``getOps`` returns does not matter)."""
+    order ``getOps`` returns does not matter); with ``flash_inputs``, a flash call with score
+    modifiers passes the path on to its first ``flash_inputs`` inputs only (q, k, v)."""
     reach, changed = set(targets), True
     while changed:
         changed = False
         for op in reversed(pb_ops):
             ins = {t.id for t in op.getInputTensors()}
+            if flash_inputs is not None and _flash_call_with_modifiers(op):
+                ins = {t.id for t in op.getInputTensors()[:flash_inputs]}
             if not ins <= reach and any(t.id in reach for t in op.getOutputTensors()):
                 reach |= ins
                 changed = True
@@ -211,7 +236,9 @@ def _flash_grad_info(fwd):
         ir = fwd.ir
         q, k, v, *segments = fwd.inputs  # segment ids (and positions): int32, no gradient
         out, lse = fwd.outputs[:2]
-        module = FlashAttentionGrad(**provenance.forward_record(fwd).options)
+        record = provenance.forward_record(fwd)
+        module = (record.grad_module() if record.grad_module is not None
+                  else FlashAttentionGrad(**record.options))
         with ir.main_graph:
             grad = ir.create_graph(module, out.spec, q.spec, k.spec, v.spec, out.spec, lse.spec,
                                    *(t.spec for t in segments))

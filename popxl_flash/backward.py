@@ -27,7 +27,7 @@ Per visited block (5 matmuls; statistics and accumulators float32)::
     dq_i += dS k_j                                 (times scale once, after the loops)
     dk_j += dS^T q_i                               (times scale once, after the loops)
 """
-from popxl_flash import blocks
+from popxl_flash import blocks, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.module import AttentionModule
 
@@ -37,25 +37,26 @@ _mm = blocks.matmul_f32
 _fold, _unfold = blocks.fold_heads, blocks.unfold_heads
 
 
-def probabilities(cfg, q_i, k_j, lse_i, visible=None):
+def probabilities(cfg, q_i, k_j, lse_i, visible=None, s=None):
     """The block's softmax probabilities recomputed from the stashed lse.
 
     Args:
         q_i: ``[G, rows, D]``; k_j: ``[Gk, cols, D]``; lse_i: float32 ``[G, rows, 1]`` (0 for
             rows that see nothing, so no ``s + inf``); visible: ``None`` or bool mask
-            ``[1 or G, rows, cols]``.
+            ``[1 or G, rows, cols]``; s: the (modified) scores if already computed.
 
     Returns:
         float32 ``P [G, rows, cols]``, exactly 0 on masked cells (``exp(MASKED_SCORE)``).
     """
-    s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
+    if s is None:
+        s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
     if visible is None:
         return ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
     masked = blocks.scalar(blocks.MASKED_SCORE, blocks.float32())
     return ops.exp(ops.where(visible, s - lse_i, masked))
 
 
-def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_t,
+def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_t, *extra,
                       visible=None):
     """One block of the backward (dq and dk without the factor ``scale``: applied once after
     the loops).
@@ -68,17 +69,28 @@ def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_t,
             :func:`blocks.fold_heads`, so dk_j and dv_j sum over the q groups sharing a kv
             group inside the matmul).
         lse_i, dvec_i: float32 ``[G, rows, 1]``.
+        extra: with score modifiers, the step's modifier operands
+            (:func:`popxl_flash.score_mods.step_operands`).
         visible: ``None`` (full block) or bool ``[1 or G, rows, cols]``.
 
     Returns:
         Updated ``(dq_i, dk_j, dv_j)``.
     """
-    p = probabilities(cfg, q_i, k_j, lse_i, visible)  # [G, rows, cols]
+    s = None
+    if cfg.mods is not None:  # softcap, ALiBi, score_mod; chain: dS of the modified scores -> dS
+        s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
+        s, chain = score_mods.modify(cfg, s, extra, backward=True)
+    p = probabilities(cfg, q_i, k_j, lse_i, visible, s)  # [G, rows, cols]
     do_f = _fold(cfg, do_i)  # [Gk, r*rows, D]
-    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p)).transpose((0, 2, 1))  # [Gk, cols, r*rows]
+    p_drop = p if cfg.mods is None else score_mods.drop(cfg, p, extra)  # P * keep / (1 - p)
+    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))  # [Gk, cols, r*rows]
     dv_j = dv_j + _mm(p_t, do_f)  # [Gk, cols, D]
     dp = _unfold(cfg, _mm(do_f, v_t))  # [G, rows, cols]
-    ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*rows, cols]
+    if cfg.mods is None:
+        ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*rows, cols]
+    else:  # dP = dP_dropped * keep / (1 - p); dS through the score modifiers
+        ds = chain(p * (score_mods.drop(cfg, dp, extra) - dvec_i))
+        ds = _fold(cfg, blocks.to_input_dtype(cfg, ds))
     dq_i = dq_i + _unfold(cfg, _mm(ds, k_j))  # [G, rows, D]
     dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i))  # [Gk, cols, D]
     return dq_i, dk_j, dv_j
@@ -111,25 +123,24 @@ class FlashAttentionGrad(AttentionModule):
             sharing each kv group);
         lse: float32 ``[G, Lq]`` from :class:`popxl_flash.FlashAttention`.
         q_segment_ids, kv_segment_ids, q_positions, kv_positions: optional, the forward's.
+        then the forward's score-modifier inputs (alibi slopes, seed, score_mod inputs).
 
     Returns:
         dq, dk, dv with the shapes and dtype of q, k, v.
     """
 
-    def config(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
-               q_positions=None, kv_positions=None):
+    def config(self, dout, q, k, v, out, lse, *inputs):
         """Validate all specs against the options (an :class:`AttentionConfig`)."""
-        cfg = self.attention_config(q, k, v, (q_segment_ids, kv_segment_ids, q_positions,
-                                              kv_positions))
+        cfg = self.attention_config(q, k, v, *score_mods.split_inputs(self.options["mods"],
+                                                                       inputs))
         for name, t in (("dout", dout), ("out", out)):
             cfg.check_like(name, t.shape, t.dtype.name, q.shape, cfg.dtype)
         cfg.check_like("lse", lse.shape, lse.dtype.name, (cfg.groups, cfg.q_len), "float32")
         return cfg
 
-    def build(self, dout, q, k, v, out, lse, q_segment_ids=None, kv_segment_ids=None,
-              q_positions=None, kv_positions=None):
-        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-        cfg = self.config(dout, q, k, v, out, lse, *segment_inputs)
+    def build(self, dout, q, k, v, out, lse, *inputs):
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        cfg = self.config(dout, q, k, v, out, lse, *inputs)
         f32 = blocks.float32()
         G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
         Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
@@ -144,4 +155,4 @@ class FlashAttentionGrad(AttentionModule):
         state = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
                  for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
         return self.run_pass(cfg, loop_spec(), "kv_major", operands, state, segment_inputs,
-                             lambda *acc: _finish(cfg, *acc))
+                             lambda *acc: _finish(cfg, *acc), extras)

@@ -16,7 +16,7 @@ from typing import Callable, Tuple
 
 import numpy as np
 
-from popxl_flash import segments, steps
+from popxl_flash import score_mods, segments, steps
 from popxl_flash.backend import popxl
 
 ops = popxl.ops
@@ -119,8 +119,10 @@ class LoopSpec:
     """What one pass's loop step computes.
 
     Attributes:
-        update: ``update(cfg, *state_slices, *operand_slices, visible=None) -> new state
-            slices``, the per-block math (``online_softmax_update``, ``grad_block_update``).
+        update: ``update(cfg, *state_slices, *operand_slices, *modifier_operands,
+            visible=None) -> new state slices``, the per-block math
+            (``online_softmax_update``, ``grad_block_update``; the modifier operands only with
+            score modifiers, :mod:`popxl_flash.score_mods`).
         state_sides: per state tensor (by reference, updated in place), whether axis 1 runs
             over q rows (``"q"``) or kv rows (``"kv"``).
         operand_axes: per read-only operand, ``(side, axis)``: the axis sliced to the step's
@@ -171,11 +173,13 @@ def _skipped_step(*state):
     return [ops.identity(x) for x in state]
 
 
-def _group_body(spec, cfg, group, state_specs, seg_specs, t, *operands):
+def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *operands):
     """Repeat body: one step of ``group``. Inputs: the step counter ``t [1]`` (carried), the
     read-only operands (by value: the lowering aliases them), the state tensors by reference
     (created here, :func:`popxl.graph_input`), then with segment ids the padded ids (and
-    positions) and the group's runtime block classes.
+    positions) and the group's runtime block classes, then with score modifiers their
+    loop-invariant tensors (by value; :mod:`popxl_flash.score_mods`), which each step turns
+    into operands the update takes after its own.
 
     Returns:
         ``t + 1``.
@@ -184,6 +188,8 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, t, *operands):
              for n, (shape, dtype) in enumerate(state_specs)]
     seg = [popxl.graph_input(shape, dtype, f"segment{n}")
            for n, (shape, dtype) in enumerate(seg_specs)]
+    extras = [popxl.graph_input(shape, dtype, f"modifier{n}")
+              for n, (shape, dtype) in enumerate(extra_specs)]
     offsets = {"q": entry(_table(group.q_row), t), "kv": entry(_table(group.kv_row), t)}
     lengths = {"q": group.rows, "kv": group.cols}
     operand_slices = [_slice(x, offsets[side], axis, lengths[side])
@@ -191,12 +197,17 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, t, *operands):
     state_slices = [rows(x, offsets[side], lengths[side])
                     for x, side in zip(state, spec.state_sides)]
     visible = _pattern(group, t)
+    seg_operands = []
+    if seg:
+        seg_operands = segments.step_operands(cfg, seg[:-1], offsets["q"], offsets["kv"],
+                                              (group.rows, group.cols))
+    if cfg.mods is not None:  # ALiBi, score_mod, dropout: operands after the update's own
+        operand_slices += score_mods.step_operands(cfg, extras, offsets["q"], offsets["kv"],
+                                                   (group.rows, group.cols), seg_operands)
     if not seg:
         new = spec.update(cfg, *state_slices, *operand_slices, visible=visible)
     else:
-        *seg_tensors, classes = seg
-        seg_operands = segments.step_operands(cfg, seg_tensors, offsets["q"], offsets["kv"],
-                                              (group.rows, group.cols))
+        classes = seg[-1]
         new = _dispatch(spec, cfg, entry(classes, t), state_slices,
                         [*operand_slices, *seg_operands], len(seg_operands), visible)
     for x, side, value in zip(state, spec.state_sides, new):
@@ -259,20 +270,22 @@ class PassLoops:
         operands: the read-only operand tensors (specs used).
         state: the state tensors (specs used).
         seg: with segment ids, the padded ids (and positions) (specs used).
+        extras: with score modifiers, their prepared loop-invariant tensors (specs used).
     """
 
-    def __init__(self, spec, cfg, order, operands, state, seg=()):
+    def __init__(self, spec, cfg, order, operands, state, seg=(), extras=()):
         self.cfg, self.spec = cfg, spec
         self.groups = steps.step_groups(cfg.schedule, order)
         ir = popxl.gcg().ir
         # (shape, dtype) pairs, not specs: create_graph would make graph inputs of specs
         state_specs = tuple((t.shape, t.dtype) for t in state)
         seg_specs = tuple((t.shape, t.dtype) for t in seg)
+        extra_specs = tuple((t.shape, t.dtype) for t in extras)
         self.graphs = []
         for group in self.groups:
             extra = seg_specs + (((group.steps,), popxl.int32),) if seg_specs else ()
             self.graphs.append(ir.create_graph(
-                _group_body, spec, cfg, group, state_specs, extra,
+                _group_body, spec, cfg, group, state_specs, extra, extra_specs,
                 popxl.TensorSpec((1,), popxl.int32), *[t.spec for t in operands]))
 
     def step_classes(self, classes):
@@ -282,13 +295,13 @@ class PassLoops:
             return [None] * len(self.groups)
         return [segments.step_classes(classes, g.q_chunk, g.kv_chunk) for g in self.groups]
 
-    def run(self, operands, state, seg=(), step_classes=None):
+    def run(self, operands, state, seg=(), step_classes=None, extras=()):
         """One ``repeat`` per group, updating ``state`` in place (call inside
         :func:`in_order`)."""
         step_classes = step_classes or [None] * len(self.groups)
         for group, graph, cls in zip(self.groups, self.graphs, step_classes):
             extra = list(seg) + ([cls] if cls is not None else [])
-            ops.repeat(graph, group.steps, counter(0), *operands, *state, *extra)
+            ops.repeat(graph, group.steps, counter(0), *operands, *state, *extra, *extras)
 
 
 def fold_heads(cfg, t):

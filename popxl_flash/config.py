@@ -200,6 +200,8 @@ class AttentionConfig:
         window: ``(left, right)``, ``-1`` = unbounded.
         segments: ``None``, or the :class:`~popxl_flash.segments.SegmentConfig` of runtime
             segment ids (and positions) given with the data.
+        mods: ``None``, or the :class:`~popxl_flash.score_mods.ScoreMods` of the call
+            (softcap, ALiBi, score_mod, dropout).
     """
     groups: int
     kv_groups: int
@@ -215,6 +217,7 @@ class AttentionConfig:
     scale: float
     window: Tuple[int, int]
     segments: Optional[SegmentConfig] = None
+    mods: Optional[object] = None
 
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
@@ -361,7 +364,8 @@ class AttentionConfig:
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
-            num_chunks_q=None, num_chunks_kv=None, kv_groups=None) -> "costmodel.ChunkChoice":
+            num_chunks_q=None, num_chunks_kv=None, kv_groups=None, score_mod=None,
+            score_mod_inputs=()) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -373,19 +377,35 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
             fixes that axis's chunk length and only the other is chosen.
         kv_groups: Gk, the groups of k and v (``None``: ``groups``; grouped-query attention:
             a divisor of ``groups``).
+        score_mod, score_mod_inputs: a ``score_mod`` function and the ``popxl.TensorSpec`` of
+            its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
+            Ir; the chunk choice itself does not see it).
 
     Returns:
         :class:`popxl_flash.costmodel.ChunkChoice`: ``chosen`` (the chunking
         ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
         (FLOPs, iterations) and modelled figures (ops, bytes copied under PopART's rules,
         working set, fit, time), the loop ``structures`` weighed at the chosen chunking
-        (:func:`popxl_flash.costmodel.structures`), and ``table()`` to print them.
+        (:func:`popxl_flash.costmodel.structures`), and ``table()`` to print them. With
+        ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.score_mods.ScoreModCost`
+        and ``table()`` ends with its line.
     """
     kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
     cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
                                       num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                                       causal=causal, window=window)
-    return costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
-                            causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
-                            chunk_q=None if num_chunks_q is None else cfg.chunk_q,
-                            chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+    choice = costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                              causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
+                              chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                              chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+    if score_mod is None:
+        return choice
+    from popxl_flash import score_mods
+    chosen = choice.chosen
+    sched = _schedule.plan(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, causal=causal,
+                           window=cfg.window)
+    mod_cost = score_mods.cost(score_mod, groups=groups, chunk_q=chosen.chunk_q,
+                               chunk_kv=chosen.chunk_kv, steps=chosen.iterations,
+                               cells=sched.executed_elements,
+                               input_specs=tuple(score_mod_inputs))
+    return score_mods.with_score_mod_cost(choice, mod_cost)

@@ -276,6 +276,11 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
         classes: with segments, int ``[nq, nkv]`` runtime block classes (``RT_SKIP``,
             ``RT_FULL``, ``RT_MASKED``); ``None``: every block ``RT_MASKED``.
 
+    Score modifiers (:mod:`popxl_flash.score_mods`) are not counted: without segment ids their
+    loop-invariant inputs are aliased like the operands (no change), but with segment ids the
+    branches also receive each step's modifier operands (ALiBi positions and slopes, dropout's
+    keep scale, score_mod inputs), which this count leaves out.
+
     Returns:
         ``{kind: bytes}`` over :data:`COPY_KINDS`.
     """

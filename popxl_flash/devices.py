@@ -13,6 +13,8 @@ Names (used by the harness, the demo, the benchmarks and the tests):
 On the emulator the same route builds the emulator's ``DeviceInfo``, which knows its tiles and
 memory, so ``session.profile.fits_device`` says whether the run's peak would fit.
 """
+import math
+
 from popxl_flash.backend import BACKEND
 
 NAMES = ("ipu_model", "ipu_hw", "cpu")
@@ -34,11 +36,14 @@ def default_device():
     return "ipu_hw" if BACKEND == "popxl" else "ipu_model"
 
 
-def session_device(name):
+def session_device(name, replicas=1):
     """The ``device_desc`` for ``popxl.Session`` that ``name`` stands for.
 
     Args:
         name: one of :data:`NAMES`.
+        replicas: the Ir's replication factor: the full-size model gets one IPU per replica,
+            rounded up to a power of two as ``popxl.Session`` asks for (``"ipu_hw"`` and
+            ``"cpu"`` are left to ``popxl.Session``, which sizes them itself).
 
     Returns:
         A ``DeviceInfo`` (full-size IPU model) or the device string.
@@ -46,5 +51,7 @@ def session_device(name):
     if name not in NAMES:
         raise ValueError(f"device must be one of {NAMES}, got {name!r}")
     if name == "ipu_model":
-        return popart_module().DeviceManager().createIpuModelDevice(dict(FULL_IPU_MODEL))
+        num_ipus = 2 ** math.ceil(math.log2(replicas))
+        return popart_module().DeviceManager().createIpuModelDevice(
+            dict(FULL_IPU_MODEL, numIPUs=num_ipus))
     return name

@@ -18,12 +18,15 @@ Heads flatten batch-major (``g = b * H + h``), so grouped-query and multi-query 
 q head ``h`` reads kv head ``h // (Hq // Hkv)`` of its own batch entry, flash-attn's convention.
 """
 from collections import namedtuple
+from dataclasses import replace
 
-from popxl_flash import provenance
+from popxl_flash import provenance, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool, check_scale, check_window
 from popxl_flash.functional import (check_stash_options, check_tensors, flash_attention,
-                                    flash_attention_grad, keyword_hints)
+                                    flash_attention_grad, keyword_hints, modifier_inputs)
+
+ops = popxl.ops
 
 #: Accepted ``layout`` values: flash-attn's ``[B, L, H, D]`` and PyTorch SDPA's ``[B, H, L, D]``.
 LAYOUTS = ("BLHD", "BHLD")
@@ -35,11 +38,9 @@ KEYWORD_HINTS = {
     "window": "flash_attn_func calls it window_size= (window= is pf.flash_attention's name)",
     "is_causal": "flash_attn_func calls it causal= (PyTorch SDPA's is_causal)",
     "attn_mask": "mask tensors are not supported; use causal= and window_size=",
-    "dropout_p": "attention dropout is not supported",
-    "softcap": "score soft-capping is not supported",
-    "alibi_slopes": "ALiBi is not supported",
-    "return_attn_probs": "the probabilities are never materialised; return_lse=True returns "
-                         "(out, lse)",
+    "dropout": "flash_attn_func calls it dropout_p= (dropout= is pf.flash_attention's name)",
+    "return_dropout_mask": "flash_attn_func calls it return_attn_probs= (it returns the "
+                           "dropout keep mask)",
 }
 
 #: The sizes of one call, in flash-attn's names.
@@ -135,8 +136,11 @@ def _from_groups(t, batch, heads, layout):
 
 
 @keyword_hints(KEYWORD_HINTS)
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    return_lse=False, layout="BLHD", num_chunks_q=None, num_chunks_kv=None):
+def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    return_attn_probs=False, return_lse=False, layout="BLHD",
+                    num_chunks_q=None, num_chunks_kv=None, seed=None, score_mod=None,
+                    score_mod_inputs=()):
     """flash-attn's ``flash_attn_func`` on PopXL tensors: exact attention, O(L) memory.
 
     The options are keyword-only (flash-attn's fourth positional parameter is ``dropout_p``,
@@ -156,30 +160,123 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         layout: ``"BLHD"`` (flash-attn, default) or ``"BHLD"`` (PyTorch SDPA) for q, k, v and
             out.
         num_chunks_q, num_chunks_kv: chunk counts, as :func:`popxl_flash.flash_attention`.
+        dropout_p: dropout probability on the attention probabilities, in ``[0, 1)``; needs
+            ``seed``, a uint32 ``[2]`` tensor (PopXL's random seed).
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)``.
+        alibi_slopes: ``None`` or float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: scores get
+            ``-slope * |i + Lkv - Lq - j|``.
+        return_attn_probs: also return the dropout keep mask, bool ``[B, Hq, Lq, Lkv]``
+            (needs ``dropout_p > 0``; O(Lq Lkv): tests at small sizes). flash-attn returns
+            its ``S_dmask`` there.
+        score_mod, score_mod_inputs: as :func:`popxl_flash.flash_attention` (``g`` is the
+            ``b * Hq + h`` group index).
 
     Returns:
         out ``[B, Lq, Hq, D]`` (``[B, Hq, Lq, D]``) in q's dtype; with ``return_lse``,
-        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` where a row sees no key).
+        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` where a row sees no key);
+        with ``return_attn_probs``, ``(out, lse, keep_mask)``.
     """
     check_tensors(q=q, k=k, v=v)
     dims = _check_shapes(q, k, v, layout)
     options, return_lse = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse)
+    return_probs = check_bool("return_attn_probs", return_attn_probs)
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes,
+                                 score_mod=score_mod, score_mod_inputs=score_mod_inputs,
+                                 dropout_p=dropout_p, seed=seed,
+                                 return_attn_probs=return_probs)
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
-        out, lse = flash_attention(*groups, return_lse=True, **options)
+        modifiers = group_slopes(modifiers, dims)
+        result = flash_attention(*groups, return_lse=True, return_dropout_mask=return_probs,
+                                 **options, **modifiers)
+        out, lse = result[0], result[1]
         out_l = _from_groups(out, dims.batch, dims.q_heads, layout)
         lse_l = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
+        if return_probs:  # [B*H, Lq, Lkv] -> [B, H, Lq, Lkv]
+            mask = result[2].reshape((dims.batch, dims.q_heads, dims.q_len, dims.kv_len))
     provenance.record_alias(out_l, out)
     provenance.record_alias(lse_l, lse)
+    if return_probs:
+        return out_l, lse_l, mask
     return (out_l, lse_l) if return_lse else out_l
 
 
+def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, score_mod_inputs,
+                     dropout_p, seed, return_attn_probs, backward=False):
+    """flash-attn's score-modifier and dropout options -> the core's keywords, validated
+    (before any graph or scope is opened; a ``score_mod``'s graphs are built here, so its
+    errors come before the scope too).
+
+    Args:
+        dims: the call's :class:`Dims`; qkv: the tensors; options: the core options
+            (:func:`core_options`); backward: also build the score_mod's gradient graph; the
+            rest: flash-attn's names.
+
+    Returns:
+        Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
+        ``[H]`` or ``[B, H]``: :func:`group_slopes` reshapes it inside the scope).
+    """
+    if alibi_slopes is not None:
+        check_tensors(alibi_slopes=alibi_slopes)
+        shape = tuple(alibi_slopes.shape)
+        if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
+                alibi_slopes.dtype.name != "float32":
+            raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
+                             f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
+                             f"{alibi_slopes.dtype.name}")
+    mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                              score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed,
+                              dropout_name="dropout_p")
+    if return_attn_probs and (mods is None or mods.dropout == 0):
+        raise ValueError("return_attn_probs=True needs dropout_p > 0 (it returns the dropout "
+                         "keep mask; the probabilities are never materialised)")
+    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                     score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
+    if mods is not None and mods.score_mod is not None:
+        score_mods.prebuild(grouped_config(dims, qkv, options, modifiers), backward)
+    return modifiers
+
+
+def grouped_config(dims, qkv, options, modifiers):
+    """The core's :class:`AttentionConfig` of a flash-attn call (``[B·H, L, D]`` groups), with
+    its score modifiers."""
+    G, Gk = dims.batch * dims.q_heads, dims.batch * dims.kv_heads
+    kv_shape = (Gk, dims.kv_len, dims.head_dim)
+    cfg = AttentionConfig.from_shapes((G, dims.q_len, dims.head_dim), kv_shape, kv_shape,
+                                      tuple(t.dtype.name for t in qkv), **options)
+    mods, _ = modifier_inputs(**modifiers)
+    if mods is None:
+        return cfg
+    specs = tuple((tuple(t.shape), t.dtype.name)
+                  for t in mods_inputs(modifiers["score_mod_inputs"]))
+    return replace(cfg, mods=replace(mods, mod_input_specs=specs))
+
+
+def mods_inputs(score_mod_inputs):
+    """``score_mod_inputs`` as a tuple (one tensor alone is accepted)."""
+    return (score_mod_inputs,) if isinstance(score_mod_inputs, popxl.Tensor) else \
+        tuple(score_mod_inputs)
+
+
+def group_slopes(modifiers, dims):
+    """``alibi_slopes`` ``[H]`` or ``[B, H]`` -> the core's float32 ``[G]`` (``G = B * H``,
+    batch-major; ``[H]`` is repeated for every batch entry)."""
+    slopes = modifiers.get("alibi_slopes")
+    if slopes is None:
+        return modifiers
+    if len(slopes.shape) == 1 and dims.batch > 1:
+        slopes = ops.concat([slopes.reshape((1, dims.q_heads))] * dims.batch, axis=0)
+    return dict(modifiers, alibi_slopes=slopes.reshape((dims.batch * dims.q_heads,)))
+
+
 @keyword_hints(KEYWORD_HINTS)
-def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, softmax_scale=None, causal=False,
-                         window_size=(-1, -1), layout="BLHD", num_chunks_q=None,
-                         num_chunks_kv=None):
+def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, softmax_scale=None,
+                         causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                         layout="BLHD", num_chunks_q=None, num_chunks_kv=None, seed=None,
+                         score_mod=None, score_mod_inputs=()):
     """Hand-written backward of :func:`flash_attn_func`: gradients of q, k and v.
 
     The counterpart of :func:`popxl_flash.flash_attention_grad` in flash-attn's names, defaults
@@ -197,7 +294,10 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, softmax_scale=Non
         out, lse: the forward's ``out`` (layout of q) and ``lse`` (float32 ``[B, Hq, Lq]``),
             or both ``None``.
         softmax_scale, causal, window_size, layout, num_chunks_q, num_chunks_kv: the
-            forward's options (chunk counts may differ: they do not change the result).
+            forward's options (chunk counts may differ: they do not change the result, except
+            with dropout).
+        dropout_p, seed, softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's
+            score modifiers and dropout, as :func:`flash_attn_func`.
 
     Returns:
         ``(dq, dk, dv)`` in the layout, shapes and dtype of q, k, v (grouped-query: dk and dv
@@ -211,18 +311,23 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, softmax_scale=Non
     options, _ = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, return_lse=False)
-    stash = _check_stash(out, lse, dims, q, layout, options)
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                 score_mod_inputs=score_mod_inputs, dropout_p=dropout_p,
+                                 seed=seed, return_attn_probs=False, backward=True)
+    stash = _check_stash(out, lse, dims, q, layout, options, modifiers)
     with popxl.name_scope("flash_attn_func_grad"):
         groups = [_to_groups(t, layout) for t in (dout, q, k, v)]  # [B*H, L, D]
         if stash:
             stash = (_to_groups(out, layout),
                      lse.reshape((dims.batch * dims.q_heads, dims.q_len)))  # [B*Hq, Lq]
-        grads = flash_attention_grad(*groups, *(stash or (None, None)), **options)
+        grads = flash_attention_grad(*groups, *(stash or (None, None)), **options,
+                                     **group_slopes(modifiers, dims))
         heads = (dims.q_heads, dims.kv_heads, dims.kv_heads)
         return tuple(_from_groups(g, dims.batch, h, layout) for g, h in zip(grads, heads))
 
 
-def _check_stash(out, lse, dims, q, layout, options):
+def _check_stash(out, lse, dims, q, layout, options, modifiers):
     """Validate a stash pair of :func:`flash_attn_func_grad`; returns whether one is given."""
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
@@ -237,9 +342,8 @@ def _check_stash(out, lse, dims, q, layout, options):
     if tuple(lse.shape) != want or lse.dtype.name != "float32":
         raise ValueError(f"lse must be float32 [B, Hq, Lq] = {want}, got {tuple(lse.shape)} "
                          f"{lse.dtype.name}")
-    kv = (dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim)
-    cfg = AttentionConfig.from_shapes((dims.batch * dims.q_heads, dims.q_len, dims.head_dim),
-                                      kv, kv, (q.dtype.name,) * 3, **options)
-    check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale and window_size",
+    cfg = grouped_config(dims, (q, q, q), options, modifiers)
+    check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale, window_size and "
+                        "score modifiers (with dropout_p, also the chunk counts)",
                         out=out, lse=lse)
     return True

@@ -30,14 +30,14 @@ Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
 """
 import numpy as np
 
-from popxl_flash import blocks
+from popxl_flash import blocks, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.module import AttentionModule
 
 ops = popxl.ops
 
 
-def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, visible=None):
+def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, *extra, visible=None):
     """One block of the online softmax.
 
     Args:
@@ -48,6 +48,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, visible=None):
         q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]``; v_j: ``[Gk, cols, D]``, in the
             input dtype (``Gk < G``: grouped-query attention; the matmuls fold q's groups,
             :func:`blocks.fold_heads`).
+        extra: with score modifiers, the step's modifier operands
+            (:func:`popxl_flash.score_mods.step_operands`).
         visible: ``None`` (full block) or bool ``[1 or G, rows, cols]`` mask.
 
     Returns:
@@ -55,6 +57,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, visible=None):
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_t)  # [G, rows, cols]
+    if cfg.mods is not None:  # softcap, ALiBi, score_mod
+        s = score_mods.modify(cfg, s, extra)
     s_max = s
     if visible is not None:
         s_max = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
@@ -70,6 +74,8 @@ def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, visible=None):
     # m_new is MASKED_SCORE too), and alpha then multiplies zeros.
     alpha = blocks.exp_diff(m_i, m_new)  # [G, rows, 1]
     l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
+    if cfg.mods is not None:  # dropout: P V with P * keep / (1 - p); l_i keeps the full P
+        p = score_mods.drop(cfg, p, extra)
     p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*rows, cols]
     pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, rows, D]
     return m_new, l_new, alpha * acc + pv
@@ -116,21 +122,22 @@ class FlashAttention(AttentionModule):
             (packed sequences, -1 = padding; see :mod:`popxl_flash.segments`).
         q_positions, kv_positions: optional int32, the ids' shapes (the varlen API's
             bottom-right positions: causal and window compare them).
+        then, with ``mods`` (:func:`popxl_flash.score_mods.options`): ``alibi_slopes``
+            float32 ``[G]`` (if ``mods.alibi``), ``seed`` uint32 ``[2]`` (if dropout), the
+            score_mod inputs (positional, after the segment inputs given).
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype and lse float32 ``[G, Lq]``.
     """
 
-    def config(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-               kv_positions=None):
+    def config(self, q, k, v, *inputs):
         """Validate the inputs' specs against the options (an :class:`AttentionConfig`)."""
-        return self.attention_config(q, k, v, (q_segment_ids, kv_segment_ids, q_positions,
-                                               kv_positions))
+        return self.attention_config(q, k, v, *score_mods.split_inputs(self.options["mods"],
+                                                                        inputs))
 
-    def build(self, q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-              kv_positions=None):
-        segment_inputs = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-        cfg = self.config(q, k, v, *segment_inputs)
+    def build(self, q, k, v, *inputs):
+        segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
+        cfg = self.config(q, k, v, *inputs)
         G, D, Lq_pad, f32 = cfg.groups, cfg.head_dim, cfg.padded_q_len, blocks.float32()
         q_pad = blocks.pad_rows(q, Lq_pad)
         k_t = blocks.pad_rows(k, cfg.padded_kv_len).transpose_((0, 2, 1))  # [Gk, D, Lkv_pad] view
@@ -139,4 +146,4 @@ class FlashAttention(AttentionModule):
         l = ops.init((G, Lq_pad, 1), f32, init_type="zero")
         acc = ops.init((G, Lq_pad, D), f32, init_type="zero")
         return self.run_pass(cfg, loop_spec(), "q_major", (q_pad, k_t, v_pad), (m, l, acc),
-                             segment_inputs, lambda *state: finalise(cfg, *state))
+                             segment_inputs, lambda *state: finalise(cfg, *state), extras)

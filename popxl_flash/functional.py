@@ -24,7 +24,7 @@ and with ``Lq = 5, Lkv = 2`` (the first three rows see nothing: output 0, lse -i
 """
 import functools
 
-from popxl_flash import provenance
+from popxl_flash import provenance, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.backward import FlashAttentionGrad
 from popxl_flash.config import AttentionConfig, check_bool
@@ -48,7 +48,8 @@ CORE_KEYWORD_HINTS = {
                     "takes flash-attn's cu_seqlens and [total, H, D] tensors)",
     "key_padding_mask": "pass kv_segment_ids= with -1 on padding keys (and q_segment_ids= "
                         "with 0 elsewhere)",
-    "dropout_p": "attention dropout is not supported",
+    "dropout_p": "this API calls it dropout= (with seed=, a uint32 [2] tensor)",
+    "return_attn_probs": "this API returns the dropout keep mask with return_dropout_mask=True",
 }
 
 
@@ -106,7 +107,7 @@ def _check_rank3(**tensors):
                              "pf.flash_attn_func, or reshape to [B*H, L, D]")
 
 
-def _cached_graph(module, inputs):
+def _cached_graph(module, inputs, config=None):
     """The graph of ``module`` for ``inputs``' specs: created once per Ir and configuration.
 
     The key is the module class, its validated :class:`AttentionConfig` (which holds every
@@ -117,6 +118,8 @@ def _cached_graph(module, inputs):
     Args:
         module: a ``FlashAttention`` or ``FlashAttentionGrad``.
         inputs: the tensors its ``build`` takes.
+        config: what else the graph depends on, hashable; default ``module.config(*inputs)``
+            (other attention modules, such as context parallelism's, pass their own).
 
     Returns:
         The ``popxl.Graph``.
@@ -127,7 +130,7 @@ def _cached_graph(module, inputs):
         cache = {}
         setattr(ir, _GRAPH_CACHE_ATTR, cache)
     specs = tuple((tuple(t.shape), t.dtype.name) for t in inputs)
-    key = (type(module), module.config(*inputs), specs)
+    key = (type(module), module.config(*inputs) if config is None else config, specs)
     if key not in cache:
         cache[key] = ir.create_graph(module, *inputs)
     return cache[key]
@@ -160,7 +163,9 @@ def _segment_inputs(q_segment_ids, kv_segment_ids, q_positions=None, kv_position
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                    window=None, return_lse=False, q_segment_ids=None, kv_segment_ids=None):
+                    window=None, return_lse=False, q_segment_ids=None, kv_segment_ids=None,
+                    softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(),
+                    dropout=0.0, seed=None, return_dropout_mask=False):
     """Exact attention with O(L) memory: ``softmax(scale * q k^T + mask) v``.
 
     Args:
@@ -182,26 +187,97 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
             sees key j only if ``q_segment_ids[i] == kv_segment_ids[j] >= 0`` and the static
             mask allows it; a negative id is padding (sees nothing, seen by nothing). Blocks
             whose chunks share no segment are skipped at run time (no matmul).
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)`` (Gemma 2); 0 = off.
+        alibi_slopes: ``None`` or float32 ``[G]`` runtime tensor: scores get
+            ``-slope[g] * |i + Lkv - Lq - j|`` (ALiBi, FlashAttention-2's form).
+        score_mod: ``None`` or ``score_mod(score, g, q_idx, kv_idx, *score_mod_inputs)``
+            building PopXL ops on one block (see ``docs/user-guide.md``); elementwise in
+            ``score``; its gradient comes from ``popxl.transforms.autodiff``.
+        score_mod_inputs: tensors passed to ``score_mod`` (by value, no gradient).
+        dropout: probability in ``[0, 1)`` of dropping an attention probability (kept ones
+            are scaled by ``1 / (1 - dropout)``); needs ``seed``.
+        seed: uint32 ``[2]`` tensor (PopXL's random seed) when ``dropout > 0``.
+        return_dropout_mask: also return the keep mask, bool ``[G, Lq, Lkv]``: O(Lq Lkv)
+            memory and ops, for tests at small sizes.
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)`` where lse is
-        float32 ``[G, Lq]`` (``-inf`` for rows that see no key; their out is 0).
+        float32 ``[G, Lq]`` (``-inf`` for rows that see no key; their out is 0); with
+        ``return_dropout_mask``, the mask last.
     """
     check_tensors(q=q, k=k, v=v)
     _check_rank3(q=q, k=k, v=v)
     return_lse = check_bool("return_lse", return_lse)
+    return_mask = check_bool("return_dropout_mask", return_dropout_mask)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids)
+    mods, extras = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes,
+                                   score_mod=score_mod, score_mod_inputs=score_mod_inputs,
+                                   dropout=dropout, seed=seed)
+    _check_mask_request(return_mask, mods)
     out, lse = _forward(q, k, v, segments, dict(num_chunks_q=num_chunks_q,
                                                 num_chunks_kv=num_chunks_kv, causal=causal,
-                                                scale=scale, window=window))
-    return (out, lse) if return_lse else out
+                                                scale=scale, window=window, mods=mods), extras)
+    result = (out, lse) if return_lse else (out,)
+    if return_mask:
+        result += (dropout_mask(q, k, v, segments, mods, extras, num_chunks_q=num_chunks_q,
+                                num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
+                                window=window, seed=seed),)
+    return result if len(result) > 1 else out
 
 
-def _forward(q, k, v, segments, options):
+def modifier_inputs(*, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(),
+                    dropout=0.0, seed=None, dropout_name="dropout"):
+    """Validate the score-modifier and dropout arguments.
+
+    Returns:
+        ``(mods, extras)``: the :class:`~popxl_flash.score_mods.ScoreMods` (``None`` when all
+        are off) and the module's extra inputs (slopes, seed, score_mod inputs).
+    """
+    if isinstance(score_mod_inputs, popxl.Tensor):
+        score_mod_inputs = (score_mod_inputs,)
+    if not isinstance(score_mod_inputs, (tuple, list)):
+        raise TypeError("score_mod_inputs must be a tuple of popxl.Tensor, got "
+                        f"{type(score_mod_inputs).__name__}")
+    inputs = tuple(score_mod_inputs)
+    named = {f"score_mod_inputs[{n}]": t for n, t in enumerate(inputs)}
+    named.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("seed", seed))
+                  if t is not None})
+    check_tensors(**named)
+    if seed is not None and (tuple(seed.shape) != (2,) or seed.dtype.name != "uint32"):
+        raise ValueError(f"seed must be a uint32 [2] tensor (PopXL's random seed), got "
+                         f"{tuple(seed.shape)} {seed.dtype.name}")
+    try:
+        mods = score_mods.options(softcap, alibi_slopes is not None, score_mod, len(inputs),
+                                  dropout)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace("dropout=", f"{dropout_name}=")
+                        .replace("dropout must", f"{dropout_name} must")) from None
+    if mods is not None and mods.dropout > 0 and seed is None:
+        raise ValueError(f"{dropout_name}={mods.dropout} needs seed=, a uint32 [2] tensor "
+                         "(PopXL's random seed), got seed=None")
+    extras = ([alibi_slopes] if alibi_slopes is not None else []) + \
+        ([seed] if mods is not None and mods.dropout > 0 else []) + list(inputs)
+    return mods, tuple(extras)
+
+
+def _check_mask_request(return_mask, mods, name="return_dropout_mask", dropout="dropout"):
+    if return_mask and (mods is None or mods.dropout == 0):
+        raise ValueError(f"{name}=True needs {dropout} > 0 (the keep mask of dropout)")
+
+
+def dropout_mask(q, k, v, segments, mods, extras, *, seed, **options):
+    """The dropout keep mask of a call, bool ``[G, Lq, Lkv]`` (O(L^2): small sizes only)."""
+    cfg = FlashAttention(**options, mods=mods).config(q, k, v, *segments, *extras)
+    with popxl.name_scope("flash_attention_dropout_mask"):
+        return score_mods.dropout_mask(cfg, seed)
+
+
+def _forward(q, k, v, segments, options, extras=()):
     """Validate and call the forward module: ``(out, lse)``, recorded for autodiff and grad."""
     module = FlashAttention(**options)
-    cfg = module.config(q, k, v, *segments)  # validate before any graph is created
-    inputs = (q, k, v, *segments)
+    cfg = module.config(q, k, v, *segments, *extras)  # validate before any graph is created
+    score_mods.prebuild(cfg)  # a score_mod's errors too
+    inputs = (q, k, v, *segments, *extras)
     with popxl.name_scope("flash_attention"):
         graph = _cached_graph(module, inputs)
         out, lse = ops.call(graph, *inputs)
@@ -210,7 +286,7 @@ def _forward(q, k, v, segments, options):
 
 
 def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                        **options):
+                        mods=None, extras=(), **options):
     """Forward with segment ids and runtime positions (the varlen API's core call).
 
     Causal and window compare ``q_positions``/``kv_positions`` (int32, shaped like the ids)
@@ -219,6 +295,7 @@ def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
     Args:
         q, k, v: as :func:`flash_attention`; q_segment_ids, kv_segment_ids: int32
             ``[G or 1, L]``; q_positions, kv_positions: int32, the ids' shapes.
+        mods, extras: from :func:`modifier_inputs`.
         options: ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``.
 
     Returns:
@@ -226,7 +303,7 @@ def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
     """
     check_tensors(q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-    return _forward(q, k, v, segments, options)
+    return _forward(q, k, v, segments, dict(options, mods=mods), extras)
 
 
 def _unpack(qkv, options, segments=(None, None)):
@@ -242,28 +319,45 @@ def _unpack(qkv, options, segments=(None, None)):
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, causal=True,
                                scale=None, window=None, return_lse=False, q_segment_ids=None,
-                               kv_segment_ids=None):
+                               kv_segment_ids=None, return_dropout_mask=False, **modifiers):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
 
     Args:
         qkv: ``[3, G, L, D]`` float16 or float32; ``qkv[0]``, ``qkv[1]``, ``qkv[2]`` are q, k, v.
         num_chunks_q, num_chunks_kv, causal, scale, window, return_lse, q_segment_ids,
-            kv_segment_ids: as :func:`flash_attention`.
+            kv_segment_ids, return_dropout_mask: as :func:`flash_attention`.
+        modifiers: ``softcap``, ``alibi_slopes``, ``score_mod``, ``score_mod_inputs``,
+            ``dropout``, ``seed``, as :func:`flash_attention`.
 
     Returns:
         out ``[G, L, D]`` (and lse float32 ``[G, L]`` with ``return_lse``).
     """
+    _check_modifier_names("flash_attention_qkv_packed", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    modifier_inputs(**modifiers)
     return flash_attention(*_unpack(qkv, options, tuple(segments.values())),
-                           return_lse=return_lse, **options, **segments)
+                           return_lse=return_lse, return_dropout_mask=return_dropout_mask,
+                           **options, **segments, **modifiers)
+
+
+#: The score-modifier keywords of the core functions.
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "score_mod", "score_mod_inputs", "dropout", "seed")
+
+
+def _check_modifier_names(fn, modifiers):
+    for name in modifiers:
+        if name not in MODIFIER_NAMES:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None,
                          num_chunks_kv=None, causal=True, scale=None, window=None,
-                         q_segment_ids=None, kv_segment_ids=None):
+                         q_segment_ids=None, kv_segment_ids=None, softcap=0.0,
+                         alibi_slopes=None, score_mod=None, score_mod_inputs=(), dropout=0.0,
+                         seed=None):
     """Gradients of :func:`flash_attention` with respect to q, k and v.
 
     Stash mode (``out`` and ``lse`` given, from ``flash_attention(..., return_lse=True)``)
@@ -274,8 +368,10 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         dout: ``[G, Lq, D]`` gradient of the output, q's dtype.
         q, k, v: the forward's inputs (q ``[G, Lq, D]``, k and v ``[Gk, Lkv, D]``).
         out, lse: the forward's outputs, or both ``None``.
-        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
-            the forward's options and segment ids.
+        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids,
+            softcap, alibi_slopes, score_mod, score_mod_inputs, dropout, seed: the forward's
+            options, segment ids and score modifiers (with dropout, also its chunk counts:
+            the keep masks are drawn per block).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (grouped-query: dk and dv
@@ -285,29 +381,34 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
     check_tensors(dout=dout, q=q, k=k, v=v)
     _check_rank3(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids)
+    mods, extras = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes,
+                                   score_mod=score_mod, score_mod_inputs=score_mod_inputs,
+                                   dropout=dropout, seed=seed)
     return _backward(dout, q, k, v, out, lse, segments, dict(
         num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
-        window=window))
+        window=window, mods=mods), extras)
 
 
-def _backward(dout, q, k, v, out, lse, segments, options):
+def _backward(dout, q, k, v, out, lse, segments, options, extras=()):
     """Validate and call the backward module (running the forward first in recompute mode)."""
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
                          f"(recompute mode), got out={out!r}, lse={lse!r}")
     module = FlashAttentionGrad(**options)
     if out is None:
-        cfg = FlashAttention(**options).config(q, k, v, *segments)
+        cfg = FlashAttention(**options).config(q, k, v, *segments, *extras)
         cfg.check_like("dout", dout.shape, dout.dtype.name, q.shape, cfg.dtype)
-        out, lse = _forward(q, k, v, segments, options)
+        out, lse = _forward(q, k, v, segments, options, extras)
     check_tensors(out=out, lse=lse)
-    cfg = module.config(dout, q, k, v, out, lse, *segments)
+    cfg = module.config(dout, q, k, v, out, lse, *segments, *extras)
     check_stash_options(cfg, out=out, lse=lse)
-    return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments)
+    score_mods.prebuild(cfg, backward=True)
+    return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments,
+                        *extras)
 
 
 def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_ids,
-                             q_positions, kv_positions, **options):
+                             q_positions, kv_positions, mods=None, extras=(), **options):
     """Gradients of :func:`segmented_attention` (stash mode, or recompute with out/lse None).
 
     Returns:
@@ -315,11 +416,12 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-    return _backward(dout, q, k, v, out, lse, segments, options)
+    return _backward(dout, q, k, v, out, lse, segments, dict(options, mods=mods), extras)
 
 
-def check_stash_options(cfg, who="flash_attention_grad", names="causal, scale and window",
-                        **stash):
+def check_stash_options(cfg, who="flash_attention_grad",
+                        names="causal, scale, window and score modifiers (with dropout, also its "
+                        "chunk counts)", **stash):
     """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
     window options (or with segment ids where the backward has none, or the reverse) returned
     (its gradients would be silently wrong), or a pair from two calls.
@@ -331,7 +433,7 @@ def check_stash_options(cfg, who="flash_attention_grad", names="causal, scale an
         cfg: the backward's :class:`AttentionConfig`. who, names: the calling function and its
             option names (for the message). stash: ``out=``, ``lse=`` tensors.
     """
-    wanted = dict(causal=cfg.causal, scale=cfg.scale, window=cfg.window)
+    wanted = provenance.attention_options(cfg)
     records = {name: provenance.output_record(t) for name, t in stash.items()}
     for name, rec in records.items():
         if rec is not None and rec.attention_options() != wanted:
@@ -353,7 +455,7 @@ def check_stash_options(cfg, who="flash_attention_grad", names="causal, scale an
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks_q=None,
                                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                                    q_segment_ids=None, kv_segment_ids=None):
+                                    q_segment_ids=None, kv_segment_ids=None, **modifiers):
     """Gradient of :func:`flash_attention_qkv_packed` with respect to the packed ``qkv``.
 
     Args:
@@ -361,14 +463,17 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
             :func:`flash_attention_grad`) or both ``None``.
         num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
             the forward's options and segment ids.
+        modifiers: the forward's score modifiers (:func:`flash_attention_qkv_packed`).
 
     Returns:
         dqkv ``[3, G, L, D]`` in qkv's dtype.
     """
+    _check_modifier_names("flash_attention_qkv_packed_grad", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
                    scale=scale, window=window)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    modifier_inputs(**modifiers)
     q, k, v = _unpack(qkv, options, tuple(segments.values()))
-    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments)
+    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments, **modifiers)
     with popxl.name_scope("flash_attention_qkv_packed_grad"):
         return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)

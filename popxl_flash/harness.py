@@ -35,7 +35,8 @@ class RunResult:
         return sum(self.run_seconds) / len(self.run_seconds)
 
 
-def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_checks=False):
+def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_checks=False,
+              replicas=1):
     """Build a main graph ``host_load -> build(...) -> host_store``, compile and time it.
 
     Args:
@@ -47,6 +48,9 @@ def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_chec
         warmup, repeats: untimed and timed runs.
         fp_checks: turn on floating-point exception traps
             (:func:`popxl_flash.enable_floating_point_checks`).
+        replicas: the Ir's replication factor R; with R > 1 every array holds one row per
+            replica (``[R, *shape]``, the stream gets ``shape``) and every output has the
+            replica dimension first.
 
     Returns:
         :class:`RunResult`.
@@ -56,9 +60,10 @@ def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_chec
     Compilation errors (e.g. out of tile memory on ``ipu_hw``) propagate from the
     ``popxl.Session`` constructor.
     """
-    ir = popxl.Ir()
+    ir = popxl.Ir(replication=replicas)
     with ir.main_graph:
-        h2d = [popxl.h2d_stream(a.shape, getattr(popxl, a.dtype.name)) for a in arrays]
+        h2d = [popxl.h2d_stream(a.shape[1:] if replicas > 1 else a.shape,
+                                getattr(popxl, a.dtype.name)) for a in arrays]
         outs = build(*[ops.host_load(s) for s in h2d])
         d2h = [popxl.d2h_stream(t.shape, t.dtype) for t in outs]
         for stream, t in zip(d2h, outs):
@@ -70,7 +75,7 @@ def run_graph(build, arrays, *, device="ipu_model", warmup=0, repeats=1, fp_chec
     if fp_checks:
         enable_floating_point_checks(ir)
     inputs = dict(zip(h2d, arrays))
-    session = popxl.Session(ir, devices.session_device(device))
+    session = popxl.Session(ir, devices.session_device(device, replicas))
     outputs = session.create_host_outputs()
     with session:
         for _ in range(warmup):

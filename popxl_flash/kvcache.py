@@ -17,6 +17,12 @@ skipping a cache needs::
 A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so a
 decode step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks.
 
+Score modifiers (flash-attn's ``softcap`` and ``alibi_slopes``) are the core's
+(:mod:`popxl_flash.score_mods`), applied per block to the scores before the mask. ALiBi
+measures its distance between the positions the mask compares, ``q_pos - kv_pos =
+i + n_b - Lq - j``: flash-attn's ``|i + seqlen_k - seqlen_q - j|`` with each row's own
+``seqlen_k = n_b``; the ``[Hq]``/``[B, Hq]`` slopes are laid out per core group (below).
+
 Split-KV (flash-decoding): with ``S = num_splits > 1`` the cache's chunks are dealt to ``S``
 parts round robin (part ``s`` holds chunks ``s, s + S, s + 2S, ...``), the parts become extra
 groups of one batched attention (one matmul per step serves all parts) and their outputs are
@@ -30,6 +36,7 @@ Layouts (G = B x H, the core's groups)::
     cache [B, Lc, Hkv, D]     -> [B*Hkv*S, Lc / S, D]   (S = 1: [B*Hkv, Lc, D])
     out [B*Hkv*S*r, Lq, D]    -> combine over S -> [B, Lq, Hq, D]
     lse                       -> [B, Hq, Lq] float32
+    alibi_slopes [Hq], [B, Hq] -> [B*Hkv*S*r] float32  (each slope S times)
 """
 import math
 from dataclasses import dataclass
@@ -41,15 +48,33 @@ from popxl_flash import schedule as _schedule
 from popxl_flash.backend import popxl
 from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
-from popxl_flash.flash_attn_interface import KEYWORD_HINTS
-from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
+from popxl_flash.functional import (check_tensors, keyword_hints, modifier_inputs,
+                                    segmented_attention)
 from popxl_flash.segments import MAX_LEN, RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
 
 ops = popxl.ops
 
-#: Keywords of flash-attn's ``flash_attn_with_kvcache`` (or of other APIs) not supported here.
+#: What an inference-only call says to dropout keywords (flash-attn's ``flash_attn_with_kvcache``
+#: has no dropout either).
+_NO_DROPOUT = ("the KV cache is inference-only: flash_attn_with_kvcache has no dropout "
+               "(use pf.flash_attn_func with dropout_p= and seed= for training)")
+
+#: Keywords of other attention APIs (or of flash-attn's ``flash_attn_with_kvcache``) that are
+#: spelt differently or not supported here.
 KVCACHE_KEYWORD_HINTS = {
-    **{k: v for k, v in KEYWORD_HINTS.items() if k not in ("softcap", "alibi_slopes")},
+    "scale": "flash_attn_with_kvcache calls it softmax_scale=",
+    "window": "flash_attn_with_kvcache calls it window_size=",
+    "is_causal": "flash_attn_with_kvcache calls it causal= (PyTorch SDPA's is_causal)",
+    "attn_mask": "mask tensors are not supported; use causal=, window_size= and cache_seqlens=",
+    "dropout_p": _NO_DROPOUT,
+    "dropout": _NO_DROPOUT,
+    "seed": _NO_DROPOUT + "; it takes no seed",
+    "return_attn_probs": _NO_DROPOUT + "; there is no keep mask to return",
+    "return_dropout_mask": _NO_DROPOUT + "; there is no keep mask to return",
+    "score_mod": "flash_attn_with_kvcache takes no score_mod (softcap= and alibi_slopes= are "
+                 "built in; pf.flash_attention takes a score_mod)",
+    "score_mod_inputs": "flash_attn_with_kvcache takes no score_mod (softcap= and alibi_slopes= "
+                        "are built in; pf.flash_attention takes a score_mod)",
     "rotary_cos": "rotary embeddings are not applied here; rotate q and k before the call",
     "rotary_sin": "rotary embeddings are not applied here; rotate q and k before the call",
     "rotary_interleaved": "rotary embeddings are not applied here",
@@ -77,6 +102,11 @@ MODEL_FILLS = (0.1, 0.5, 1.0)
 #: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
 #: + per_executed * executed steps (+ combine with splits)``.
 OPS_DECODE = dict(fixed=141, per_row=8, per_step=23, per_executed=18, combine=21)
+#: Ops the score modifiers add to a call, measured on the emulator (exact over three fills, one
+#: loop and split-KV): softcap per executed step; ALiBi per executed step and per call (the
+#: slopes laid out per group and negated: 4, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1
+#: with splits; the model counts ``[Hq]``). Skipped steps run none of them.
+OPS_MODS = dict(softcap=3, alibi=7, alibi_fixed=4)
 
 
 @dataclass(frozen=True)
@@ -176,13 +206,22 @@ def _check_seqlens(cache_seqlens, dims):
     return cache_seqlens
 
 
-def _check_unsupported(softcap, alibi_slopes):
-    if softcap is None or softcap != 0.0:
-        raise ValueError(f"softcap={softcap!r} needs the score-modifier feature, which this "
-                         "version does not have; pass softcap=0.0")
+def check_modifiers(softcap, alibi_slopes, dims):
+    """``softcap`` and ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), validated.
+
+    Returns:
+        The :class:`~popxl_flash.score_mods.ScoreMods` of the call, or ``None`` (both off).
+    """
     if alibi_slopes is not None:
-        raise ValueError("alibi_slopes needs the score-modifier feature, which this version "
-                         "does not have; pass alibi_slopes=None")
+        check_tensors(alibi_slopes=alibi_slopes)
+        shape = tuple(alibi_slopes.shape)
+        if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
+                alibi_slopes.dtype.name != "float32":
+            raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
+                             f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
+                             f"{alibi_slopes.dtype.name}")
+    mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes)
+    return mods
 
 
 # -- structure choice ------------------------------------------------------------------------
@@ -265,19 +304,33 @@ def _decode_classes(length, q_len, chunk_q, nkv, granule):
     return classes
 
 
-def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
+def _mod_ops(dims, splits, softcap, alibi):
+    """``(per call, per executed step)`` ops of the score modifiers (:data:`OPS_MODS`)."""
+    fixed = per_step = 0
+    if softcap:
+        per_step += OPS_MODS["softcap"]
+    if alibi:
+        per_step += OPS_MODS["alibi"]
+        fixed += OPS_MODS["alibi_fixed"] + int(dims.batch > 1) + int(splits > 1)
+    return fixed, per_step
+
+
+def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=False,
+             alibi=False):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
     Args:
         dims: the call's :class:`Dims`; splits, chunk_kv: the structure; dtype: its name.
         lengths: the longest row's ``cache_seqlens + Lnew`` at which to count (``None``: the
             fills :data:`MODEL_FILLS` of the cache).
+        softcap, alibi: whether the call caps scores / adds ALiBi (ops :data:`OPS_MODS`).
 
     FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
     ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies are
     :func:`popxl_flash.costmodel.pass_copies` of the forward's segment-id loop (PopART's rules,
-    as the emulator models them; exact) over the runtime block classes of a causal call whose
+    as the emulator models them; exact without softcap and ALiBi, whose per-step operands the
+    branches also copy) over the runtime block classes of a causal call whose
     rows all hold that many rows (:func:`_decode_classes`): every step copies its counter and
     LoopOpx's control values and the taken branch's inputs and outputs, the state rows for a
     skipped step, and for an executed one the state rows, the block's operands and segment
@@ -297,12 +350,14 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
     copied_mean = 0.0
     if lengths is None:
         lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
+    mod_fixed, mod_step = _mod_ops(dims, splits, softcap, alibi)
     for rows in lengths:
         executed = -(-rows // granule) * nq
         f = 4 * G * cq * chunk_kv * D * executed
         o = round(OPS_DECODE["fixed"] + OPS_DECODE["per_row"] * dims.batch
                   + OPS_DECODE["per_step"] * steps + OPS_DECODE["per_executed"] * executed
-                  + (OPS_DECODE["combine"] if splits > 1 else 0))
+                  + (OPS_DECODE["combine"] if splits > 1 else 0)
+                  + mod_fixed + mod_step * executed)
         flops.append(f)
         op_counts.append(o)
         classes = _decode_classes(rows, dims.q_len, cq, sched.nkv, granule)
@@ -317,7 +372,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None):
 
 
 def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
-                  num_splits=None, chunk_kv=None):
+                  num_splits=None, chunk_kv=None, softcap=False, alibi=False):
     """Compare one long kv loop against split-KV for a cache call and choose.
 
     Candidates: chunks :data:`DECODE_CHUNKS` (balanced over each part, capped at its length)
@@ -331,6 +386,7 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         batch, q_len, cache_len, q_heads, kv_heads, head_dim: the call's sizes.
         dtype: ``"float16"`` or ``"float32"``.
         num_splits, chunk_kv: fix that part of the structure (``None``: choose).
+        softcap, alibi: the call's score modifiers (counted in the ops, :data:`OPS_MODS`).
 
     Returns:
         :class:`DecodeChoice`.
@@ -345,7 +401,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         part = -(-cache_len // s)
         chunks = (chunk_kv,) if chunk_kv is not None else sorted(
             {_balanced(part, c) for c in DECODE_CHUNKS})
-        candidates.extend(evaluate(dims, s, c, dtype) for c in chunks)
+        candidates.extend(evaluate(dims, s, c, dtype, softcap=softcap, alibi=alibi)
+                          for c in chunks)
     granular = [c for c in candidates if c.granule <= MAX_GRANULE] or candidates
     chosen = min(granular, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
     fixed = [name for name, value in (("num_splits", num_splits), ("chunk", chunk_kv))
@@ -359,15 +416,17 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
 
 
 def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
-            num_splits=None):
+            num_splits=None, softcap=0.0, alibi=False):
     """The decode structure choice of a :func:`flash_attn_with_kvcache` call (a
-    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill)."""
+    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill;
+    ``softcap > 0`` and ``alibi=True`` count the score modifiers' ops)."""
     return decode_choice(batch, q_len, cache_len, q_heads=q_heads,
                          kv_heads=q_heads if kv_heads is None else kv_heads,
-                         head_dim=head_dim, dtype=dtype, num_splits=num_splits)
+                         head_dim=head_dim, dtype=dtype, num_splits=num_splits,
+                         softcap=bool(softcap), alibi=bool(alibi))
 
 
-def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv):
+def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None):
     """``(splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a call."""
     if num_splits is not None:
         num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
@@ -378,7 +437,9 @@ def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv):
         chunk_kv = -(-dims.cache_len // n)
     choice = decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, dtype=dtype,
-                           num_splits=num_splits, chunk_kv=chunk_kv).chosen
+                           num_splits=num_splits, chunk_kv=chunk_kv,
+                           softcap=mods is not None and mods.softcap > 0,
+                           alibi=mods is not None and mods.alibi).chosen
     splits = choice.splits
     chunk_kv = min(choice.chunk_kv, -(-dims.cache_len // splits))
     per_part = -(-dims.cache_len // (splits * chunk_kv))
@@ -463,6 +524,19 @@ def _q_groups(q, dims, splits):
     return g.reshape((B * Hkv * splits * r, Lq, D))
 
 
+def _group_slopes(slopes, dims, splits):
+    """ALiBi slopes ``[Hq]`` or ``[B, Hq]`` -> the core's float32 ``[B*Hkv*S*r]`` (group
+    ``(b, kv head, part, h % r)`` takes the slope of q head ``h`` of batch row ``b``)."""
+    B, Hkv, r = dims.batch, dims.kv_heads, dims.group_size
+    rows = 1 if len(slopes.shape) == 1 else B
+    g = slopes.reshape((rows, Hkv, 1, r))
+    if rows < B:
+        g = ops.concat([g] * B, axis=0)
+    if splits > 1:
+        g = ops.concat([g] * splits, axis=2)
+    return g.reshape((B * Hkv * splits * r,))
+
+
 def _cache_groups(cache, dims, splits, chunk_kv, per_part):
     """``cache [B, Lc, Hkv, D] -> [B*Hkv*S, P, D]``, part ``s`` holding chunks ``s, s+S, ...``
     (zero rows padded to whole granules; they are padding for every batch row)."""
@@ -539,8 +613,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         causal: causal mask aligned bottom-right per batch row. Default ``False``.
         window_size: ``(left, right)`` around each row's bottom-right diagonal, ``-1`` for an
             unbounded side; intersected with ``causal``.
-        softcap, alibi_slopes: must be ``0.0`` and ``None`` (the score-modifier feature is not
-            in this version: ``ValueError``).
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)`` (before ALiBi and the
+            mask); 0 = off.
+        alibi_slopes: ``None`` or a float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: the score
+            of query ``i`` and cache row ``j`` of batch row ``b`` gets
+            ``-slope * |i + n_b - Lq - j|`` (flash-attn's ``|i + seqlen_k - seqlen_q - j|``
+            with ``seqlen_k = n_b``, each row's own bottom-right alignment).
         num_splits: ``None`` or 0 (automatic, :func:`decode_choice`), or ``S >= 1`` parts of
             split-KV (1: one kv loop).
         return_lse: also return the logsumexp.
@@ -557,13 +635,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     check_tensors(**tensors)
     dims = check_shapes(q, k_cache, v_cache, k, v)
     seqlens = _check_seqlens(cache_seqlens, dims)
-    _check_unsupported(softcap, alibi_slopes)
+    mods = check_modifiers(softcap, alibi_slopes, dims)
     causal = check_bool("causal", causal)
     scale = check_scale(softmax_scale, dims.head_dim, name="softmax_scale")
     window = check_window(window_size, name="window_size")
     return_lse = check_bool("return_lse", return_lse)
     splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
-                                                         num_chunks_q, num_chunks_kv)
+                                                         num_chunks_q, num_chunks_kv, mods)
     with popxl.name_scope("flash_attn_with_kvcache"):
         if k is not None:
             k_cache = write_rows_(k_cache, k, seqlens)
@@ -573,8 +651,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         qg = _q_groups(q, dims, splits)
         kg = _cache_groups(k_cache, dims, splits, chunk_kv, per_part)
         vg = _cache_groups(v_cache, dims, splits, chunk_kv, per_part)
-        out, lse = segmented_attention(qg, kg, vg, *seg, num_chunks_q=nq,
-                                       num_chunks_kv=per_part, causal=causal, scale=scale,
-                                       window=window)
+        extras = () if alibi_slopes is None else (_group_slopes(alibi_slopes, dims, splits),)
+        out, lse = segmented_attention(qg, kg, vg, *seg, mods=mods, extras=extras,
+                                       num_chunks_q=nq, num_chunks_kv=per_part, causal=causal,
+                                       scale=scale, window=window)
         out, lse = _combine(out, lse, dims, splits)
     return (out, lse) if return_lse else out

@@ -4,7 +4,7 @@ Both take the same options, validate them with the inputs' specs into one
 :class:`~popxl_flash.config.AttentionConfig`, prepare the runtime segment inputs the same way
 and run their pass as the loops of :class:`popxl_flash.blocks.PassLoops`.
 """
-from popxl_flash import blocks, segments
+from popxl_flash import blocks, score_mods, segments
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig
 
@@ -14,34 +14,40 @@ class AttentionModule(popxl.Module):
     :class:`popxl_flash.FlashAttentionGrad`.
 
     Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``
-    as :func:`popxl_flash.flash_attention`.
+    as :func:`popxl_flash.flash_attention`; ``mods``: ``None`` or the
+    :class:`~popxl_flash.score_mods.ScoreMods` of :func:`popxl_flash.score_mods.options`
+    (its inputs follow the segment inputs of ``build``: :func:`score_mods.split_inputs`).
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None):
+                 window=None, mods=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window)
+                            causal=causal, scale=scale, window=window, mods=mods)
 
-    def attention_config(self, q, k, v, segment_inputs=()) -> AttentionConfig:
-        """Validate q, k, v and the segment inputs' specs against the options.
+    def attention_config(self, q, k, v, segment_inputs=(), extras=()) -> AttentionConfig:
+        """Validate q, k, v, the segment inputs' and the score-modifier inputs' specs against
+        the options.
 
         Args:
             q, k, v: tensors or specs (``.shape``, ``.dtype``).
             segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions)``,
                 ``None`` where absent.
+            extras: the score-modifier inputs (:func:`score_mods.split_inputs`).
 
         Returns:
             The :class:`AttentionConfig`.
         """
+        options = {n: o for n, o in self.options.items() if n != "mods"}
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
-                                          **self.options)
+                                          **options)
         automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        return cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
-                                 automatic=automatic)
+        cfg = cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
+                                automatic=automatic)
+        return score_mods.check_extras(cfg, self.options["mods"], extras)
 
     @staticmethod
-    def run_pass(cfg, spec, order, operands, state, segment_inputs, finish):
+    def run_pass(cfg, spec, order, operands, state, segment_inputs, finish, extras=()):
         """Build and run a pass's loops, then ``finish`` on the state.
 
         Order matters only between the loops (each updates ``state`` in place) and the reads
@@ -55,6 +61,8 @@ class AttentionModule(popxl.Module):
             operands, state: the padded read-only operands and the state tensors.
             segment_inputs: the module's segment inputs (``None`` where absent).
             finish: ``finish(*state) -> results``, the ops that read the state.
+            extras: the module's score-modifier inputs (prepared once here,
+                :func:`score_mods.prepare`).
 
         Returns:
             ``finish``'s results.
@@ -62,9 +70,12 @@ class AttentionModule(popxl.Module):
         seg, classes = [], None
         if cfg.segments is not None and cfg.schedule.visited_blocks:
             seg, classes = segments.prepare(cfg, *segment_inputs)
-        loops = blocks.PassLoops(spec, cfg, order, operands, state, seg)
+        prepared = []
+        if cfg.mods is not None and cfg.schedule.visited_blocks:
+            prepared = score_mods.prepare(cfg, extras)
+        loops = blocks.PassLoops(spec, cfg, order, operands, state, seg, prepared)
         step_classes = loops.step_classes(classes)
         with blocks.in_order():
-            loops.run(operands, state, seg, step_classes)
+            loops.run(operands, state, seg, step_classes, prepared)
             with blocks.in_order(False):
                 return finish(*state)

@@ -23,17 +23,33 @@ class ForwardRecord:
 
     Attributes:
         options: the ``FlashAttention`` constructor options (to build the matching backward).
-        config: the validated configuration of the call.
+        config: the validated configuration of the call (``None`` for other attention forwards).
         call: a per-Ir call counter (tells two calls of one cached graph apart).
+        grad_module: for graphs of other attention forwards (context parallelism): a
+            callable returning the backward module whose graph autodiff uses, with
+            ``build(dout, *graph inputs, *graph outputs)``; ``None`` for flash graphs.
     """
     options: dict
-    config: AttentionConfig
+    config: Optional[AttentionConfig]
     call: int = -1
+    grad_module: object = None
 
     def attention_options(self):
-        """The options that change the result: ``causal``, ``scale`` and ``window``."""
-        return dict(causal=self.config.causal, scale=self.config.scale,
-                    window=self.config.window)
+        """The options that change the result (:func:`attention_options`)."""
+        return attention_options(self.config)
+
+
+def attention_options(config):
+    """The options of a configuration that change the result: ``causal``, ``scale`` and
+    ``window``; with score modifiers also those (``mods``), and with dropout the chunk
+    lengths (the keep masks are drawn per block)."""
+    options = dict(causal=config.causal, scale=config.scale, window=config.window)
+    mods = config.mods
+    if mods is not None:
+        options["mods"] = mods
+        if mods.dropout > 0:
+            options["chunks"] = (config.chunk_q, config.chunk_kv)
+    return options
 
 
 @dataclass
@@ -78,6 +94,17 @@ def record_alias(tensor, source):
     rec = ir_record(tensor.ir)
     if source.id in rec.outputs:
         rec.outputs[tensor.id] = rec.outputs[source.id]
+
+
+def record_graph(graph, grad_module):
+    """Record an attention forward graph that is not a ``FlashAttention`` graph (its inputs
+    ``(q, k, v)``, its outputs ``(out, lse)``), with the factory of its backward module.
+
+    Args:
+        graph: the forward graph. grad_module: callable returning the backward module.
+    """
+    rec = ir_record(graph.ir)
+    rec.graphs.setdefault(graph.id, ForwardRecord({}, None, grad_module=grad_module))
 
 
 def forward_record(graph) -> Optional[ForwardRecord]:

@@ -178,22 +178,76 @@ def _repeat_kv_rows(segments, groups):
     return out
 
 
+#: Score-modifier keywords of :func:`attention` and :func:`attention_grad` (FlashAttention-2's
+#: semantics; see :mod:`popxl_flash.score_mods`): ``softcap`` (float, 0 = off),
+#: ``alibi_slopes`` (``[G]``), ``score_mod(s, g, q_idx, kv_idx)`` on float64 ``[G, Lq, Lkv]``
+#: with integer index arrays ``[G, 1, 1]``, ``[Gs, Lq, 1]``, ``[Gs, 1, Lkv]`` and
+#: ``score_mod_grad`` (its elementwise derivative in ``s``, same arguments; gradients only),
+#: ``keep`` (bool ``[G, Lq, Lkv]`` dropout keep mask) with ``dropout`` (its probability).
+MODIFIERS = ("softcap", "alibi_slopes", "score_mod", "score_mod_grad", "keep", "dropout")
+
+
+def _split_modifiers(kwargs):
+    """``(segments, modifiers)`` from the keyword arguments of :func:`attention`."""
+    mods = {n: kwargs.pop(n) for n in MODIFIERS if n in kwargs}
+    return kwargs, mods
+
+
+def _indices(G, Lq, Lkv, q_positions=None, kv_positions=None, **_):
+    """``(g, q_idx, kv_idx, offset)``: the positions score modifiers see (row and column
+    indices, or the varlen positions; ``offset`` = ``Lkv - Lq``, 0 with positions)."""
+    g = np.arange(G).reshape(G, 1, 1)
+    if q_positions is None:
+        return g, np.arange(Lq).reshape(1, Lq, 1), np.arange(Lkv).reshape(1, 1, Lkv), Lkv - Lq
+    qp, kp = np.asarray(q_positions), np.asarray(kv_positions)
+    return g, qp[:, :, None], kp[:, None, :], 0
+
+
+def modify_scores(s, segments, *, softcap=0.0, alibi_slopes=None, score_mod=None,
+                  score_mod_grad=None, **_):
+    """Scores after softcap, ALiBi and score_mod, and their derivative in ``s`` (float64).
+
+    Args:
+        s: ``scale * q k^T`` ``[G, Lq, Lkv]``. segments: the position keywords (if any).
+
+    Returns:
+        ``(s_mod, ds_mod/ds)``.
+    """
+    G, Lq, Lkv = s.shape
+    g, qi, kj, offset = _indices(G, Lq, Lkv, **segments)
+    grad = np.ones_like(s)
+    if softcap:
+        t = np.tanh(s / softcap)
+        s, grad = softcap * t, grad * (1 - t * t)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, np.float64).reshape(G, 1, 1)
+        s = s - slopes * np.abs(qi + offset - kj)
+    if score_mod is not None:
+        if score_mod_grad is not None:
+            grad = grad * score_mod_grad(s, g, qi, kj)
+        s = score_mod(s, g, qi, kj)
+    return s, grad
+
+
 def _probabilities(q, k, *, causal, scale, window, **segments):
     """Softmax probabilities and lse in float64.
 
     Args:
-        segments: the segment-id and position keywords of :func:`mask`.
+        segments: the segment-id and position keywords of :func:`mask`, and the score
+            modifiers (:data:`MODIFIERS`).
 
     Returns:
         p ``[G, Lq, Lkv]`` (0 where masked or the row sees nothing), lse ``[G, Lq]``
         (``-inf`` for rows that see nothing), and the scale.
     """
+    segments, mods = _split_modifiers(dict(segments))
     q = np.asarray(q, dtype=np.float64)
     k, = repeat_kv(q, np.asarray(k, dtype=np.float64))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s, _ = modify_scores(scale * (q @ k.transpose(0, 2, 1)), segments, **mods)
     segments = dict(segments, groups=q.shape[0]) if segments else segments
     visible = mask(q.shape[1], k.shape[1], causal=causal, window=window, **segments)
-    s = np.where(visible, scale * (q @ k.transpose(0, 2, 1)), -np.inf)  # [G, Lq, Lkv]
+    s = np.where(visible, s, -np.inf)  # [G, Lq, Lkv]
     m = s.max(axis=-1, keepdims=True)  # [G, Lq, 1]
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)  # exp(-inf) = 0 where masked
@@ -219,7 +273,15 @@ def attention(q, k, v, *, causal=True, scale=None, window=None, **segments):
     """
     p, lse, _ = _probabilities(q, k, causal=causal, scale=scale, window=window, **segments)
     v, = repeat_kv(q, np.asarray(v, dtype=np.float64))
-    return p @ v, lse
+    return _dropped(p, segments) @ v, lse
+
+
+def _dropped(p, mods):
+    """``p * keep / (1 - dropout)`` when a keep mask is given, else ``p``."""
+    keep = mods.get("keep")
+    if keep is None:
+        return p
+    return p * np.asarray(keep, bool) / (1.0 - mods.get("dropout", 0.0))
 
 
 def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **segments):
@@ -242,10 +304,13 @@ def attention_grad(dout, q, k, v, *, causal=True, scale=None, window=None, **seg
     k64, v64 = repeat_kv(q64, k64, v64)
     p, _, scale = _probabilities(q64, k64, causal=causal, scale=scale, window=window,
                                  **segments)
-    out = p @ v64
-    dv = p.transpose(0, 2, 1) @ do64
-    dp = do64 @ v64.transpose(0, 2, 1)
-    ds = p * (dp - (do64 * out).sum(axis=-1, keepdims=True))
+    seg, mods = _split_modifiers(dict(segments))
+    _, dmod = modify_scores(scale * (q64 @ k64.transpose(0, 2, 1)), seg, **mods)
+    p_drop = _dropped(p, mods)
+    out = p_drop @ v64
+    dv = p_drop.transpose(0, 2, 1) @ do64
+    dp = _dropped(do64 @ v64.transpose(0, 2, 1), mods)
+    ds = p * (dp - (do64 * out).sum(axis=-1, keepdims=True)) * dmod
     dq = scale * (ds @ k64)
     dk = scale * (ds.transpose(0, 2, 1) @ q64)
     return dq, sum_groups(dk, kv_groups), sum_groups(dv, kv_groups)

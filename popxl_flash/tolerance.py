@@ -58,9 +58,13 @@ def naive_attention(q, k, v, *, causal, scale, window, **segments):
         causal, scale, window: as :func:`popxl_flash.flash_attention`.
         segments: segment ids and positions, as :func:`popxl_flash.reference.mask`.
 
+        Score modifiers (``reference.MODIFIERS``) are applied to the rounded scores and the
+        result rounded again; dropout scales the rounded probabilities.
+
     Returns:
         ``(out [G, Lq, D], lse [G, Lq])`` in the input dtype.
     """
+    segments, mods = reference._split_modifiers(dict(segments))
     k, v = reference.repeat_kv(q, k, v)
     dt = q.dtype
     D = q.shape[-1]
@@ -68,6 +72,7 @@ def naive_attention(q, k, v, *, causal, scale, window, **segments):
     visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window,
                              **_groups(segments, q))
     s = (q.astype(np.float32) @ k.astype(np.float32).transpose(0, 2, 1)).astype(dt) * scale
+    s = _modified(s, segments, mods)[0]
     s = np.where(visible, s, dt.type(-np.inf))
     with np.errstate(invalid="ignore", divide="ignore"):
         m = s.max(axis=-1, keepdims=True)
@@ -76,8 +81,18 @@ def naive_attention(q, k, v, *, causal, scale, window, **segments):
         l = p.sum(axis=-1, keepdims=True, dtype=dt)
         lse = (m + np.log(l))[..., 0]
         p = p / np.where(l > 0, l, dt.type(1))
+    p = reference._dropped(p, mods).astype(dt)
     out = (p.astype(np.float32) @ v.astype(np.float32)).astype(dt)
     return out, lse
+
+
+def _modified(s, segments, mods):
+    """Scores of one dtype after the score modifiers (computed in float64, rounded back), and
+    the rounded derivative."""
+    if not mods:
+        return s, None
+    s_mod, grad = reference.modify_scores(s.astype(np.float64), segments, **mods)
+    return s_mod.astype(s.dtype), grad.astype(s.dtype)
 
 
 def naive_attention_grad(dout, q, k, v, *, causal, scale, window, **segments):
@@ -99,23 +114,27 @@ def naive_attention_grad(dout, q, k, v, *, causal, scale, window, **segments):
     f32 = np.float32
     scale = dt.type(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
     out, lse = naive_attention(q, k, v, causal=causal, scale=scale, window=window, **segments)
+    segments, mods = reference._split_modifiers(dict(segments))
     visible = reference.mask(q.shape[1], k.shape[1], causal=causal, window=window,
                              **_groups(segments, q))
     s = (q.astype(f32) @ k.astype(f32).transpose(0, 2, 1)).astype(dt) * scale
+    s, dmod = _modified(s, segments, mods)
     with np.errstate(over="ignore", invalid="ignore"):
         p = np.where(visible, np.exp(s - lse[..., None]), dt.type(0)).astype(dt)
     p = np.where(np.isfinite(lse)[..., None], p, dt.type(0))
 
     def mm(a, b):
         return (a.astype(f32) @ b.astype(f32)).astype(dt)
-    dp = mm(dout, v.transpose(0, 2, 1))
+    dp = reference._dropped(mm(dout, v.transpose(0, 2, 1)), mods).astype(dt)
     dvec = (dout.astype(f32) * out.astype(f32)).sum(-1, keepdims=True).astype(dt)
     ds = (p * (dp - dvec)).astype(dt)
+    if dmod is not None:
+        ds = (ds * dmod).astype(dt)
 
     def mm_summed(a, b):  # a @ b summed over the q groups sharing a kv group, float32 -> dt
         return reference.sum_groups(a.astype(f32) @ b.astype(f32), kv_groups).astype(dt)
     dk = mm_summed(ds.transpose(0, 2, 1), q) * scale
-    dv = mm_summed(p.transpose(0, 2, 1), dout)
+    dv = mm_summed(reference._dropped(p, mods).astype(dt).transpose(0, 2, 1), dout)
     return mm(ds, k) * scale, dk, dv
 
 
@@ -136,8 +155,11 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
           output in the input dtype has this error, whatever its summation order.
 
         With grouped-query k, v ``[Gk, Lkv, D]`` the dk and dv terms add over the q groups that
-        share a kv group.
+        share a kv group. Score modifiers multiply ``|dS|`` by ``max|ds_mod/ds|``, dropout the
+        probabilities by ``1 / (1 - p)``.
     """
+    segs, mods = reference._split_modifiers(dict(segments))
+    boost = 1.0 / (1.0 - mods.get("dropout", 0.0)) if mods.get("keep") is not None else 1.0
     q64, k64, v64, do64 = (np.asarray(a, np.float64) for a in (q, k, v, dout))
     kv_groups = k64.shape[0]
     k64, v64 = reference.repeat_kv(q64, k64, v64)
@@ -145,9 +167,12 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
     p, _, _ = reference._probabilities(q64, k64, causal=causal, scale=scale, window=window,
                                        **segments)
     aq, ak, av, ado = (np.abs(a) for a in (q64, k64, v64, do64))
-    rowdot = (ado * np.abs(p @ v64)).sum(-1, keepdims=True)  # rowsum(|dO| |O|)  [G, Lq, 1]
-    ds = p * (ado @ av.transpose(0, 2, 1) + rowdot)
+    rowdot = (ado * np.abs(boost * p @ v64)).sum(-1, keepdims=True)  # rowsum(|dO| |O|)
+    ds = p * (boost * ado @ av.transpose(0, 2, 1) + rowdot)
     ds_stash = p * (np.finfo(dtype).eps / 2) * rowdot
+    if mods:
+        _, dmod = reference.modify_scores(scale * (q64 @ k64.transpose(0, 2, 1)), segs, **mods)
+        ds, ds_stash = ds * np.abs(dmod), ds_stash * np.abs(dmod)
     scale = abs(scale)
 
     def kv_max(t):  # max entry of a per-q-group [G, Lkv, D] term summed per kv group
@@ -156,7 +181,7 @@ def grad_bounds(dout, q, k, v, *, causal, scale, window, dtype, **segments):
     def through(t):  # (dq, dk) bounds of a |dS|-like term
         return (float((scale * t @ ak).max(initial=0)),
                 kv_max(scale * t.transpose(0, 2, 1) @ aq))
-    mags = (*through(ds), kv_max(p.transpose(0, 2, 1) @ ado))
+    mags = (*through(ds), kv_max(boost * p.transpose(0, 2, 1) @ ado))
     return mags, (*through(ds_stash), 0.0)
 
 

@@ -26,9 +26,11 @@ Layouts::
     lse [Hq, total_q]                                     (flash-attn's varlen softmax_lse)
 """
 from popxl_flash.backend import popxl
-from popxl_flash.config import _check_int
-from popxl_flash.flash_attn_interface import KEYWORD_HINTS, Dims, check_kv_heads, core_options
-from popxl_flash.functional import check_tensors, keyword_hints, segmented_attention
+from popxl_flash.config import _check_int, check_bool
+from popxl_flash.flash_attn_interface import (KEYWORD_HINTS, Dims, check_kv_heads, core_options,
+                                              group_slopes, modifier_options)
+from popxl_flash.functional import (check_tensors, dropout_mask, keyword_hints, modifier_inputs,
+                                    segmented_attention)
 from popxl_flash.segments import varlen_segments
 
 ops = popxl.ops
@@ -91,8 +93,10 @@ def _auto_chunks(total, max_seqlen):
 
 @keyword_hints(VARLEN_KEYWORD_HINTS)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           softmax_scale=None, causal=False, window_size=(-1, -1),
-                           return_lse=False, num_chunks_q=None, num_chunks_kv=None):
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_attn_probs=False, return_lse=False, num_chunks_q=None,
+                           num_chunks_kv=None, seed=None, score_mod=None, score_mod_inputs=()):
     """flash-attn's ``flash_attn_varlen_func`` on PopXL tensors: packed sequences, O(L) memory.
 
     Args:
@@ -116,11 +120,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return_lse: also return the logsumexp.
         num_chunks_q, num_chunks_kv: chunk counts over ``total_q``/``total_k`` (``None``:
             from ``max_seqlen_*``).
+        dropout_p, seed, softcap, return_attn_probs, score_mod, score_mod_inputs: as
+            :func:`popxl_flash.flash_attn_func` (the keep mask is ``[Hq, total_q, total_k]``);
+            score_mod's ``q_idx``/``kv_idx`` are the per-sequence bottom-right positions
+            (``i - seqlen_q``, ``j - seqlen_k``), ``g`` the head.
+        alibi_slopes: ``None`` or float32 ``[Hq]`` (or ``[1, Hq]``): per sequence
+            ``-slope * |i + seqlen_k - seqlen_q - j|``, as flash-attn's varlen ALiBi.
 
     Returns:
         out ``[total_q, Hq, D]`` in q's dtype (0 on padding rows and rows that see no key);
         with ``return_lse``, ``(out, lse)`` with lse float32 ``[Hq, total_q]`` (``-inf``
-        there).
+        there); with ``return_attn_probs``, ``(out, lse, keep_mask)``.
     """
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     dims = _check_packed(q, k, v)
@@ -134,10 +144,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        else num_chunks_kv),
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         return_lse=return_lse)
+    return_probs = check_bool("return_attn_probs", return_attn_probs)
+    modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
+                                 alibi_slopes=alibi_slopes,
+                                 score_mod=score_mod, score_mod_inputs=score_mod_inputs,
+                                 dropout_p=dropout_p, seed=seed, return_attn_probs=return_probs)
     with popxl.name_scope("flash_attn_varlen_func"):
         q_ids, q_pos = varlen_segments(cu_seqlens_q, dims.q_len)  # [1, total_q]
         kv_ids, kv_pos = varlen_segments(cu_seqlens_k, dims.kv_len)  # [1, total_k]
         groups = [t.transpose((1, 0, 2)) for t in (q, k, v)]  # [H, total, D]
-        out, lse = segmented_attention(*groups, q_ids, kv_ids, q_pos, kv_pos, **options)
+        mods, extras = modifier_inputs(**group_slopes(modifiers, dims),
+                                       dropout_name="dropout_p")
+        segments = (q_ids, kv_ids, q_pos, kv_pos)
+        out, lse = segmented_attention(*groups, *segments, mods=mods, extras=extras, **options)
         out = out.transpose((1, 0, 2))  # [total_q, Hq, D]
+        if return_probs:
+            mask = dropout_mask(*groups, segments, mods, extras, seed=seed, **options)
+            return out, lse, mask
     return (out, lse) if return_lse else out

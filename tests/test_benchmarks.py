@@ -168,3 +168,27 @@ def test_packed_benchmark_row(tmp_path, capsys):
         assert varlen["blocks"] <= 1.5 * varlen["needed_blocks"]
         assert whole["matmul_flops"] == cfg.schedule.forward_flops(8, 2).executed  # H = 2
         assert seg["matmul_flops"] < whole["matmul_flops"]
+
+
+def test_context_parallel_benchmark_rows(tmp_path):
+    """The context-parallel benchmark: per-replica FLOPs halve with R and equal explain's,
+    zigzag keeps replicas balanced, results match the whole-sequence reference, and the
+    Markdown names the command."""
+    from benchmarks import context_parallel
+    out = tmp_path / "cp.md"
+    argv = ["--seq-len", "64", "--head-dim", "8", "--heads", "2", "--replicas", "1,2",
+            "--gather-steps", "1,2", "--dtype", "float32"]
+    assert context_parallel.main(argv + ["--markdown", str(out)]) == 0
+    text = out.read_text()
+    assert "python -m benchmarks.context_parallel --seq-len 64" in text
+    args = context_parallel.parse_args(argv)
+    data = context_parallel._data(args)
+    q, k, v, dout = (x.astype("float64") for x in data)
+    refs = (pf.reference.attention(q, k, v, causal=True)[0],
+            *pf.reference.attention_grad(dout, q, k, v, causal=True))
+    rows = [context_parallel.run_case(args, data, refs, R, 1) for R in (1, 2)]
+    for row in rows:
+        assert row["err_fwd"] < 1e-5 and row["err_bwd"] < 1e-5
+    if pf.BACKEND == "emulator":
+        assert all(r["explain"] == "ok" and r["balance"] == 1 for r in rows)
+        assert rows[1]["fwd_flops"] < rows[0]["fwd_flops"]

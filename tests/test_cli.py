@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import attention as bench
+from benchmarks import context_parallel as cp_bench
 from benchmarks import packed as packed_bench
 from popxl_flash import demo
 
@@ -16,7 +17,7 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 MAINS = {"demo": demo.main, "example": example.main, "benchmarks": bench.parse_args,
-         "packed": packed_bench.parse_args}
+         "packed": packed_bench.parse_args, "context_parallel": cp_bench.parse_args}
 
 
 def _parser_of(main, monkeypatch):
@@ -53,6 +54,9 @@ BAD = [
     ("benchmarks", ["--warmup", "-1"]), ("benchmarks", ["--repeats", "0"]),
     ("packed", ["--num-seqs", "0"]), ("packed", ["--seq-len", "10", "--num-seqs", "8"]),
     ("packed", ["--chunks", "0"]), ("packed", ["--dtype", "bfloat16"]),
+    ("context_parallel", ["--replicas", "0,2"]), ("context_parallel", ["--replicas", "a"]),
+    ("context_parallel", ["--seq-len", "100", "--replicas", "8"]),
+    ("context_parallel", ["--kv-heads", "3"]), ("context_parallel", ["--gather-steps", "-1"]),
 ]
 
 

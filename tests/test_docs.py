@@ -162,11 +162,35 @@ def check_kvcache_decode(ns):
                       chunks=(1, n), causal=True)
 
 
+def check_score_mods(ns):
+    """Score-modifier example: out1 (relative-bias table) and out2 (temperature, softcap, ALiBi,
+    dropout with the returned keep mask) under the 2x rule against the float64 reference."""
+    q, k, v = _host_qkv(ns)
+    L, table, t3 = ns["L"], ns["table_data"], ns["temps_data"].reshape(-1, 1, 1)
+    _forward_rule("out1", ns["result"]["out1"], q, k, v, causal=True,
+                  score_mod=lambda s, g, i, j: s + table[i - j + (L - 1)])
+    keep = ns["result"]["keep"]
+    assert keep.shape == (ns["G"], L, L) and abs(keep.mean() - 0.9) < 0.03
+    _forward_rule("out2", ns["result"]["out2"], q, k, v, causal=True, softcap=30.0,
+                  alibi_slopes=ns["slopes_data"], score_mod=lambda s, g, i, j: s * t3,
+                  keep=keep, dropout=0.1)
+    assert np.isfinite(ns["result"]["dq"]).all()
+
+
+def check_context_parallel(ns):
+    """Context-parallel example: the unsharded out over 4 replicas is causal attention on the
+    whole sequence (grouped-query K/V, 4 gather rounds) under the 2x rule."""
+    L, R = ns["L"], ns["R"]
+    _forward_rule("out", ns["out_host"], ns["q_host"], ns["k_host"], ns["v_host"],
+                  chunks=(4 * R * 2, L // (R * 2)), causal=True)
+
+
 #: What each runnable example computes, checked after it ran (by example id, in file order).
 CHECKS = {"README.md-0": check_usage, "user-guide.md-0": check_flash_attn_func,
           "user-guide.md-1": check_complete, "user-guide.md-2": check_training_loop,
           "user-guide.md-3": check_by_hand_step, "user-guide.md-4": check_explain,
-          "user-guide.md-5": check_varlen, "user-guide.md-6": check_kvcache_decode}
+          "user-guide.md-5": check_varlen, "user-guide.md-6": check_score_mods,
+          "user-guide.md-7": check_kvcache_decode, "user-guide.md-8": check_context_parallel}
 
 
 def test_every_runnable_example_has_a_check():

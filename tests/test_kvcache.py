@@ -31,21 +31,27 @@ def make_case(seed, B, Lq, Lc, Hq, Hkv, D, dtype, Lnew=None, seqlens=None):
     return q, kc, vc, kn, vn, np.asarray(seqlens, np.int32)
 
 
-def run_kvcache(q, kc, vc, kn, vn, seqlens, *, int_seqlens=False, **options):
+def run_kvcache(q, kc, vc, kn, vn, seqlens, *, int_seqlens=False, slopes=None, **options):
     """Run ``flash_attn_with_kvcache`` (floating-point traps on) and read the caches after it.
+
+    Args:
+        slopes: ``None`` or host ALiBi slopes (``[Hq]`` or ``[B, Hq]``), a graph input.
 
     Returns:
         ``(out, lse, k_cache, v_cache, run)``.
     """
     arrays = [q, kc, vc] + ([kn, vn] if kn is not None else []) + \
-        ([] if int_seqlens else [seqlens])
+        ([] if int_seqlens else [seqlens]) + ([] if slopes is None else [slopes])
 
     def build(q, kc, vc, *rest):
+        rest = list(rest)
+        alibi = rest.pop() if slopes is not None else None
         new = rest[:2] if kn is not None else (None, None)
         lens = int(seqlens[0]) if int_seqlens else rest[-1]
         with popxl.in_sequence():  # read the caches after the in-place write
             out, lse = pf.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=lens,
-                                                  return_lse=True, **options)
+                                                  return_lse=True, alibi_slopes=alibi,
+                                                  **options)
             return [out, lse, ops.identity(kc), ops.identity(vc)]
     (out, lse, kc2, vc2), run = run_graph(build, arrays, fp_checks=FP_CHECKS)
     return out, lse, kc2, vc2, run
@@ -60,9 +66,19 @@ def expected_caches(kc, vc, kn, vn, seqlens):
     return k, v
 
 
-def check_rows(out, lse, q, k, v, seqlens, Lnew, *, causal, window, scale=None, dtype):
+def row_modifiers(b, softcap=0.0, slopes=None):
+    """The reference's modifier keywords for batch row ``b`` (slopes ``[Hq]`` or ``[B, Hq]``)."""
+    mods = dict(softcap=softcap) if softcap else {}
+    if slopes is not None:
+        mods["alibi_slopes"] = slopes if slopes.ndim == 1 else slopes[b]
+    return mods
+
+
+def check_rows(out, lse, q, k, v, seqlens, Lnew, *, causal, window, scale=None, dtype,
+               softcap=0.0, slopes=None):
     """Each batch row against the float64 reference on its valid prefix (2x rule; rows that
-    see no key exactly out 0, lse -inf)."""
+    see no key exactly out 0, lse -inf). The reference's ALiBi offset is ``n - Lq`` on the
+    prefix of ``n`` rows: flash-attn's ``seqlen_k - seqlen_q`` per row."""
     D = q.shape[-1]
     for b in range(q.shape[0]):
         n = int(seqlens[b]) + Lnew
@@ -73,7 +89,8 @@ def check_rows(out, lse, q, k, v, seqlens, Lnew, *, causal, window, scale=None, 
             assert (ob == 0).all() and np.isneginf(lb).all()
             continue
         kb, vb = (x[b, :n].transpose(1, 0, 2) for x in (k, v))  # [Hkv, n, D]
-        mask = dict(causal=causal, window=window, scale=scale)
+        mask = dict(causal=causal, window=window, scale=scale,
+                    **row_modifiers(b, softcap, slopes))
         ref_out, ref_lse = pf.reference.attention(qb, kb, vb, **mask)
         naive_out, _ = naive_attention(qb, kb, vb, **mask)
         steps = n + D + 64
@@ -88,17 +105,20 @@ def check_rows(out, lse, q, k, v, seqlens, Lnew, *, causal, window, scale=None, 
                            magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
 
 
-def check_case(case, dtype, *, causal, window=(-1, -1), int_seqlens=False, **options):
+def check_case(case, dtype, *, causal, window=(-1, -1), int_seqlens=False, softcap=0.0,
+               slopes=None, **options):
     q, kc, vc, kn, vn, seqlens = case
+    mods = dict(softcap=softcap) if softcap else {}
     out, lse, kc2, vc2, run = run_kvcache(q, kc, vc, kn, vn, seqlens, causal=causal,
                                           window_size=window, int_seqlens=int_seqlens,
-                                          **options)
+                                          slopes=slopes, **mods, **options)
     k, v = expected_caches(kc, vc, kn, vn, seqlens)
     np.testing.assert_array_equal(kc2, k)  # written rows replaced, every other row unchanged
     np.testing.assert_array_equal(vc2, v)
     Lnew = 0 if kn is None else kn.shape[1]
     check_rows(out, lse, q, k, v, seqlens, Lnew, causal=causal,
-               window=tuple(None if w < 0 else w for w in window), dtype=dtype)
+               window=tuple(None if w < 0 else w for w in window), dtype=dtype,
+               softcap=softcap, slopes=slopes)
     return run
 
 
@@ -182,6 +202,79 @@ def test_hypothesis_cache_lengths_and_chunks(Lc, data, Lq, splits, causal, windo
                num_chunks_kv=nkv)
 
 
+# -- score modifiers: softcap and ALiBi ----------------------------------------------------
+def geometric_slopes(heads):
+    """The ALiBi paper's slopes ``2^(-8 h / H)``, float32 ``[H]``."""
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
+def make_slopes(kind, B, Hq, seed=0):
+    """``None``, ``"H"`` (geometric ``[Hq]``) or ``"BH"`` (random ``[B, Hq]`` in [0.05, 1))."""
+    if kind is None:
+        return None
+    if kind == "H":
+        return geometric_slopes(Hq)
+    return np.random.default_rng(seed).uniform(0.05, 1.0, (B, Hq)).astype(np.float32)
+
+
+MODS = {"softcap": (1.5, None), "alibi-H": (0.0, "H"), "alibi-BH": (0.0, "BH"),
+        "both": (2.0, "BH")}
+#: (Lq, num_splits, mask, dtype): decode and prefill, split-KV and one loop, causal and windows.
+STRUCTURES = {"decode-split3-causal": (1, 3, dict(causal=True), "float16"),
+              "decode-loop-window": (1, 1, dict(causal=False, window=(6, 2)), "float32"),
+              "prefill-loop-causal-window": (5, 1, dict(causal=True, window=(7, -1)),
+                                             "float16"),
+              "prefill-split2-full": (5, 2, dict(causal=False), "float32")}
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("mods", MODS)
+def test_modifiers_match_reference_on_valid_prefix(mods, structure):
+    """softcap and ALiBi ([Hq] and [B, Hq] slopes) with grouped-query heads, per-row lengths
+    including 0 and Lcache - Lnew: ALiBi's distance is taken from each row's own bottom-right
+    corner (``i + n_b - Lq - j``), so a wrong offset fails the rows of other lengths."""
+    Lq, splits, mask, dtype = STRUCTURES[structure]
+    softcap, kind = MODS[mods]
+    B, Lc, Hq = 4, 37, 4
+    case = make_case(11, B, Lq, Lc, Hq, 2, 8, dtype, seqlens=[0, 11, Lc - Lq, 3])
+    check_case(case, dtype, softcap=softcap, slopes=make_slopes(kind, B, Hq),
+               num_splits=splits, num_chunks_kv=6, **mask)
+
+
+def test_modifiers_int_seqlens_and_no_new_rows():
+    """An int cache_seqlens with both modifiers; and a query-only call (k = v = None)."""
+    case = make_case(12, 2, 3, 30, 4, 1, 16, "float32", seqlens=[9, 9])
+    check_case(case, "float32", causal=True, int_seqlens=True, num_splits=2, softcap=3.0,
+               slopes=make_slopes("H", 2, 4))
+    case = make_case(13, 3, 2, 24, 2, 2, 8, "float32", Lnew=0, seqlens=[0, 24, 5])
+    check_case(case, "float32", causal=True, num_chunks_kv=3, slopes=make_slopes("BH", 3, 2))
+
+
+def test_modifiers_change_the_result():
+    """The modifiers reach the scores: the same call without them differs (so the reference
+    comparisons above would fail on an ignored modifier)."""
+    case = make_case(14, 2, 1, 20, 2, 1, 8, "float32", seqlens=[7, 19])
+    plain = run_kvcache(*case, causal=True)[0]
+    capped = run_kvcache(*case, causal=True, softcap=0.5)[0]
+    alibi = run_kvcache(*case, causal=True, slopes=make_slopes("H", 2, 2))[0]
+    assert np.abs(capped - plain).max() > 1e-3 and np.abs(alibi - plain).max() > 1e-3
+
+
+@settings(max_examples=10)
+@given(Lc=st.integers(1, 40), data=st.data(), Lq=st.integers(1, 4), splits=st.integers(1, 3),
+       causal=st.booleans(), window=st.sampled_from([(-1, -1), (3, -1), (2, 1)]),
+       mods=st.sampled_from(sorted(MODS)), seed=st.integers(0, 2 ** 16))
+def test_hypothesis_modifiers(Lc, data, Lq, splits, causal, window, mods, seed):
+    Lnew = data.draw(st.integers(1, min(Lq, Lc)), label="Lnew")
+    seqlens = data.draw(st.lists(st.integers(0, Lc - Lnew), min_size=2, max_size=2),
+                        label="seqlens")
+    nkv = data.draw(st.integers(1, Lc), label="num_chunks_kv")
+    softcap, kind = MODS[mods]
+    case = make_case(seed, 2, Lq, Lc, 2, 1, 4, "float32", Lnew=Lnew, seqlens=seqlens)
+    check_case(case, "float32", causal=causal, window=window, num_splits=min(splits, Lc),
+               num_chunks_kv=nkv, softcap=softcap, slopes=make_slopes(kind, 2, 2, seed))
+
+
 # -- run-time skipping and the cost model ------------------------------------------------------
 def decode_profile(Lc, fill, *, B=2, Hq=4, Hkv=2, D=64, **options):
     """One decode step (Lq = Lnew = 1) of a cache holding ``fill`` rows in every batch row."""
@@ -221,6 +314,23 @@ def test_decode_model_counts_match_emulator(splits, fill):
     assert profile.loop_iterations == chosen.steps
 
 
+@emulator_only
+@pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
+def test_decode_model_counts_modifier_ops_exactly(splits, fill):
+    """softcap and ALiBi ([Hq] slopes) add exactly the model's ops to a decode step (the
+    harness's one more host load for the slopes aside), and no FLOPs."""
+    Lc, dims = 4096, kvcache.Dims(2, 1, 4096, 1, 4, 2, 64)
+    chunk = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
+                                  num_splits=splits, softcap=True, alibi=True).chosen.chunk_kv
+    plain, both = (kvcache.evaluate(dims, splits, chunk, lengths=(fill + 1,), softcap=m,
+                                    alibi=m) for m in (False, True))
+    base = decode_profile(Lc, fill, num_splits=splits)
+    modified = decode_profile(Lc, fill, num_splits=splits, softcap=30.0,
+                              slopes=geometric_slopes(4))
+    assert modified.matmul_flops == base.matmul_flops == both.flops[0]
+    assert modified.ops_executed - base.ops_executed == both.ops[0] - plain.ops[0] + 1
+
+
 def test_decode_choice_records_both_structures():
     choice = pf.kvcache.explain(2, 1, 4096, q_heads=4, kv_heads=2, head_dim=64)
     assert {c.splits for c in choice.candidates} >= {1, 2, 4}
@@ -232,8 +342,10 @@ def test_decode_choice_records_both_structures():
 
 # -- build-time errors -------------------------------------------------------------------------
 def _build(q=(2, 1, 4, 8), cache=(2, 16, 2, 8), new=(2, 1, 2, 8), v_cache=None, seqlens=(2,),
-           seqlens_dtype=np.int32, **options):
+           seqlens_dtype=np.int32, slopes=None, **options):
     def fn():
+        if slopes is not None:  # (shape, dtype) of an alibi_slopes variable
+            options["alibi_slopes"] = zeros_variable(*slopes)
         tensors = [zeros_variable(s) for s in (q, cache, v_cache or cache)]
         kn = vn = None
         if new is not None:
@@ -262,8 +374,27 @@ BAD = [
     (dict(v_cache=(2, 16, 1, 8)), ValueError, "v_cache must have the shape of k_cache"),
     (dict(q=(2, 1, 4, 4)), ValueError, "k_cache must have q's batch B=2 and head dim D=4"),
     (dict(q=(1, 4, 8)), ValueError, "q must have rank 4 [B, Lq, Hq, D]"),
-    (dict(softcap=30.0), ValueError, "softcap=30.0 needs the score-modifier feature"),
-    (dict(alibi_slopes=0.5), ValueError, "alibi_slopes needs the score-modifier feature"),
+    (dict(softcap=-1.0), ValueError, "softcap must be in [0.0, "),
+    (dict(softcap="30"), TypeError, "softcap must be a real number, got softcap='30'"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be in [0.0, "),
+    (dict(slopes=((3,), np.float32)), ValueError,
+     "alibi_slopes must be float32 [Hq=4] or [B=2, Hq=4], got (3,) float32"),
+    (dict(slopes=((1, 4), np.float32)), ValueError,
+     "alibi_slopes must be float32 [Hq=4] or [B=2, Hq=4], got (1, 4) float32"),
+    (dict(slopes=((2, 2), np.float32)), ValueError,
+     "alibi_slopes must be float32 [Hq=4] or [B=2, Hq=4], got (2, 2) float32"),
+    (dict(slopes=((4,), np.float16)), ValueError,
+     "alibi_slopes must be float32 [Hq=4] or [B=2, Hq=4], got (4,) float16"),
+    (dict(alibi_slopes=np.ones(4, np.float32)), TypeError, "alibi_slopes must be a popxl.Tensor"),
+    (dict(dropout_p=0.1), TypeError, "'dropout_p': the KV cache is inference-only: "
+                                     "flash_attn_with_kvcache has no dropout"),
+    (dict(dropout=0.1), TypeError, "'dropout': the KV cache is inference-only: "
+                                   "flash_attn_with_kvcache has no dropout"),
+    (dict(seed=1), TypeError, "'seed': the KV cache is inference-only"),
+    (dict(return_attn_probs=True), TypeError, "'return_attn_probs': the KV cache is "
+                                              "inference-only"),
+    (dict(score_mod=abs), TypeError, "flash_attn_with_kvcache takes no score_mod"),
+    (dict(scale=0.5), TypeError, "flash_attn_with_kvcache calls it softmax_scale="),
     (dict(num_splits=-1), ValueError, "num_splits must be in [0, 16], got num_splits=-1"),
     (dict(num_splits=1.5), TypeError, "num_splits must be an int"),
     (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
@@ -329,6 +460,48 @@ def test_matches_pytorch_sdpa_on_valid_prefix(Lq, dtype, splits):
         n = int(seqlens[b]) + Lq
         ref = _sdpa(q[b], k[b], v[b], n, True, torch.float64)
         same = _sdpa(q[b], k[b], v[b], n, True, low)
+        assert_within_rule(f"out[{b}]", out[b], same, ref, factor=2, dtype=dtype,
+                           accum_steps=n + 16 + 64, magnitude=float(np.abs(v[b, :n]).max()))
+
+
+def _sdpa_alibi(q, k, v, n, slopes, causal, dtype):
+    """PyTorch SDPA of one batch row over its valid prefix with flash-attn's ALiBi as an
+    explicit float bias ``-slope[h] * |i + n - Lq - j|`` (``-inf`` where causal hides a key)."""
+    import torch
+    tq, tk, tv = (torch.tensor(a.astype(np.float64)).to(dtype).transpose(0, 1)[None]
+                  for a in (q, k[:n], v[:n]))  # [1, H, L, D]
+    Lq = q.shape[0]
+    i, j = torch.arange(Lq)[:, None], torch.arange(n)[None, :]
+    dist = (i + n - Lq - j).abs().double()  # [Lq, n]
+    bias = -torch.tensor(slopes.astype(np.float64))[:, None, None] * dist  # [Hq, Lq, n]
+    if causal:
+        bias = bias.masked_fill(j > i + n - Lq, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=bias[None]
+                                                           .to(dtype), enable_gqa=True)
+    return out[0].transpose(0, 1).double().numpy()  # [Lq, Hq, D]
+
+
+@pytest.mark.parametrize("Lq,dtype,splits,causal", [(1, "float16", 3, True),
+                                                    (1, "float32", 1, False),
+                                                    (4, "float16", 1, True)])
+def test_alibi_matches_pytorch_sdpa_with_float_bias(Lq, dtype, splits, causal):
+    """ALiBi ([B, Hq] slopes) against PyTorch SDPA given the bias as an explicit float mask,
+    per row on its valid prefix (2x the same-precision SDPA's error against float64 SDPA)."""
+    torch = pytest.importorskip("torch")
+    B, Lc, Hq = 3, 40, 4
+    q, kc, vc, kn, vn, seqlens = make_case(15, B, Lq, Lc, Hq, 2, 16, dtype,
+                                           seqlens=[Lc - Lq, 0, 17])
+    slopes = make_slopes("BH", B, Hq, seed=3)
+    out, _, kc2, vc2, _ = run_kvcache(q, kc, vc, kn, vn, seqlens, causal=causal,
+                                      num_splits=splits, slopes=slopes)
+    k, v = expected_caches(kc, vc, kn, vn, seqlens)
+    np.testing.assert_array_equal(kc2, k)
+    np.testing.assert_array_equal(vc2, v)
+    low = torch.float16 if dtype == "float16" else torch.float32
+    for b in range(B):
+        n = int(seqlens[b]) + Lq
+        ref = _sdpa_alibi(q[b], k[b], v[b], n, slopes[b], causal, torch.float64)
+        same = _sdpa_alibi(q[b], k[b], v[b], n, slopes[b], causal, low)
         assert_within_rule(f"out[{b}]", out[b], same, ref, factor=2, dtype=dtype,
                            accum_steps=n + 16 + 64, magnitude=float(np.abs(v[b, :n]).max()))
 

@@ -132,7 +132,7 @@ def test_grad_checks_grouped_query_specs():
     ("window_size", "this API calls it window= (pf.flash_attn_func"),
     ("is_causal", "this API calls it causal="),
     ("attn_mask", "mask tensors are not supported"),
-    ("dropout_p", "attention dropout is not supported"),
+    ("dropout_p", "this API calls it dropout= (with seed="),
 ])
 def test_other_apis_keywords_point_to_ours(fn, keyword, hint):
     def call():

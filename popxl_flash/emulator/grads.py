@@ -22,7 +22,7 @@ _FLOATS = (dtypes.float16, dtypes.float32)
 NO_GRAD = frozenset((
     "detach", "init", "scaled_add", "increment_mod", "host_load", "greater", "equal",
     "logical_and", "logical_or", "logical_not", "isnan", "isinf", "isfinite", "floor", "ceil",
-    "sign",
+    "sign", "replicated_all_reduce",
 ))
 
 
@@ -263,6 +263,31 @@ def _matmul(ctx, i):
     return _like(grad.reshape(src.shape), src)
 
 
+# -- collectives -------------------------------------------------------------------------------
+def _all_gather(ctx, i):
+    """ReplicatedAllGatherOp's grad op: a Local reduce-scatter (each replica keeps its own
+    slice of the incoming gradient; no sum over replicas)."""
+    src = ctx.op.inputs[0]
+    from .registry import emit
+    out = emit("replicated_reduce_scatter", {"t": ctx.dy(0)},
+               {"grouping": ctx.op.attrs["grouping"], "op": "local"})[0]
+    return out if out.shape == src.shape else out.reshape(src.shape)
+
+
+def _reduce_scatter(ctx, i):
+    """ReplicatedReduceScatterOp's grad op (Local only, else PopART throws): an all-gather."""
+    from .errors import PopartError
+    from .registry import emit
+    if ctx.op.attrs["op"] != "local":
+        raise PopartError("ReplicatedReduceScatterOp: grad op is only implemented when "
+                          "CollectiveOperator==CollectiveOperator::Local")
+    src, dy = ctx.op.inputs[0], ctx.dy(0)
+    out = emit("replicated_all_gather", {"t": dy},
+               {"grouping": ctx.op.attrs["grouping"],
+                "shape": (ctx.op.attrs["grouping"][2] * dy.nelms,)})[0]
+    return out if out.shape == src.shape else out.reshape(src.shape)
+
+
 RULES = {
     "add": (_all, _add), "sub": (_all, _sub), "mul": (_all, _mul), "div": (_all, _div),
     "negate": (_all, _negate), "exp": (_all, _exp), "log": (_all, _log),
@@ -273,4 +298,6 @@ RULES = {
     "concat": (_all, _concat), "split": (_all, _split), "sum": (_all, _sum), "mean": (_all, _mean),
     "softmax": (_all, _softmax), "dynamic_slice": (lambda op: (0,), _dynamic_slice),
     "matmul": (_all, _matmul),
+    "replicated_all_gather": (_all, _all_gather),
+    "replicated_reduce_scatter": (_all, _reduce_scatter),
 }

@@ -28,6 +28,22 @@ class Runtime:
         self.copied_by_kind = dict.fromkeys(KINDS, 0)  # lowering copies by boundary kind
         self.copy_sites = {}  # (site, kind, bytes per execution) -> executions
         self.iterations = 0  # repeat-body executions
+        # Replication (see replication.py): this replica's index, the rendezvous where the
+        # replicas meet at collectives, bytes this replica received from collectives.
+        self.replica, self.rendezvous, self.collective_bytes = 0, None, 0
+
+    def meet(self, op, value, combine):
+        """Exchange ``value`` with the other replicas at collective ``op``.
+
+        Args:
+            op: the collective's op record. value: this replica's input.
+            combine: fn([input per replica]) -> [output per replica].
+        Returns:
+            This replica's output.
+        """
+        if self.rendezvous is None:
+            return combine([value])[0]
+        return self.rendezvous.meet(self.replica, op, value, combine)
 
     def add_copies(self, kind, nbytes, site, times=1):
         """Count ``times`` executions of ``nbytes`` lowering copies of boundary ``kind``

@@ -57,8 +57,8 @@ class DeviceInfo:
     def memory_bytes(self):
         """Emulator-only: tile memory of one IPU in bytes, or ``None`` for the host CPU device.
 
-        One IPU, whatever ``numIpus``: the emulator runs everything on IPU 0 (and one replica's
-        values), so its peak is to be compared with a single IPU's memory."""
+        One IPU, whatever ``numIpus``: the emulator runs each replica on one IPU, so a
+        replica's peak is to be compared with a single IPU's memory."""
         if self._type == DeviceType.Cpu:
             return None
         return self._tiles * BYTES_PER_TILE[self._version]

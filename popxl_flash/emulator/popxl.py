@@ -22,7 +22,8 @@ from .unsupported import stub as _stub, stub_module as _stub_module, surface as 
 
 ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
     "var_updates": _surface("popxl.ops.var_updates", _names.VAR_UPDATES, _ops.var_updates),
-    "collectives": _surface("popxl.ops.collectives", _names.COLLECTIVES),
+    "collectives": _surface("popxl.ops.collectives", _names.COLLECTIVES,
+                            _ops.collectives),
     "CallSiteInfo": _ops.CallSiteInfo,
 })
 tensor = _surface("popxl.tensor", _names.TENSOR + ("HostTensor", "host_tensor_types"), _tensor,

@@ -1,6 +1,6 @@
 """The run profile recorded by ``Session.run`` and the ``count_ops`` helper."""
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Tuple
 
 from .ir import Graph, Ir
 
@@ -37,6 +37,12 @@ class RunProfile:
             boundary and its graph (``"call G"``, ``"repeat G"`` per repeat and per
             iteration, ``"branch G"`` for the taken branch G); executions times bytes summed
             over the entries is ``bytes_copied``.
+        collective_bytes: bytes received over the IPU links by the replicated collectives
+            (ring schedule; see ``ops/collectives.py``).
+        replicas: with replication (R > 1), each replica's own profile (replica r at index
+            r); the fields above then sum the replicas' counters, except
+            ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
+            Empty without replication.
     """
 
     ops_executed: int = 0
@@ -49,6 +55,25 @@ class RunProfile:
     loop_iterations: int = 0
     bytes_copied_by_kind: dict = field(default_factory=dict)
     copy_sites: dict = field(default_factory=dict)
+    collective_bytes: int = 0
+    replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
+
+    @classmethod
+    def of_replicas(cls, profiles):
+        """Args: profiles: one RunProfile per replica. Returns: their combined profile
+        (sums, peak the largest; ``replicas`` holds them)."""
+        first = profiles[0]
+        total = {name: sum(getattr(p, name) for p in profiles)
+                 for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
+                              "collective_bytes")}
+        for name in ("bytes_copied_by_kind", "copy_sites"):
+            summed = {}
+            for p in profiles:
+                for key, value in getattr(p, name).items():
+                    summed[key] = summed.get(key, 0) + value
+            total[name] = summed
+        return replace(first, peak_live_bytes=max(p.peak_live_bytes for p in profiles),
+                       replicas=tuple(profiles), **total)
 
     @property
     def fits_device(self):

@@ -1,4 +1,5 @@
 """``popxl.Session`` for the emulator: compile (checks + plans), device state, runs."""
+import math
 import numbers
 import time
 
@@ -10,6 +11,7 @@ from .interpreter import Runtime
 from .plan import build_plans
 from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
+from .replication import run_replicas
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
@@ -71,15 +73,19 @@ class Session:
 
     # -- weights -----------------------------------------------------------------------------
     def weights_from_host(self):
-        """Copy all host variable values to the device."""
+        """Copy all host variable values to the device: every replica gets its own copy, of
+        its group's row for a variable with several replica groups."""
         self._assert_attached()
-        self._on_device = {v: np.array(a, copy=True) for v, a in self._host.items()}
+        self._replica_vars = [{v: _replica_value(v, a, r) for v, a in self._host.items()}
+                              for r in range(self._ir.replication_factor)]
+        self._on_device = self._replica_vars[0]
         self._host_in_sync = True
 
     def weights_to_host(self):
-        """Copy all device variable values to the host."""
+        """Copy all device variable values to the host: PopXL's "one_per_group" retrieval
+        (the first replica of each group; one group of all replicas: replica 0's value)."""
         self._assert_attached()
-        self._host = {v: np.array(a, copy=True) for v, a in self._on_device.items()}
+        self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -96,8 +102,8 @@ class Session:
         if any(isinstance(t, Variable) for t in tensors) and self.is_attached \
                 and not self._host_in_sync:
             self.weights_to_host()
-        return {t: np.array(self._host[t] if isinstance(t, Variable) else t._data, copy=True)
-                for t in tensors}
+        return {t: _user_value(t, self._host[t]) if isinstance(t, Variable)
+                else np.array(t._data, copy=True) for t in tensors}
 
     def write_variable_data(self, tensor, data):
         """Args: tensor: Variable. data: array of exactly ``tensor.dtype`` and shape."""
@@ -119,6 +125,8 @@ class Session:
             if data.shape != t.shape_on_host:
                 raise ValueError(f"The shape of the input array {data.shape} must match the "
                                  f"shape of the tensor {t.id} : {t.shape}")
+            if not t.replica_grouping.is_const:  # PopXL stores the const grouping's groups
+                data = data[t.replica_grouping.to_device_map]
             self._host[t] = np.array(data, copy=True, order="C")
         if self.is_attached:
             self.weights_from_host()
@@ -150,32 +158,49 @@ class Session:
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
         nht = self._ir.num_host_transfers
-        d2h = {s: _d2h_buffer(s, outputs[s], nht) for s in outputs}
+        d2h = {s: _d2h_buffer(s, outputs[s], self._full_shape(s, always=True)) for s in outputs}
         t0 = time.perf_counter()
-        rt = Runtime(h2d, d2h, self._const_bytes)
-        env = self._main.template[:]
-        for slot, var in self._main.var_slots:
-            env[slot] = self._on_device[var]
-        with np.errstate(all="ignore"):
-            rt.run_env(self._main, env)
-        del env
+        replicas = self._ir.replication_factor
+        runtimes = run_replicas(replicas, lambda r, rdv: self._run_replica(h2d, d2h, r, rdv))
         self._host_in_sync = False
-        for s, n in rt.stores.items():
-            if n < nht:
-                raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries were "
-                                   "never written by host_store this run (their contents are "
-                                   "unspecified on the device)")
+        for rt in runtimes:
+            for s, n in rt.stores.items():
+                if n < nht:
+                    raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries "
+                                       "were never written by host_store this run (their "
+                                       "contents are unspecified on the device)")
+        for s in d2h:
             if not np.may_share_memory(d2h[s], outputs[s]):
                 outputs[s][...] = d2h[s].reshape(outputs[s].shape)
-        self.profile = RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes,
-                                  time.perf_counter() - t0, rt.copied,
-                                  self._device.memory_bytes, loop_iterations=rt.iterations,
-                                  bytes_copied_by_kind=dict(rt.copied_by_kind),
-                                  copy_sites=dict(rt.copy_sites))
+        seconds = time.perf_counter() - t0
+        profiles = [RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes, seconds, rt.copied,
+                               self._device.memory_bytes, loop_iterations=rt.iterations,
+                               bytes_copied_by_kind=dict(rt.copied_by_kind),
+                               copy_sites=dict(rt.copy_sites),
+                               collective_bytes=rt.collective_bytes) for rt in runtimes]
+        self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
 
-    def _full_shape(self, stream):
-        nht = self._ir.num_host_transfers
-        return ((nht,) if nht > 1 else ()) + stream.shape
+    def _run_replica(self, h2d, d2h, replica, rendezvous):
+        """Run the main graph as replica ``replica`` (its rows of the stream buffers, its
+        variables). Returns: its Runtime (profile counters)."""
+        if self._ir.replication_factor > 1:
+            h2d = {s: a[:, replica] for s, a in h2d.items()}
+            d2h = {s: a[:, replica] for s, a in d2h.items()}
+        rt = Runtime(h2d, d2h, self._const_bytes)
+        rt.replica, rt.rendezvous = replica, rendezvous
+        env = self._main.template[:]
+        for slot, var in self._main.var_slots:
+            env[slot] = self._replica_vars[replica][var]
+        with np.errstate(all="ignore"):
+            rt.run_env(self._main, env)
+        return rt
+
+    def _full_shape(self, stream, always=False):
+        """``(num_host_transfers, replicas, *stream.shape)``, the first two dims left out when
+        1 (unless ``always``)."""
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        return ((nht,) if nht > 1 or always else ()) + \
+            ((reps,) if reps > 1 else ()) + stream.shape
 
     def _prepare_inputs(self, inputs, downcast):
         arrays = {s: _host_array(a, downcast) for s, a in inputs.items()}
@@ -199,8 +224,39 @@ class Session:
                 else:
                     raise PopartError(f"Type discrepancy for tensor {s.tensor_id}: stream is "
                                       f"{s.dtype.name}, array is {arr.dtype}")
-            out[s] = arr.reshape((nht,) + s.shape)
+            out[s] = arr.reshape(self._full_shape(s, always=True))
         return out
+
+
+def _replica_value(var, host, replica):
+    """Replica ``replica``'s copy of ``var`` from its host value (groups of the constant-stride
+    grouping PopXL stores, ``const_rg``)."""
+    rg = var.replica_grouping.const_rg
+    if rg.num_groups == 1:
+        return np.array(host, copy=True)
+    return np.array(host[rg.assignment[replica]], copy=True)
+
+
+def _host_value(var, replica_vars):
+    """The host value of ``var`` from the replicas' copies ("one_per_group": the first replica
+    of each group of the constant-stride grouping)."""
+    if var.retrieval_mode == "all_replicas" and var.replica_grouping.group_size > 1 and \
+            len(replica_vars) > 1:
+        raise NotImplementedError(f"variable {var.id}: retrieval_mode 'all_replicas' is not "
+                                  "implemented by the emulator")
+    rg = var.replica_grouping.const_rg
+    if rg.num_groups == 1:
+        return np.array(replica_vars[0][var], copy=True)
+    firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
+    return np.stack([replica_vars[r][var] for r in firsts])
+
+
+def _user_value(var, host):
+    """The value ``get_tensor_data`` returns: the stored groups mapped back to the variable's
+    own (possibly non-constant) grouping, as PopXL's ``to_host_map``."""
+    if not var.replica_grouping.is_const:
+        host = host[var.replica_grouping.to_host_map]
+    return np.array(host, copy=True)
 
 
 def _host_array(data, downcast):
@@ -212,10 +268,10 @@ def _host_array(data, downcast):
     return dtypes.to_numpy(data, downcast=downcast)
 
 
-def _d2h_buffer(stream, out, nht):
+def _d2h_buffer(stream, out, shape):
     """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
-    array of the stream's dtype and size (no staging copy), else a new buffer."""
-    shape = (nht,) + stream.shape
+    array of the stream's dtype and size (no staging copy), else a new buffer.
+    ``shape``: ``(num_host_transfers, [replicas,] *stream.shape)``."""
     if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
             out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
         return out.reshape(shape)
@@ -237,15 +293,24 @@ def _device_info(device_desc, ir):
                                   f"(use one of {DEVICES} or a popart DeviceInfo)")
     if isinstance(device_desc, str) and device_desc not in DEVICES:
         raise ValueError(f"device_desc must be one of {DEVICES}, got {device_desc!r}")
-    if ir.replication_factor > 1:
-        if device_desc == "cpu":
-            raise ValueError("The 'cpu' device supports a single IPU; replication_factor "
-                             f"{ir.replication_factor} needs an IPU device")
-        raise NotImplementedError("replication is not supported by the emulator")
+    replicas = ir.replication_factor
+    # PopXL's Session._get_ipu_count: 2 ** ceil(log2(ipus per replica x replicas)); the
+    # emulator's graphs use one IPU per replica (popxl.ipu(0) only).
+    num_ipus = 2 ** math.ceil(math.log2(replicas))
     if isinstance(device_desc, DeviceInfo):
+        if device_desc.numIpus % replicas:
+            # poplar::Graph(target, replication_factor(R)) splits the target's IPUs evenly
+            raise PopartError(f"replication_factor {replicas} does not divide the device's "
+                              f"{device_desc.numIpus} IPUs")
         return device_desc
     if device_desc == "cpu":
+        if num_ipus > 1:
+            raise ValueError(f"For a cpu device, multiple devices (provided: {num_ipus}) are "
+                             "not supported.")
         return DeviceManager().createCpuDevice()
+    if num_ipus % replicas:
+        raise PopartError(f"replication_factor {replicas} does not divide the {num_ipus} IPUs "
+                          "PopXL requests (a power of two)")
     if device_desc == "ipu_model":
-        return DeviceManager().createIpuModelDevice({"numIPUs": 1})
-    return ipu_hw_device(1)
+        return DeviceManager().createIpuModelDevice({"numIPUs": num_ipus})
+    return ipu_hw_device(num_ipus)

@@ -287,16 +287,17 @@ def test_empty_graph_with_explicit_inputs_and_outputs():
 
 @emulator_only
 def test_unimplemented_features_raise_not_implemented():
-    """Collectives are outside the emulator's subset: where the name exists, using it raises
-    NotImplementedError (never a silent wrong result). (Autodiff is implemented: see
-    test_emulator_autodiff.py.)"""
+    """Collectives between the IPUs of one replica (``all_reduce``: the emulator has one IPU
+    per replica) and replicated tensor sharding are outside the emulator's subset: using them
+    raises NotImplementedError (never a silent wrong result). (Replicated collectives: see
+    test_replication.py; autodiff: test_emulator_autodiff.py.)"""
     ir = popxl.Ir()
     with ir.main_graph:
         x = popxl.constant(np.ones(3, np.float32))
-        collectives = getattr(ops, "collectives", None)
-        if collectives is not None and hasattr(collectives, "replicated_all_reduce"):
-            with pytest.raises(NotImplementedError):
-                collectives.replicated_all_reduce(x)
+        with pytest.raises(NotImplementedError):
+            ops.collectives.all_reduce([x])
+        with pytest.raises(NotImplementedError):
+            ops.collectives.replica_sharded_slice(x)
 
 
 # python/popxl/python_files/ops/init.py, tensor.py graph_input, streams.py: the shape becomes a

@@ -30,7 +30,7 @@ STUBS = {
             "remote_buffer"),
     popxl.ops: ("conv_pow2scaled", "conv_transpose_pow2scaled", "PadType", "topk", "cumsum",
                 "remote_code_load"),
-    popxl.ops.collectives: ("replicated_all_reduce", "CommGroup"),
+    popxl.ops.collectives: ("all_reduce", "CommGroup"),
     popxl.ops.var_updates: ("adam_updater", "sparse_accumulate_"),
 }
 

@@ -1,6 +1,6 @@
 """The emulator's op implementations. ``popxl.ops`` (in ``../popxl.py``) exposes these under
 PopXL's names; PopXL ops not implemented here are stubs there."""
-from . import var_updates
+from . import collectives, var_updates
 from .control import (CallSiteInfo, ConditionalSiteInfo, RepeatSiteInfo, call, call_with_info,
                       conditional, conditional_with_info, repeat, repeat_with_info)
 from .dynamic import dynamic_slice, dynamic_update, dynamic_update_
@@ -13,6 +13,7 @@ from .io import host_load, host_store
 from .matmul import matmul
 from .misc import init
 from .nn import gelu, gelu_, group_norm, layer_norm
+from .random import dropout, random_normal, random_uniform, split_random_seed
 from .reduce import max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
                     reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
