@@ -97,6 +97,21 @@ def random_qkv(rng, G, Lq, Lkv, D, dtype, kv_groups=None):
     return q, k, v
 
 
+def gradient_magnitude(refs, name):
+    """The magnitude for the floor of gradient ``name`` in ``refs`` (``{name: float64 grad}``).
+
+    A k projection's bias (a name ending in ``k.bias``) has an exact gradient of zero: a bias on
+    every key shifts each row's scores by ``q . b``, which softmax ignores. Any implementation
+    returns the rounding residue of a sum of per-token terms ``dK_t``, so its floor takes the
+    size of such terms, not of the zero result: the matching q bias gradient sums the per-token
+    ``dQ_t``, of the same scale. Every other gradient: its own largest magnitude.
+    """
+    magnitude = float(np.abs(refs[name]).max())
+    if name.endswith("k.bias"):
+        magnitude = max(magnitude, float(np.abs(refs[name[:-len("k.bias")] + "q.bias"]).max()))
+    return magnitude
+
+
 def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magnitude,
                        extra_floor=0.0, parity=0.0):
     """Assert ``max|x - ref| <= max(factor * max|naive - ref|, parity) + floor`` (see

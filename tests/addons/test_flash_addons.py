@@ -25,7 +25,7 @@ import popxl_addons as addons  # noqa: E402
 from popxl import ops  # noqa: E402
 
 import popxl_flash as pf
-from attention_utils import assert_within_rule
+from attention_utils import assert_within_rule, gradient_magnitude
 from popxl_flash.addons import FlashAttention, SelfAttention
 from popxl_flash.config import AttentionConfig
 from popxl_flash.tolerance import naive_attention, naive_attention_grad
@@ -208,6 +208,7 @@ CASES = [(kind, route, method) for kind in ("flash", "self_attention") for route
 @pytest.mark.parametrize("kind, route, method", CASES, ids=["-".join(c) for c in CASES])
 def test_route_gradients_follow_the_rule(kind, route, method):
     rng = np.random.default_rng(CASES.index((kind, route, method)))
+    np.random.seed(CASES.index((kind, route, method)))  # addons' Linear draws its weights there
     inputs, dout = _inputs(kind, route, rng)
     out, got, weights = run_route(kind, route, method, inputs, dout)
     model = flash_model if kind == "flash" else attention_model
@@ -222,7 +223,7 @@ def test_route_gradients_follow_the_rule(kind, route, method):
     for name, ref in refs.items():
         assert got[name].shape == ref.shape, name
         assert_within_rule(name, got[name], naives[name], ref, factor=3, dtype="float32",
-                           accum_steps=steps, magnitude=float(np.abs(ref).max()))
+                           accum_steps=steps, magnitude=gradient_magnitude(refs, name))
 
 
 class StashedOutputReturned(FlashAttention):
