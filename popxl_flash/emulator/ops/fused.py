@@ -26,6 +26,13 @@ def _check_scaled_add(op):
     for s in scales:
         if s.nelms != 1:
             raise PopartError(f"{op.kind}: scale tensor {s.id} must have one element")
+    # ScaledAddOpx::compute: a tensor scale0 needs a tensor scale1; a tensor scale1 needs the
+    # float scale0 to be 1 (PopXL sets it to 1.0 when ``a`` is a Tensor).
+    a, b = op.attrs["a"], op.attrs["b"]
+    if a is None and b is not None:
+        raise PopartError(f"{op.kind}: Unsupported tensor scale0 with non-tensor scale1 ({b}).")
+    if b is None and a is not None and F32(a) != F32(1.0):
+        raise PopartError(f"{op.kind}: Unsupported scale0 {a} with tensor scale1.")
 
 
 def _scaled_value(x, y, scales, a, b):

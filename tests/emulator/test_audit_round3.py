@@ -1,0 +1,65 @@
+"""Round-3 audit of the emulator's newer PopXL constructs against PopART sdk-release-3.4.
+
+Each test names the PopART source that settles it: the popxl wrapper
+(``python/popxl/python_files/**.py``), the op's ``setup()`` (``willow/src/op/**.cpp``: raises
+when the op is built) or its lowering (``willow/src/popx/**``: raises when ``popxl.Session``
+compiles the Ir).
+"""
+import numpy as np
+import pytest
+
+from conftest import COMPILE_ERRORS, run, run_fn, store
+from popxl_flash import popxl
+
+ops = popxl.ops
+RNG = np.random.default_rng(3)
+X = RNG.standard_normal((2, 3)).astype(np.float32)
+Y = RNG.standard_normal((2, 3)).astype(np.float32)
+
+
+def _fails_at_session(build):
+    """``build()`` (returning a tensor) must build in a main graph; the Session must refuse."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        store(build())
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+
+
+# --- scaled_add: ops/scaled_add.py (a Tensor ``a`` -> input 2 and attribute 1.0, a Tensor ``b``
+# -> input 3); popx/op/scaledaddx.cpp ScaledAddOpx::compute ----------------------------------
+
+
+def _scale(v):
+    return popxl.constant(np.float32(v))
+
+
+@pytest.mark.parametrize("a_t, b", [(True, 2.0), (True, 1.0)])
+def test_scaled_add_tensor_a_with_float_b_fails_at_session(a_t, b):
+    """compute(): 'Unsupported tensor scale0 with non-tensor scale1.'"""
+    _fails_at_session(lambda: ops.scaled_add(popxl.constant(X), popxl.constant(Y),
+                                             _scale(0.5), b))
+
+
+def test_scaled_add_float_a_not_one_with_tensor_b_fails_at_session():
+    """compute(): 'Unsupported scale0 {} with tensor scale1.' unless scale0 == 1."""
+    _fails_at_session(lambda: ops.scaled_add(popxl.constant(X), popxl.constant(Y), 0.5,
+                                             _scale(2.0)))
+
+
+def test_scaled_add_in_place_float_a_not_one_with_tensor_b_fails_at_session():
+    """ScaledAddLhsInplaceOpx shares compute()."""
+    def build():
+        x = popxl.variable(X)
+        return ops.scaled_add_(x, popxl.constant(Y), 3.0, _scale(2.0))
+    _fails_at_session(build)
+
+
+def test_scaled_add_accepted_scale_combinations_compute():
+    """The three forms the lowering supports: float/float, 1/tensor, tensor/tensor."""
+    got = run_fn(lambda x, y: [ops.scaled_add(x, y, 0.5, -2.0),
+                               ops.scaled_add(x, y, 1.0, _scale(-2.0)),
+                               ops.scaled_add(x, y, _scale(0.5), _scale(-2.0))], X, Y)
+    want = [0.5 * X - 2.0 * Y, X - 2.0 * Y, 0.5 * X - 2.0 * Y]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
