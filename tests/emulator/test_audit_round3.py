@@ -63,3 +63,37 @@ def test_scaled_add_accepted_scale_combinations_compute():
     want = [0.5 * X - 2.0 * Y, X - 2.0 * Y, 0.5 * X - 2.0 * Y]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+# --- random ops: ops/random.py, ops/random_seed.py, ops/utils.py; op/shapeorlike.cpp ---------
+
+
+def _seed():
+    return popxl.constant(np.array([7, 11], np.uint32))
+
+
+@pytest.mark.parametrize("fn", [ops.random_uniform, ops.random_normal])
+def test_random_dtype_none_is_float32(fn):
+    """convert_optional_dtype(None) leaves the type unset; ShapeOrLikeOp::setupWithShape then
+    defaults to FLOAT. Same values as an explicit float32."""
+    a, b = run_fn(lambda s: [fn(s, (2, 3), dtype=None), fn(s, (2, 3))],
+                  np.array([7, 11], np.uint32))
+    assert a.dtype == np.float32 and a.shape == (2, 3)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_split_random_seed_non_tensor_seed_is_type_error():
+    """create_random_seed runs check_in_graph (TypeError for a non-Tensor) before its
+    shape/dtype ValueError."""
+    ir = popxl.Ir()
+    with ir.main_graph, pytest.raises(TypeError, match="seed"):
+        ops.split_random_seed(np.array([1, 2], np.uint32))
+
+
+def test_split_random_seed_seed_of_other_graph_is_value_error():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        s = _seed()
+    g = ir.create_empty_graph("g")
+    with g, pytest.raises(ValueError, match="not in the current Graph"):
+        ops.split_random_seed(s)

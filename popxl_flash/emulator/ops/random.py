@@ -76,6 +76,8 @@ COMPILE_CHECKS["random_uniform"] = COMPILE_CHECKS["random_normal"] = _check_seed
 
 
 def _random(kind, seed_tensor, shape, a, b, dtype):
+    if dtype is None:  # convert_optional_dtype -> unset; ShapeOrLikeOp::setupWithShape: FLOAT
+        dtype = dtypes.float32
     if not isinstance(dtype, dtypes.dtype):
         raise AttributeError(f"{kind}: dtype must be a popxl dtype, got {dtype!r}")
     shape = dtypes.check_shape(int_vector(kind, "shape", shape), kind)
@@ -89,7 +91,7 @@ def random_uniform(seed_tensor, shape, low=0.0, high=1.0, dtype=dtypes.float32):
 
     Args:
         seed_tensor: uint32 ``[2]`` (checked when the Session compiles, as poprand does).
-        shape: output shape. low, high: floats. dtype: float16 or float32.
+        shape: output shape. low, high: floats. dtype: float16 or float32 (None: float32).
 
     Returns:
         Tensor of ``shape``: a deterministic function of the seed's value (module docstring).
@@ -171,6 +173,9 @@ register("modify_random_seed", _modify_rule, _modify)
 
 def _create_random_seed(seed, modifier):
     """PopXL's ``ops.random_seed.create_random_seed`` (not a public ``ops`` name in 3.4)."""
+    from ..context import gcg
+    from ..ir import check_in_graph
+    check_in_graph(gcg(), seed=seed, modifier=modifier)  # before the shape check, as PopXL
     if seed.shape != (2,) or seed.dtype != dtypes.uint32:
         raise ValueError(f"seed Tensor must be shape=(2,) dtype=uint32. Provided {seed}")
     return emit("modify_random_seed", {"seed": seed, "modifier": modifier},
