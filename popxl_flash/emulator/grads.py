@@ -7,11 +7,12 @@ are read through ``ctx.x(i)``/``ctx.y(j)``; every forward tensor PopART's grad o
 read here too, even if unused, because those reads decide which forward tensors become
 gradient-graph inputs (and forward outputs by stitching): mul/div/pow read both operands and the
 output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu the input, group_norm
-x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, the rest
+x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, dropout the seed, the rest
 nothing. Like PopART's, a rule needs the gradient of every output of a multi-output op (split):
 one off the loss path raises "input is not optional".
 
-``NO_GRAD`` kinds have no grad op in PopART: the gradient silently stops there. Kinds in
+``NO_GRAD`` kinds have no grad op in PopART (``Op::getGradOps`` returns none, e.g. the random
+ops and ModifyRandomSeed): the gradient silently stops there. Kinds in
 neither table raise ``NotImplementedError`` when a gradient is needed through them.
 """
 from . import dtypes
@@ -22,7 +23,7 @@ _FLOATS = (dtypes.float16, dtypes.float32)
 NO_GRAD = frozenset((
     "detach", "init", "scaled_add", "increment_mod", "host_load", "greater", "equal",
     "logical_and", "logical_or", "logical_not", "isnan", "isinf", "isfinite", "floor", "ceil",
-    "sign", "replicated_all_reduce",
+    "sign", "replicated_all_reduce", "random_uniform", "random_normal", "modify_random_seed",
 ))
 
 
@@ -288,6 +289,15 @@ def _reduce_scatter(ctx, i):
     return out if out.shape == src.shape else out.reshape(src.shape)
 
 
+# -- dropout -----------------------------------------------------------------------------------
+def _dropout(ctx, i):
+    """DropoutGradOp (willow/src/op/dropout.cpp): a DropoutOp on the incoming gradient with the
+    forward's ratio, reading the forward's seed (same seed, same shape: the same mask)."""
+    from .registry import emit
+    return emit("dropout", {"t": ctx.dy(0), "seed_tensor": ctx.x(1)},
+                {"p": ctx.op.attrs["p"]}, names=["dropout_grad_out"])[0]
+
+
 RULES = {
     "add": (_all, _add), "sub": (_all, _sub), "mul": (_all, _mul), "div": (_all, _div),
     "negate": (_all, _negate), "exp": (_all, _exp), "log": (_all, _log),
@@ -300,4 +310,5 @@ RULES = {
     "matmul": (_all, _matmul),
     "replicated_all_gather": (_all, _all_gather),
     "replicated_reduce_scatter": (_all, _reduce_scatter),
+    "dropout": (lambda op: (0,), _dropout),
 }

@@ -97,3 +97,54 @@ def test_split_random_seed_seed_of_other_graph_is_value_error():
     g = ir.create_empty_graph("g")
     with g, pytest.raises(ValueError, match="not in the current Graph"):
         ops.split_random_seed(s)
+
+
+# --- autodiff through the random ops: willow/src/op/dropout.cpp (DropoutOp::getGradOps,
+# DropoutGradOp reads the seed); RandomUniformOp, RandomNormalOp and ModifyRandomSeedOp keep
+# Op::getGradOps (willow/src/op.cpp: none), so the gradient stops there ----------------------
+
+
+def _grad_of(build, x, required=lambda g: [g.inputs[0]]):
+    """Gradient of ``build(x, seed)`` w.r.t. x for dy = 1 (the seed a graph input)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xs = [popxl.constant(x), _seed()]
+        graph = ir.create_graph(build, *xs)
+        info = popxl.transforms.autodiff(graph, grads_required=required(graph))
+        call = ops.call_with_info(graph, *xs)
+        dx, = ops.call(info.graph, popxl.constant(np.ones_like(x)),
+                       inputs_dict=info.inputs_dict(call))
+        mask = ops.dropout(popxl.constant(np.ones_like(x)), xs[1], 0.25)
+    return run(ir, None, [dx, mask])
+
+
+def test_dropout_gradient_is_dropout_of_dy_with_the_forward_mask():
+    x = RNG.standard_normal((4, 8)).astype(np.float32)
+    dx, mask = _grad_of(lambda t, s: ops.dropout(t, s, 0.25), x)
+    assert (mask == 0).any() and (mask != 0).any()
+    np.testing.assert_array_equal(dx, mask)
+
+
+def test_gradient_stops_at_random_ops():
+    """x * u + n (u, n from the seed): d/dx = u; the seed needs no gradient rule."""
+    x = RNG.standard_normal((3,)).astype(np.float32)
+
+    def f(t, s):
+        s1 = ops.split_random_seed(s, 1)[0]
+        return t * ops.random_uniform(s1, (3,)) + ops.random_normal(s, (3,))
+    dx, _ = _grad_of(f, x)
+    u = run_fn(lambda s: ops.random_uniform(ops.split_random_seed(s, 1)[0], (3,)),
+               np.array([7, 11], np.uint32))
+    np.testing.assert_array_equal(dx, u)
+
+
+def test_required_gradient_of_a_seed_is_unavailable():
+    """No grad op produces the seed's gradient: backwardsgraphcreatorhelper.cpp 'Unable to
+    provide required gradient output' (an IR error, not NotImplementedError)."""
+    from conftest import IR_ERRORS
+    ir = popxl.Ir()
+    with ir.main_graph:
+        graph = ir.create_graph(lambda t, s: t * ops.random_normal(s, (3,)),
+                                popxl.constant(np.ones(3, np.float32)), _seed())
+        with pytest.raises(IR_ERRORS, match="Unable to provide required gradient"):
+            popxl.transforms.autodiff(graph)
