@@ -2,6 +2,7 @@
 import math
 import numbers
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -15,8 +16,21 @@ from .replication import run_replicas
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
-#: ``popxl.session``'s type aliases of run()'s input and output maps.
-STREAM_BUFFER_MAPS = {"d2hStreamBufferMaps": dict, "h2dStreamBufferMaps": dict}
+
+def _stream_buffer_maps():
+    """``popxl.session``'s type aliases of run()'s output and input maps (``typing.Mapping``
+    aliases in PopXL 3.4's ``session.py``: not callable, not usable with ``isinstance``)."""
+    from typing import Mapping, Union
+
+    from .ir import DeviceToHostStream, HostToDeviceStream
+    host_scalar_tensor = Union[int, float, bool, np.ndarray, Iterable]  # tensor.HostScalarTensor
+    d2h = Mapping[DeviceToHostStream, np.ndarray]
+    h2d = Mapping[HostToDeviceStream, host_scalar_tensor]
+    return {"d2hStreamBufferMaps": d2h, "h2dStreamBufferMaps": h2d,
+            "StreamBufferMaps": Union[h2d, d2h]}
+
+
+STREAM_BUFFER_MAPS = _stream_buffer_maps()
 
 
 class Session:

@@ -148,3 +148,19 @@ def test_required_gradient_of_a_seed_is_unavailable():
                                 popxl.constant(np.ones(3, np.float32)), _seed())
         with pytest.raises(IR_ERRORS, match="Unable to provide required gradient"):
             popxl.transforms.autodiff(graph)
+
+
+# --- popxl.session's type aliases: python_files/session.py (typing.Mapping aliases) -----------
+
+
+def test_stream_buffer_maps_are_typing_aliases_not_dict():
+    """``d2hStreamBufferMaps = Mapping[DeviceToHostStream, np.ndarray]``: a type hint only;
+    calling it or an isinstance check raise TypeError (they worked with ``dict``)."""
+    from popxl_flash.emulator.session import STREAM_BUFFER_MAPS
+    assert set(STREAM_BUFFER_MAPS) == {"d2hStreamBufferMaps", "h2dStreamBufferMaps",
+                                       "StreamBufferMaps"}
+    for alias in STREAM_BUFFER_MAPS.values():
+        with pytest.raises(TypeError):
+            isinstance({}, alias)
+    with pytest.raises(TypeError):
+        STREAM_BUFFER_MAPS["d2hStreamBufferMaps"]()
