@@ -302,6 +302,11 @@ def _check_keys(given, expected, what):
 
 def _device_info(device_desc, ir):
     """The DeviceInfo ``device_desc`` names (PopXL's ``_to_device_info``)."""
+    if not isinstance(device_desc, DeviceInfo) and not ir.main_graph._ops:
+        # Session._get_ipus_per_replica (session.py) counts the virtual graphs of the ops of the
+        # graphs left after removeIsolatedGraphs (main and what it calls): none without an op
+        raise RuntimeError(f"The Ir {ir.id} has no graphs. The graphs may have all been "
+                           "optimised to nothing, try adding more operations to your graphs.")
     if not isinstance(device_desc, (str, DeviceInfo)):
         raise NotImplementedError(f"device_desc {device_desc!r} is not supported by the emulator "
                                   f"(use one of {DEVICES} or a popart DeviceInfo)")

@@ -164,3 +164,17 @@ def test_stream_buffer_maps_are_typing_aliases_not_dict():
             isinstance({}, alias)
     with pytest.raises(TypeError):
         STREAM_BUFFER_MAPS["d2hStreamBufferMaps"]()
+
+
+# --- Session of an Ir without ops: python_files/session.py (_get_ipus_per_replica, called by
+# _get_ipu_count when device_desc is a string; willow/src/graph.cpp getAllVirtualGraphIds) ----
+
+
+def test_session_of_an_ir_without_ops_is_runtime_error():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        popxl.variable(np.ones(3, np.float32))  # a variable is no op
+    with pytest.raises(RuntimeError, match="has no graphs"):
+        popxl.Session(ir, "ipu_model")
+    with pytest.raises(RuntimeError, match="has no graphs"):
+        popxl.Session(popxl.Ir(), "cpu")
