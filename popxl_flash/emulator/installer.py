@@ -43,18 +43,22 @@ def install():
 
 class _OpModule(types.ModuleType):
     """A file of a PopXL package (``popxl.ops.add``, ``popxl.ops.var_updates.accumulate``,
-    ``popxl.transforms.merge_exchange``): its names are the package's functions plus the
-    module-level names set on it; anything else raises NotImplementedError."""
+    ``popxl.transforms.merge_exchange``): its names are the package names the PopXL 3.4 file
+    holds (``popxl_names.file_names``) plus the module-level names set on it; another name of
+    the package raises AttributeError, anything else (the file's helpers) NotImplementedError."""
 
-    def __init__(self, qualname, package, names):
+    def __init__(self, qualname, package, names, package_names):
         super().__init__(qualname)
         self._package, self._names = package, frozenset(names)
+        self._others = frozenset(package_names) - self._names
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_package", "_names"):
+        if name.startswith("__") or name in ("_package", "_names", "_others"):
             raise AttributeError(name)
         if name in self._names:
             return getattr(MODULES[self._package], name)
+        if name in self._others:  # a name of the package that this PopXL file does not hold
+            raise AttributeError(f"module '{self.__name__}' has no attribute '{name}'")
         raise NotImplementedError(f"{self.__name__}.{name} is not implemented by the PopXL "
                                   "emulator")
 
@@ -138,7 +142,8 @@ def _build_modules(popxl):
             ("popxl.ops.var_updates", _names.VAR_UPDATE_MODULES, _names.VAR_UPDATES),
             ("popxl.transforms", _names.TRANSFORM_MODULES, _names.TRANSFORMS)):
         for name in files:
-            mods.setdefault(f"{package}.{name}", _OpModule(f"{package}.{name}", package, names))
+            mods.setdefault(f"{package}.{name}", _OpModule(
+                f"{package}.{name}", package, _names.file_names(package, name), names))
     for name in _names.STUB_SUBMODULES:
         mods.setdefault(name, stub_module(name))
     # type aliases PopXL defines in op modules

@@ -110,3 +110,68 @@ OP_MODULES = (
     "scaled_add", "scatter", "scatter_reduce", "shaped_dropout", "sign", "sin", "slice",
     "softmax", "split", "sqrt", "squeeze", "sub", "subsample", "sum", "sumsquare", "swish",
     "tanh", "topk", "transpose", "utils", "where")
+
+
+#: The ``popxl.ops`` / ``var_updates`` / ``transforms`` names each PopXL 3.4 file holds (defines
+#: or imports), where they are not just the file's own name: ``popxl.ops.add.matmul`` does not
+#: exist, ``popxl.ops.host_load.init`` does. See :func:`file_names`.
+FILE_NAMES = {
+    "popxl.ops": {
+        "add": ("add", "add_"),
+        "argminmax": ("argmax", "argmin"),
+        "batch_norm": ("batch_norm_inference",),
+        "call": ("CallSiteInfo", "call", "call_with_info"),
+        "cast": ("cast", "pow2scale_cast_from_fp8", "pow2scale_cast_to_fp8"),
+        "clip": ("clamp", "clip"),
+        "code_copy": ("remote_code_load",),
+        "concat": ("concat", "concat_"),
+        "conditional": ("CallSiteInfo", "conditional", "conditional_with_info"),
+        "conv": ("PadType", "conv", "conv_pow2scaled", "conv_transpose",
+            "conv_transpose_pow2scaled"),
+        "detach": ("detach", "detach_"),
+        "dynamic_update": ("dynamic_update", "dynamic_update_"),
+        "exp": ("exp", "exp_"),
+        "gather": ("gather", "groupedgather", "tied_gather"),
+        "gelu": ("gelu", "gelu_"),
+        "geluerf": ("geluerf", "geluerf_"),
+        "group_norm": ("group_norm", "layer_norm"),
+        "host_load": ("host_load", "init"),
+        "identity": ("identity", "rename"),
+        "increment_mod": ("increment_mod", "increment_mod_"),
+        "isfinite": ("isfinite", "isinf", "isnan", "rename"),
+        "lamb": ("lamb_square",),
+        "log": ("log", "log2"),
+        "matmul": ("matmul", "matmul_pow2scaled"),
+        "max": ("max", "maximum"),
+        "negative_log_likelihood": ("nll_loss", "nll_loss_with_softmax_grad"),
+        "pool": ("PadType", "average_pool", "max_pool"),
+        "random": ("random_normal", "random_uniform"),
+        "random_seed": ("split_random_seed",),
+        "relu": ("relu", "relu_"),
+        "remote_load": ("init", "remote_load", "remote_load_"),
+        "repeat": ("CallSiteInfo", "repeat", "repeat_with_info"),
+        "reshape": ("flatten", "flatten_", "reshape", "reshape_"),
+        "roialign": ("roi_align",),
+        "scaled_add": ("scaled_add", "scaled_add_"),
+        "slice": ("slice", "slice_"),
+        "squeeze": ("reshape", "squeeze"),
+        "swish": ("swish", "swish_"),
+        "transpose": ("transpose", "transpose_"),
+        "utils": (),
+    },
+    "popxl.ops.var_updates": {
+        "accumulate": ("accumulate_", "accumulate_mean_", "accumulate_moving_average_",
+            "accumulate_moving_average_square_", "accumulate_square_", "accumulator_scale_",
+            "accumulator_zero_", "sparse_accumulate_"),
+        "adam_updater": ("adam_updater", "adamax_updater", "lamb_updater"),
+        "copy_var_update": ("copy_var_update_",),
+    },
+    "popxl.transforms": {
+        "merge_exchange": ("io_tile_exchange", "merge_exchange"),
+    },
+}
+
+
+def file_names(package, name):
+    """The names of file ``name`` of ``package`` (e.g. "popxl.ops", "add"). Returns: tuple."""
+    return FILE_NAMES[package].get(name, (name,))

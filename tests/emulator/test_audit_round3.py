@@ -178,3 +178,27 @@ def test_session_of_an_ir_without_ops_is_runtime_error():
         popxl.Session(ir, "ipu_model")
     with pytest.raises(RuntimeError, match="has no graphs"):
         popxl.Session(popxl.Ir(), "cpu")
+
+
+# --- install()'s op-file modules: python_files/ops/*.py, ops/var_updates/*.py, transforms/*.py
+# hold only their own names (ops/__init__.py imports each name from its file) -----------------
+
+
+@pytest.mark.parametrize("module, present, absent", [
+    ("popxl.ops.add", ("add", "add_"), ("matmul", "dropout")),
+    ("popxl.ops.random", ("random_uniform", "random_normal"), ("dropout", "split_random_seed")),
+    ("popxl.ops.random_seed", ("split_random_seed",), ("random_uniform",)),
+    ("popxl.ops.host_load", ("host_load", "init"), ("host_store",)),
+    ("popxl.ops.var_updates.accumulate", ("accumulate_", "accumulator_zero_"),
+     ("adam_updater",)),
+    ("popxl.transforms.merge_exchange", ("merge_exchange", "io_tile_exchange"),
+     ("decompose_sum",)),
+])
+def test_op_file_modules_hold_only_their_files_names(module, present, absent):
+    from popxl_flash.emulator import installer
+    mod = installer.MODULES[module]
+    for name in present:
+        getattr(mod, name)
+    for name in absent:
+        with pytest.raises(AttributeError):
+            getattr(mod, name)
