@@ -140,7 +140,8 @@ def _build_modules(popxl):
     for package, files, names in (
             ("popxl.ops", _names.OP_MODULES, _names.OPS),
             ("popxl.ops.var_updates", _names.VAR_UPDATE_MODULES, _names.VAR_UPDATES),
-            ("popxl.transforms", _names.TRANSFORM_MODULES, _names.TRANSFORMS)):
+            ("popxl.transforms", _names.TRANSFORM_MODULES, _names.TRANSFORMS),
+            ("popxl.ops.collectives", _names.COLLECTIVE_MODULES, _names.COLLECTIVES)):
         for name in files:
             mods.setdefault(f"{package}.{name}", _OpModule(
                 f"{package}.{name}", package, _names.file_names(package, name), names))

@@ -86,14 +86,15 @@ TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "
 #: ``NotImplementedError``). Every ``popxl.ops.<file>`` is listed in ``OP_MODULES``.
 STUB_SUBMODULES = tuple(f"popxl.{m}" for m in (
     "fp8_utils", "random_seed", "remote_buffer", "tensorlocation", "typing_", "testing",
-    "ops.collectives.collectives", "ops.collectives.all_reduce",
-    "ops.collectives.replicated_all_gather", "ops.collectives.replicated_all_reduce",
-    "ops.collectives.replicated_reduce_scatter", "ops.var_updates.utils"))
+    "ops.collectives.collectives", "ops.var_updates.utils"))
 
-#: The files of ``popxl.ops.var_updates`` and ``popxl.transforms`` (PopXL 3.4), registered like
+#: The files of ``popxl.ops.var_updates``, ``popxl.transforms`` and ``popxl.ops.collectives``
+#: (PopXL 3.4; ``collectives.py`` has its own module in the installer), registered like
 #: ``OP_MODULES``.
 VAR_UPDATE_MODULES = ("accumulate", "adam_updater", "adam_var_update", "copy_var_update")
 TRANSFORM_MODULES = ("decompose_sum", "merge_exchange")
+COLLECTIVE_MODULES = ("all_reduce", "replicated_all_gather", "replicated_all_reduce",
+                      "replicated_reduce_scatter")
 
 #: The op modules of PopXL 3.4 (``python_files/ops/<name>.py``); ``install()`` registers each
 #: as ``popxl.ops.<name>``, whose attributes are the ``popxl.ops`` names of that file.
@@ -168,6 +169,13 @@ FILE_NAMES = {
     },
     "popxl.transforms": {
         "merge_exchange": ("io_tile_exchange", "merge_exchange"),
+    },
+    "popxl.ops.collectives": {
+        "all_reduce": ("all_reduce", "all_reduce_identical_grad_inputs",
+                       "all_reduce_identical_inputs"),
+        "replicated_all_reduce": ("replicated_all_reduce", "replicated_all_reduce_"),
+        "replicated_reduce_scatter": ("replica_sharded_slice", "replicated_reduce_scatter",
+                                      "replicated_slice"),
     },
 }
 

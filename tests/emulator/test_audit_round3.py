@@ -193,6 +193,10 @@ def test_session_of_an_ir_without_ops_is_runtime_error():
      ("adam_updater",)),
     ("popxl.transforms.merge_exchange", ("merge_exchange", "io_tile_exchange"),
      ("decompose_sum",)),
+    ("popxl.ops.collectives.replicated_reduce_scatter",
+     ("replicated_reduce_scatter", "replicated_slice"), ("replicated_all_gather",)),
+    ("popxl.ops.collectives.replicated_all_gather", ("replicated_all_gather",),
+     ("replicated_slice",)),
 ])
 def test_op_file_modules_hold_only_their_files_names(module, present, absent):
     from popxl_flash.emulator import installer
@@ -202,3 +206,13 @@ def test_op_file_modules_hold_only_their_files_names(module, present, absent):
     for name in absent:
         with pytest.raises(AttributeError):
             getattr(mod, name)
+
+
+def test_collectives_file_modules_give_the_implemented_ops():
+    """``from popxl.ops.collectives.replicated_all_gather import replicated_all_gather`` works in
+    PopXL; the emulator's module was a stub raising NotImplementedError."""
+    from popxl_flash.emulator import installer
+    coll = installer.MODULES["popxl.ops.collectives"]
+    mod = installer.MODULES["popxl.ops.collectives.replicated_all_gather"]
+    assert mod.replicated_all_gather is coll.replicated_all_gather
+    assert installer.MODULES["popxl.ops"].collectives.replicated_slice is coll.replicated_slice
