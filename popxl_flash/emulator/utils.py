@@ -81,9 +81,17 @@ def table_to_string(rows, delimiter=" | ", header=True):
 
 def check_tensor_ipu_and_tile_set(*args, **tensors):
     """``popxl.ops.utils.check_tensor_ipu_and_tile_set``: every emulated tensor is on IPU 0 and
-    the compute tiles, so only the keyword-only calling convention is checked."""
+    the compute tiles, so only the calling convention is checked: keyword arguments, at least
+    one (PopXL unpacks ``zip(*[])`` into three names), each a Tensor (PopXL reads
+    ``t._get_ipu_and_tile_set``)."""
     if args:
         raise Exception("Internal error: please specify all tensors as keyword arguments.")
+    if not tensors:
+        raise ValueError("not enough values to unpack (expected 3, got 0)")
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise AttributeError(f"'{type(t).__name__}' object has no attribute "
+                                 "'_get_ipu_and_tile_set'")
 
 
 def check_in_graph(graph, *args, **tensors):

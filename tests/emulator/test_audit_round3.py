@@ -216,3 +216,21 @@ def test_collectives_file_modules_give_the_implemented_ops():
     mod = installer.MODULES["popxl.ops.collectives.replicated_all_gather"]
     assert mod.replicated_all_gather is coll.replicated_all_gather
     assert installer.MODULES["popxl.ops"].collectives.replicated_slice is coll.replicated_slice
+
+
+# --- popxl.ops.utils.check_tensor_ipu_and_tile_set: python_files/ops/utils.py ----------------
+
+
+def test_check_tensor_ipu_and_tile_set_needs_tensors():
+    """No tensor: ``zip(*[])`` unpacked into three names (ValueError); a non-Tensor has no
+    ``_get_ipu_and_tile_set`` (AttributeError); tensors of the emulator's one IPU pass."""
+    from popxl_flash.emulator.utils import OPS_UTILS
+    check = OPS_UTILS["check_tensor_ipu_and_tile_set"]
+    with pytest.raises(ValueError):
+        check()
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(X)
+        with pytest.raises(AttributeError):
+            check(t=t, y=np.ones(3))
+        check(t=t, u=popxl.constant(Y))
