@@ -201,13 +201,13 @@ class CopyModel:
         only a by-ref body input modifies."""
         graph, lp = op.attrs["graph"], self.live(parent)
         live, root = self.live(graph), lp.root(op.inputs[i])
-        key = (graph._inputs[i].nbytes, i)
+        key = (graph._inputs[i]._nbytes, i)
         for j, t in enumerate(op.inputs):
             s = graph._inputs[j]
             modified = j in op.modifies if loop else live.is_modified(s)
             if j == i or lp.root(t) is not root or not live.is_read(s) or modified:
                 continue
-            if not first or (s.nbytes, j) > key:
+            if not first or (s._nbytes, j) > key:
                 return True
         return False
 
@@ -273,9 +273,9 @@ class CopyModel:
         for i, s in enumerate(graph._inputs):
             if aliased[i] or not live.is_read(s):
                 continue  # shared, or CopyInput/CopyModified dead (the callee never reads it)
-            total += s.nbytes
+            total += s._nbytes
             if i in op.modifies and back_needed(i):
-                total += s.nbytes
+                total += s._nbytes
         return total
 
     def _output_bytes(self, graph, op, live_after, used):
@@ -292,9 +292,9 @@ class CopyModel:
                 continue  # CopyOutput dead
             i = roots.get(id(root))
             if id(root) in seen or isinstance(root, (Constant, Variable)):
-                total += o.nbytes
+                total += o._nbytes
             elif i is not None and (i in op.modifies or (aliased[i] and live_after[i])):
-                total += o.nbytes
+                total += o._nbytes
             seen.add(id(root))
         return total
 
@@ -309,17 +309,17 @@ class CopyModel:
             read = live.is_read(s)
             if i < n:  # carried: initial value into the clone, clone back into the input
                 if read or lp.used_after(op.index, op.outputs[i]):
-                    once["loop_in_out"] += s.nbytes
+                    once["loop_in_out"] += s._nbytes
                 if read:
-                    step["loop_carried"] += s.nbytes
+                    step["loop_carried"] += s._nbytes
             elif read and not self.loop_aliased(parent, op, i):
-                once["loop_in_out"] += s.nbytes
+                once["loop_in_out"] += s._nbytes
                 if i in op.modifies and lp.used_after(op.index, op.inputs[i]):
-                    once["loop_in_out"] += s.nbytes
+                    once["loop_in_out"] += s._nbytes
         for j, o in enumerate(graph._outputs):
-            step["loop_carried"] += o.nbytes  # body output into its clone, every iteration
+            step["loop_carried"] += o._nbytes  # body output into its clone, every iteration
             if lp.used_after(op.index, op.outputs[j]):
-                once["loop_in_out"] += o.nbytes  # clone into the op output, after the loop
+                once["loop_in_out"] += o._nbytes  # clone into the op output, after the loop
         step["loop_control"] = LOOP_CONTROL_STEP
         step["call"] = self.inner_call_bytes(op)
         return once, step
@@ -327,4 +327,4 @@ class CopyModel:
     @staticmethod
     def branch_bytes(graph):
         """Bytes IfOpx copies when ``graph``'s branch is taken: all its inputs and outputs."""
-        return sum(t.nbytes for t in graph._inputs) + sum(t.nbytes for t in graph._outputs)
+        return sum(t._nbytes for t in graph._inputs) + sum(t._nbytes for t in graph._outputs)

@@ -126,11 +126,11 @@ def _pinned(g, tensors, plan, slot):
     for t in tensors:
         if isinstance(t, Constant):
             plan.template[slot[id(t)]] = t._data
-            plan.const_bytes += t.nbytes
+            plan.const_bytes += t._nbytes
             pinned.add(id(t))
         elif isinstance(t, Variable):
             plan.var_slots.append((slot[id(t)], t))
-            plan.const_bytes += t.nbytes
+            plan.const_bytes += t._nbytes
             pinned.add(id(t))
     pinned.update(id(t) for t in g._by_ref_inputs)
     return pinned
@@ -168,12 +168,12 @@ def _plan_inputs(g, plan, slot, modified, last, out_roots):
         plan.copy_in.append(not by_ref and id(t) in modified)
         if shared:
             continue
-        plan.in_bytes += t.nbytes
+        plan.in_bytes += t._nbytes
         if by_ref:
             continue
         if id(t) not in last and id(t) not in out_roots:
             plan.entry_free.append(slot[id(t)])
-            plan.entry_free_bytes += t.nbytes
+            plan.entry_free_bytes += t._nbytes
 
 
 def _plan_outputs(g, plan, slot, al, pinned):
@@ -182,19 +182,19 @@ def _plan_outputs(g, plan, slot, al, pinned):
         root = id(al.find(o))
         plan.out_slots.append(slot[id(o)])
         plan.copy_out.append(root in pinned or root in inputs or root in seen)
-        plan.all_out_bytes += o.nbytes
+        plan.all_out_bytes += o._nbytes
         seen.add(root)
 
 
 def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model):
     """One step tuple of a plan (module docstring). ``held``: storage roots no step frees
     (pinned storage, and a repeat body's loop-invariant inputs)."""
-    alloc = 0 if op.alias else sum(t.nbytes for t in op.outputs)
+    alloc = 0 if op.alias else sum(t._nbytes for t in op.outputs)
     freed, free = 0, []
     roots = {id(al.find(t)): al.find(t) for t in op.inputs + op.outputs}
     for rid, root in roots.items():
         if last[rid] == k and rid not in held and rid not in out_roots:
-            freed += root.nbytes
+            freed += root._nbytes
             free.extend(members[rid])
     ins = tuple(slot[id(t)] for t in op.inputs)
     outs = tuple(slot[id(t)] for t in op.outputs)
@@ -244,7 +244,7 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
         rid = id(al.find(t))
         if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref \
                 and rid not in shared:
-            release[rid] = al.find(t).nbytes
+            release[rid] = al.find(t)._nbytes
     return sum(release.values()), entry
 
 

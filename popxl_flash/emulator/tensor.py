@@ -106,7 +106,7 @@ class Tensor:
         return TensorSpec(self.shape, self.dtype, self.meta_shape)
 
     @property
-    def nbytes(self):
+    def _nbytes(self):
         """Emulator-only: bytes of the tensor's value."""
         return self._nelms * self._dtype.as_numpy().itemsize
 

@@ -234,3 +234,11 @@ def test_check_tensor_ipu_and_tile_set_needs_tensors():
         with pytest.raises(AttributeError):
             check(t=t, y=np.ones(3))
         check(t=t, u=popxl.constant(Y))
+
+
+def test_tensor_has_no_nbytes():
+    """PopXL 3.4's Tensor (python_files/tensor.py) has no ``nbytes``."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.constant(X)
+    assert not hasattr(t, "nbytes")

@@ -140,10 +140,10 @@ def _moved_bytes(op):
     """Bytes one replica receives for ``op`` under a ring schedule (module docstring)."""
     size = op.attrs["grouping"][2]
     if op.kind == "replicated_all_gather":
-        return (size - 1) * op.inputs[0].nbytes
+        return (size - 1) * op.inputs[0]._nbytes
     if op.kind == "replicated_reduce_scatter":
-        return 0 if op.attrs["op"] == "local" else (size - 1) * op.outputs[0].nbytes
-    chunk = -(-op.inputs[0].nbytes // size)
+        return 0 if op.attrs["op"] == "local" else (size - 1) * op.outputs[0]._nbytes
+    chunk = -(-op.inputs[0]._nbytes // size)
     return 2 * (size - 1) * chunk
 
 
