@@ -225,12 +225,12 @@ class Ir:
         return _create_graph(self, fn, args, kwargs)
 
     def get_all_h2d_streams(self):
-        """Returns: h2d streams used by a host_load."""
-        return [s for s in self._h2d if s._used]
+        """Returns: the set of h2d streams used by a host_load (a ``set``, as PopXL 3.4)."""
+        return {s for s in self._h2d if s._used}
 
     def get_all_d2h_streams(self):
-        """Returns: d2h streams used by a host_store."""
-        return [s for s in self._d2h if s._used]
+        """Returns: the set of d2h streams used by a host_store (a ``set``, as PopXL 3.4)."""
+        return {s for s in self._d2h if s._used}
 
     _count = 0
     id = property(lambda self: self._id)

@@ -242,3 +242,17 @@ def test_tensor_has_no_nbytes():
     with ir.main_graph:
         t = popxl.constant(X)
     assert not hasattr(t, "nbytes")
+
+
+def test_ir_stream_getters_return_sets():
+    """Ir.get_all_h2d_streams / get_all_d2h_streams (python_files/ir.py) build sets: not
+    indexable, no order."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        s = popxl.h2d_stream((3,), popxl.float32)
+        store(ops.host_load(s))
+        popxl.h2d_stream((3,), popxl.float32)  # no host_load: not listed
+    assert ir.get_all_h2d_streams() == {s}
+    assert isinstance(ir.get_all_d2h_streams(), set)
+    with pytest.raises(TypeError):
+        ir.get_all_h2d_streams()[0]

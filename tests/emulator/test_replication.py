@@ -112,8 +112,8 @@ def test_variables_per_replica():
         x = ops.host_load(popxl.h2d_stream((3,), f32, name="x"))
         v2 = ops.var_updates.accumulate_(v, x)
         ops.host_store(popxl.d2h_stream((3,), f32), v2 + 0.0)
-    s = ir.get_all_h2d_streams()[0]
-    d = ir.get_all_d2h_streams()[0]
+    (s,) = ir.get_all_h2d_streams()
+    (d,) = ir.get_all_d2h_streams()
     data = np.array([[1, 2, 3], [10, 20, 30]], np.float32)
     with popxl.Session(ir, "ipu_model") as session:
         out = session.run({s: data})
@@ -286,7 +286,7 @@ def test_diverging_replicas_raise_not_hang():
         else_g = ir.create_graph(lambda t: t + 1.0, x)
         (y,) = ops.conditional(cond, then_g, else_g, [x], [x])
         ops.host_store(popxl.d2h_stream((2,), f32), y)
-    s = ir.get_all_h2d_streams()[0]
+    (s,) = ir.get_all_h2d_streams()
     with popxl.Session(ir, "ipu_model") as session:
         with pytest.raises(PopartError, match="same sequence of collectives"):
             session.run({s: np.zeros((r, 2), np.float32)})
@@ -300,12 +300,11 @@ def test_all_gather_grad_is_local_slice():
     with ir.main_graph:
         g = ir.create_graph(lambda t: coll.replicated_all_gather(t), popxl.TensorSpec((3,), f32))
         info = popxl.transforms.autodiff(g)
-        x = ops.host_load(popxl.h2d_stream((3,), f32))
-        dy = ops.host_load(popxl.h2d_stream((6,), f32, name="dy"))
+        sx, sdy = popxl.h2d_stream((3,), f32), popxl.h2d_stream((6,), f32, name="dy")
+        x, dy = ops.host_load(sx), ops.host_load(sdy)
         (dx,) = ops.call(info.graph, dy, inputs_dict=info.inputs_dict(ops.call_with_info(g, x)))
         d = popxl.d2h_stream((3,), f32)
         ops.host_store(d, dx)
-    sx, sdy = ir.get_all_h2d_streams()
     dys = np.arange(12, dtype=np.float32).reshape(2, 6)
     (out,), _ = _run(ir, {sx: np.zeros((2, 3), np.float32), sdy: dys}, [d])
     np.testing.assert_array_equal(out, np.stack([dys[0, :3], dys[1, 3:]]))
@@ -387,7 +386,8 @@ def test_replica_index_in_group():
         idx = coll.replicated_slice(popxl.constant(np.arange(2, dtype=np.int32)), group=group)
         d = popxl.d2h_stream((), i32)
         ops.host_store(d, idx)
-    (out,), _ = _run(ir, {ir.get_all_h2d_streams()[0]: np.zeros((r, 1), np.float32)}, [d])
+    (s,) = ir.get_all_h2d_streams()
+    (out,), _ = _run(ir, {s: np.zeros((r, 1), np.float32)}, [d])
     np.testing.assert_array_equal(out, [0, 0, 1, 1])
 
 
