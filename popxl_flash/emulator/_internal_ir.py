@@ -247,7 +247,6 @@ class PbIr:
 
     def __init__(self, ir):
         self._ir = ir
-        self._patterns = None
 
     def getId(self):  # noqa: N802
         return self._ir.id
@@ -259,9 +258,6 @@ class PbIr:
         if not isinstance(patterns, Patterns):
             raise TypeError(f"setPatterns: expected a patterns.Patterns, got {patterns!r}")
         self._ir._patterns = patterns
-
-    def getPatterns(self):  # noqa: N802
-        return getattr(self._ir, "_patterns", None) or Patterns(PatternsLevel.Default)
 
     def applyPreAliasPatterns(self, graph):  # noqa: N802
         """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
@@ -298,7 +294,8 @@ class Patterns:
     def __init__(self, level=None):
         if level is not None and not isinstance(level, PatternsLevel):
             raise TypeError(f"Patterns: expected a PatternsLevel, got {level!r}")
-        self.level = level if level is not None else PatternsLevel.Default
+        # not a bound attribute in PopART (patterns/patterns.cpp): private here
+        self._level = level if level is not None else PatternsLevel.Default
 
 
 class PatternsLevel(enum.Enum):
