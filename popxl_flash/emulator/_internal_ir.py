@@ -67,7 +67,9 @@ class BwdGraphInfo:
                             ("expectedOutputs", expectedOutputs)):
             if not all(isinstance(c, ExpectedConnection) for c in conns):
                 raise TypeError(f"BwdGraphInfo: {name} must be ExpectedConnections")
-        self.bwdGraphId = str(bwdGraphId)
+        self.bwdGraphId = GraphId._of(bwdGraphId)  # a GraphId (a str converts implicitly)
+        if self.bwdGraphId is None:
+            raise TypeError(f"BwdGraphInfo: bwdGraphId must be a GraphId, got {bwdGraphId!r}")
         self.expectedInputs = list(expectedInputs)
         self.expectedOutputs = list(expectedOutputs)
 
@@ -161,7 +163,7 @@ class PbGraph:
     def __init__(self, graph):
         self._graph = graph
 
-    id = property(lambda self: self._graph.id)
+    id = property(lambda self: GraphId(self._graph.id))
 
     def __eq__(self, other):
         return isinstance(other, PbGraph) and other._graph is self._graph
@@ -319,7 +321,48 @@ class ExecutionContext(enum.Enum):
     Subgraph = 5
 
 
-GraphId = str  # graph ids are plain strings here
+class GraphId:
+    """``_ir.GraphId`` (``bindings/graphid.cpp``): built from a str, ``str()``/``__str__``, ``==``,
+    ``!=``, ``<`` and a hash; a str converts implicitly where a GraphId is expected (so
+    ``GraphId("g") == "g"``). Not a str: it has none of str's methods."""
+
+    def __init__(self, name):
+        if not isinstance(name, str):
+            raise TypeError(f"GraphId(): incompatible constructor arguments: {name!r}")
+        self._name = name
+
+    @staticmethod
+    def _of(value):
+        return value if isinstance(value, GraphId) else \
+            GraphId(value) if isinstance(value, str) else None
+
+    def str(self):
+        return self._name
+
+    def __str__(self):
+        return self._name
+
+    def __repr__(self):
+        return f"GraphId({self._name!r})"
+
+    def __eq__(self, other):
+        other = GraphId._of(other)
+        return NotImplemented if other is None else self._name == other._name
+
+    def __ne__(self, other):
+        other = GraphId._of(other)
+        return NotImplemented if other is None else self._name != other._name
+
+    def __lt__(self, other):
+        other = GraphId._of(other)
+        if other is None:
+            return NotImplemented
+        return self._name < other._name
+
+    def __hash__(self):
+        return hash(self._name)
+
+
 Op, Graph, Tensor, Ir = PbOp, PbGraph, PbTensor, PbIr
 
 

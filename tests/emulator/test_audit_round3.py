@@ -257,3 +257,24 @@ def test_ir_stream_getters_return_sets():
     assert isinstance(ir.get_all_d2h_streams(), set)
     with pytest.raises(TypeError):
         ir.get_all_h2d_streams()[0]
+
+
+# --- popart._internal.ir.GraphId: python/popart._internal.ir/bindings/graphid.cpp -----------
+
+
+def test_graph_id_is_a_graph_id_not_a_str():
+    """``Graph.id`` of the bindings is a GraphId: ``str()`` method, equality with GraphIds and
+    (implicitly converted) strs, usable as a dict key; none of str's methods."""
+    from popxl_flash.emulator import _internal_ir as _ir
+    ir = popxl.Ir()
+    g = ir.create_empty_graph("g")
+    gid = g._pb_graph.id
+    assert isinstance(gid, _ir.GraphId) and not isinstance(gid, str)
+    assert gid.str() == str(gid) == g.id and gid == g.id and gid == _ir.GraphId(g.id)
+    assert {gid: 1}[_ir.GraphId(g.id)] == 1
+    assert not hasattr(gid, "startswith")
+    with pytest.raises(TypeError):
+        _ir.GraphId(3)
+    info = _ir.BwdGraphInfo(gid, [], [])
+    assert isinstance(info.bwdGraphId, _ir.GraphId)
+    assert popxl.Graph._from_pb(ir._pb_ir.getGraph(info.bwdGraphId)) is g
