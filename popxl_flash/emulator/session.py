@@ -139,6 +139,9 @@ class Session:
             if data.shape != t.shape_on_host:
                 raise ValueError(f"The shape of the input array {data.shape} must match the "
                                  f"shape of the tensor {t.id} : {t.shape}")
+            if t.retrieval_mode == "all_replicas" and t.replica_grouping.group_size > 1:
+                raise NotImplementedError(f'Copying to tensor {t.id} with "all_replicas" '
+                                          "retreval mode is not yet supported.")  # PopXL's text
             if not t.replica_grouping.is_const:  # PopXL stores the const grouping's groups
                 data = data[t.replica_grouping.to_device_map]
             self._host[t] = np.array(data, copy=True, order="C")

@@ -278,3 +278,18 @@ def test_graph_id_is_a_graph_id_not_a_str():
     info = _ir.BwdGraphInfo(gid, [], [])
     assert isinstance(info.bwdGraphId, _ir.GraphId)
     assert popxl.Graph._from_pb(ir._pb_ir.getGraph(info.bwdGraphId)) is g
+
+
+# --- Session.write_variables_data: python_files/session.py --------------------------------------
+
+
+def test_write_all_replicas_variable_of_groups_is_not_implemented_in_popxl():
+    """PopXL raises NotImplementedError for a variable with retrieval_mode "all_replicas" and
+    groups of more than one replica (the emulator wrote it)."""
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), retrieval_mode="all_replicas")
+        ops.host_store(popxl.d2h_stream((3,), popxl.float32), v + 0.0)
+    session = popxl.Session(ir, "ipu_model")
+    with pytest.raises(NotImplementedError, match="all_replicas"):
+        session.write_variable_data(v, np.ones(3, np.float32))
