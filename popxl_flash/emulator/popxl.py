@@ -31,6 +31,15 @@ tensor = _surface("popxl.tensor", _names.TENSOR + ("HostTensor", "host_tensor_ty
 # popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
 transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)
 
+# PopXL 3.4's __all__ lists (what ``from popxl.ops import *`` binds)
+for _mod, _pkg, _pub in ((ops, "popxl.ops", _names.OPS),
+                         (ops.var_updates, "popxl.ops.var_updates", _names.VAR_UPDATES),
+                         (ops.collectives, "popxl.ops.collectives", _names.COLLECTIVES),
+                         (transforms, "popxl.transforms", _names.TRANSFORMS)):
+    _mod.__all__ = _names.all_names(_pkg, _pub)
+__all__ = _names.all_names("popxl", _names.TOP)
+del _mod, _pkg, _pub
+
 for _name in _names.TOP:
     if _name not in globals():
         globals()[_name] = _stub(f"popxl.{_name}")

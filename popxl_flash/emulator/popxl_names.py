@@ -64,6 +64,19 @@ OPS = (
     "tied_gather", "topk", "transpose", "transpose_", "var_updates", "where",
 )
 
+#: ``popxl.ops`` names missing from its ``__all__`` in 3.4 (so ``from popxl.ops import *`` does
+#: not bind them); the other packages' ``__all__`` list all their names, ``popxl``'s all but
+#: ``replica_sharded_buffer``.
+NOT_IN_ALL = {"popxl.ops": ("floor", "log2", "remote_code_load"),
+              "popxl": ("replica_sharded_buffer",)}
+
+
+def all_names(package, names):
+    """``__all__`` of ``package`` (PopXL 3.4) given its public ``names``. Returns: list."""
+    skip = NOT_IN_ALL.get(package, ())
+    return [n for n in names if n not in skip]
+
+
 VAR_UPDATES = (
     "accumulate_", "accumulate_mean_", "accumulate_moving_average_",
     "accumulate_moving_average_square_", "accumulate_square_", "accumulator_scale_",

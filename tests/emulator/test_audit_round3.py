@@ -293,3 +293,18 @@ def test_write_all_replicas_variable_of_groups_is_not_implemented_in_popxl():
     session = popxl.Session(ir, "ipu_model")
     with pytest.raises(NotImplementedError, match="all_replicas"):
         session.write_variable_data(v, np.ones(3, np.float32))
+
+
+# --- __all__ of popxl and its packages: __init__.py.in, python_files/ops/__init__.py (floor,
+# log2 and remote_code_load are imported but not listed), var_updates, collectives, transforms --
+
+
+def test_all_lists_are_popxl_34s():
+    ops_all = set(ops.__all__)
+    assert {"floor", "log2", "remote_code_load"}.isdisjoint(ops_all)
+    assert {"add", "collectives", "var_updates", "dropout", "tanh"} <= ops_all
+    assert len(ops.__all__) == 128
+    assert "replica_sharded_buffer" not in popxl.__all__ and "Ir" in popxl.__all__
+    assert len(popxl.__all__) == 57
+    assert len(ops.var_updates.__all__) == 13 and len(ops.collectives.__all__) == 11
+    assert len(popxl.transforms.__all__) == 7
