@@ -28,7 +28,7 @@ Layouts (``shard``/``unshard`` lay a host sequence out and back):
   diagonal ones).
 """
 
-from popxl_flash import functional, provenance
+from popxl_flash import functional, provenance, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.config import AttentionConfig, check_bool
 from popxl_flash.context_parallel_graphs import (ContextParallelAttention,
@@ -37,7 +37,8 @@ from popxl_flash.context_parallel_plan import (CHUNK_TARGET, DEFAULT_KV_BUDGET, 
                                                ContextParallelCost, Plan, _check_layout,
                                                choose_gather_steps, explain, positions, shard,
                                                unshard)
-from popxl_flash.functional import _check_rank3, check_tensors
+from popxl_flash.forward import FlashAttention
+from popxl_flash.functional import _check_rank3, check_tensors, keyword_hints
 
 ops = popxl.ops
 
@@ -66,9 +67,10 @@ def _group_size(group):
     return int(size)
 
 
-def _plan(q, k, v, options):
-    """Validate the tensors and options (everything, before any scope opens: PopXL's
-    ``name_scope`` is not exception-safe) and return ``(Plan, group)``."""
+def _plan(q, k, v, options, modifiers, backward=False):
+    """Validate the tensors, options and score modifiers (everything, before any scope opens:
+    PopXL's ``name_scope`` is not exception-safe) and return ``(Plan, group, extras)``
+    (``extras``: the modifier inputs the graphs take after their tensors)."""
     check_tensors(q=q, k=k, v=v)
     _check_rank3(q=q, k=k, v=v)
     options = dict(options)
@@ -79,24 +81,69 @@ def _plan(q, k, v, options):
     if q.shape[1] != k.shape[1]:
         raise ValueError("context parallelism splits one sequence: q and k must hold the same "
                          f"rows per replica, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    mods, extras = functional.modifier_inputs(**modifiers)
     group = options.pop("group")
     replicas = _group_size(group)
     layout = _check_layout(options.pop("layout"))
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even number of rows per replica (two "
                          f"chunks each), got q shape {tuple(q.shape)}")
-    plan = Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout, **options)
-    gathered = (k.shape[0], replicas * plan.piece, k.shape[2])
-    AttentionConfig.from_shapes(q.shape, gathered, gathered, (q.dtype.name,) * 3,
-                                num_chunks_q=plan.num_chunks_q,
-                                num_chunks_kv=plan.num_chunks_kv, **flash)
-    return plan, group
+    plan = Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout, mods=mods,
+                **options)
+    score_mods.prebuild(_round_config(q, k, plan, extras), backward=backward)
+    return plan, group, extras
+
+
+def _round_config(q, k, plan, extras):
+    """The validated :class:`AttentionConfig` of one round's flash call (gathered K/V, the
+    positions as segment inputs, the modifier inputs)."""
+    spec = popxl.TensorSpec
+    cols = plan.replicas * plan.piece
+    kv = spec((k.shape[0], cols, k.shape[2]), k.dtype)
+    q_ids, kv_ids = (spec((1, n), popxl.int32) for n in (plan.local_len, cols))
+    module = FlashAttention(**plan.flash_options(), mods=plan.mods)
+    return module.config(q, kv, kv, q_ids, kv_ids, q_ids, kv_ids, *extras)
+
+
+#: Score-modifier keywords (as :func:`popxl_flash.flash_attention`'s) of the context-parallel
+#: functions.
+MODIFIER_DEFAULTS = dict(softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=())
+
+#: Why a ``flash_attention`` keyword is not taken here (any other one not in the signature
+#: gets a generic message: :func:`_unsupported_hints`).
+UNSUPPORTED_REASONS = {
+    "q_segment_ids": "context parallelism splits one sequence across replicas; packed "
+                     "sequences (segment ids) are not supported with context parallelism",
+    "kv_segment_ids": "context parallelism splits one sequence across replicas; packed "
+                      "sequences (segment ids) are not supported with context parallelism",
+}
+_DROPOUT = ("dropout is not supported with context parallelism (flash attention draws its "
+            "keep masks per block of the whole padded sequence; the rounds' blocks differ)")
+UNSUPPORTED_REASONS.update(dropout=_DROPOUT, seed=_DROPOUT, return_dropout_mask=_DROPOUT)
+
+
+def _unsupported_hints(fn, flash_fn):
+    """``{keyword: hint}``: the core API's hints and every keyword of ``flash_fn`` that ``fn``
+    does not take (:func:`popxl_flash.functional.keyword_hints`)."""
+    import inspect
+    taken = set(inspect.signature(fn).parameters)
+    hints = dict(functional.CORE_KEYWORD_HINTS)
+    for name in inspect.signature(flash_fn).parameters:
+        if name not in taken:
+            hints[name] = UNSUPPORTED_REASONS.get(
+                name, f"{flash_fn.__name__}'s {name}= is not supported with context "
+                      "parallelism")
+    if "dropout" not in taken:  # the core hint points at dropout=, which is not taken here
+        for name in ("dropout_p", "return_attn_probs"):
+            hints[name] = _DROPOUT
+    return hints
 
 
 def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=None,
                                kv_gather_steps=None, kv_budget_bytes=DEFAULT_KV_BUDGET,
                                num_chunks_q=None, num_chunks_kv=None, scale=None, window=None,
-                               return_lse=False):
+                               return_lse=False, softcap=0.0, alibi_slopes=None,
+                               score_mod=None, score_mod_inputs=()):
     """Attention over a sequence split across replicas; call in a replicated graph.
 
     Args:
@@ -115,28 +162,55 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             divide the layout's pieces.
         scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
         return_lse: also return the logsumexp.
+        softcap, alibi_slopes, score_mod, score_mod_inputs: as
+            :func:`popxl_flash.flash_attention` on the whole sequence (``Lq = Lkv = L``):
+            ALiBi adds ``-slope[g] * |i - j|`` and ``score_mod`` gets ``q_idx``/``kv_idx``
+            int32 ``[1, cq, 1]``/``[1, 1, ckv]`` holding global positions ``i``, ``j`` in the
+            whole sequence (not local rows). ``alibi_slopes`` and ``score_mod_inputs`` are the
+            same tensors on every replica.
 
     Returns:
         out ``[G, L/R, D]`` (this replica's rows), and with ``return_lse`` lse float32
         ``[G, L/R]``.
+
+    Raises:
+        TypeError: a ``flash_attention`` keyword context parallelism does not support
+            (segment ids, dropout), naming it.
     """
     return_lse = check_bool("return_lse", return_lse)
-    plan, group = _plan(q, k, v, dict(
+    plan, group, extras = _plan(q, k, v, dict(
         causal=causal, layout=layout, group=group, steps=kv_gather_steps,
         budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-        scale=scale, window=window))
+        scale=scale, window=window), dict(softcap=softcap, alibi_slopes=alibi_slopes,
+                                          score_mod=score_mod,
+                                          score_mod_inputs=score_mod_inputs))
     module = ContextParallelAttention(plan, group)
+    inputs = (q, k, v, *extras)
     with popxl.name_scope("context_parallel_attention"):
-        graph = _cached_graph(module, (q, k, v), group)
-        out, lse = ops.call(graph, q, k, v)
-    provenance.record_graph(graph, lambda: ContextParallelAttentionGrad(plan, group))
+        graph = _cached_graph(module, inputs, group)
+        out, lse = ops.call(graph, *inputs)
+    _record(graph, plan, group, _round_config(q, k, plan, extras))
     return (out, lse) if return_lse else out
+
+
+def _record(graph, plan, group, round_config):
+    """Record the forward graph for :func:`popxl_flash.autodiff` (its backward module). With
+    score modifiers the record also holds a round's configuration (its ``mods``): autodiff
+    then knows the inputs after q, k, v (slopes, score_mod inputs) take no gradient."""
+    def grad():
+        return ContextParallelAttentionGrad(plan, group)
+    if plan.mods is None:
+        provenance.record_graph(graph, grad)
+        return
+    provenance.ir_record(graph.ir).graphs.setdefault(
+        graph.id, provenance.ForwardRecord({}, round_config, grad_module=grad))
 
 
 def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal=True,
                                     layout="zigzag", group=None, kv_gather_steps=None,
                                     kv_budget_bytes=DEFAULT_KV_BUDGET, num_chunks_q=None,
-                                    num_chunks_kv=None, scale=None, window=None):
+                                    num_chunks_kv=None, scale=None, window=None, softcap=0.0,
+                                    alibi_slopes=None, score_mod=None, score_mod_inputs=()):
     """Gradients of :func:`context_parallel_attention` on this replica's rows and shard.
 
     Stash mode (``out`` and ``lse`` from the forward with ``return_lse=True``) or recompute
@@ -147,6 +221,8 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
         dout: ``[G, L/R, D]``, q's dtype. q, k, v: the forward's inputs.
         out, lse: the forward's outputs, or both ``None``.
         causal, layout, group, scale, window: the forward's (they change the result).
+        softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's score modifiers
+            (no gradient flows to the slopes or the score_mod inputs).
         kv_gather_steps, kv_budget_bytes, num_chunks_q, num_chunks_kv: as
             :func:`context_parallel_attention`; they may differ from the forward's (the result
             does not depend on them beyond rounding).
@@ -158,20 +234,29 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
                          f"(recompute mode), got out={out!r}, lse={lse!r}")
+    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                     score_mod_inputs=score_mod_inputs)
     options = dict(causal=causal, layout=layout, group=group, kv_gather_steps=kv_gather_steps,
                    kv_budget_bytes=kv_budget_bytes, num_chunks_q=num_chunks_q,
                    num_chunks_kv=num_chunks_kv, scale=scale, window=window)
-    plan, group = _plan(q, k, v, dict(
+    plan, group, extras = _plan(q, k, v, dict(
         causal=causal, layout=layout, group=group, steps=kv_gather_steps,
         budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-        scale=scale, window=window))
+        scale=scale, window=window), modifiers, backward=True)
     if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "
                          f"got {tuple(dout.shape)} {dout.dtype.name}")
     if out is None:
-        out, lse = context_parallel_attention(q, k, v, return_lse=True, **options)
+        out, lse = context_parallel_attention(q, k, v, return_lse=True, **options, **modifiers)
     check_tensors(out=out, lse=lse)
     module = ContextParallelAttentionGrad(plan, group)
-    inputs = (dout, q, k, v, out, lse)
+    inputs = (dout, q, k, v, out, lse, *extras)
     with popxl.name_scope("context_parallel_attention_grad"):
         return ops.call(_cached_graph(module, inputs, group), *inputs)
+
+
+context_parallel_attention = keyword_hints(_unsupported_hints(
+    context_parallel_attention, functional.flash_attention))(context_parallel_attention)
+context_parallel_attention_grad = keyword_hints(_unsupported_hints(
+    context_parallel_attention_grad, functional.flash_attention_grad))(
+        context_parallel_attention_grad)

@@ -91,15 +91,17 @@ def _merge(acc, lse_acc, out, lse):
     return acc, lse
 
 
-def _forward_rounds(q, k, v, plan, group):
-    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype)."""
+def _forward_rounds(q, k, v, plan, group, extras=()):
+    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype); ``extras``:
+    the score-modifier inputs (:func:`popxl_flash.functional.modifier_inputs`)."""
     q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
     acc = lse_acc = None
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
-                                       kv_pos, **plan.flash_options())
+                                       kv_pos, mods=plan.mods, extras=extras,
+                                       **plan.flash_options())
         if plan.steps == 1:
             return out, lse
         if acc is None:
@@ -119,7 +121,7 @@ def _scatter_to_owners(grad, plan, group):
     return mine.reshape((Gk, plan.piece, D))
 
 
-def _backward_rounds(dout, q, k, v, out, lse, plan, group):
+def _backward_rounds(dout, q, k, v, out, lse, plan, group, extras=()):
     """``(dq, dk, dv)`` of one replica (its rows of q, its shard of k and v)."""
     f32 = popxl.float32
     q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
@@ -129,7 +131,7 @@ def _backward_rounds(dout, q, k, v, out, lse, plan, group):
         kv_pos = popxl.constant(plan.kv_positions(step))
         dq_s, dk_s, dv_s = segmented_attention_grad(
             dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
-            **plan.flash_options())
+            mods=plan.mods, extras=extras, **plan.flash_options())
         dq_s = ops.cast(dq_s, f32)
         dq = dq_s if dq is None else dq + dq_s
         dks.append(_scatter_to_owners(ops.cast(dk_s, f32), plan, group))
@@ -140,22 +142,24 @@ def _backward_rounds(dout, q, k, v, out, lse, plan, group):
 
 
 class ContextParallelAttention(popxl.Module):
-    """Forward graph of one replica: ``build(q, k, v) -> (out, lse)`` (see the module
-    docstring). Args: plan: :class:`Plan`. group: ReplicaGrouping or None."""
+    """Forward graph of one replica: ``build(q, k, v, *extras) -> (out, lse)`` (see the module
+    docstring; ``extras``: the score-modifier inputs of ``plan.mods``, as
+    :class:`popxl_flash.FlashAttention` takes them). Args: plan: :class:`Plan`. group:
+    ReplicaGrouping or None."""
 
     def __init__(self, plan, group=None):
         self.plan, self.group = plan, group
 
-    def build(self, q, k, v):
-        return _forward_rounds(q, k, v, self.plan, self.group)
+    def build(self, q, k, v, *extras):
+        return _forward_rounds(q, k, v, self.plan, self.group, extras)
 
 
 class ContextParallelAttentionGrad(popxl.Module):
-    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse) ->
-    (dq, dk, dv)``."""
+    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse, *extras)
+    -> (dq, dk, dv)``."""
 
     def __init__(self, plan, group=None):
         self.plan, self.group = plan, group
 
-    def build(self, dout, q, k, v, out, lse):
-        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group)
+    def build(self, dout, q, k, v, out, lse, *extras):
+        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group, extras)

@@ -31,20 +31,32 @@ def _streams(arrays, replicas):
     return streams, tensors
 
 
-def _run(build, arrays, replicas, layout):
-    """Build a replicated main graph (fp checks on) from whole-sequence host arrays, feed
+def _shared_streams(arrays):
+    """One h2d stream per host array of its own shape (every replica reads the same)."""
+    streams = [popxl.h2d_stream(x.shape, getattr(popxl, x.dtype.name), name=name)
+               for name, x in arrays.items()]
+    return streams, [ops.host_load(s) for s in streams]
+
+
+def _run(build, arrays, replicas, layout, shared=None):
+    """Build a replicated main graph (fp checks on) from whole-sequence host arrays (and
+    ``shared`` arrays every replica reads whole, passed to ``build`` after them), feed
     their shards, run, and unshard the outputs. Returns: (outputs, session)."""
+    shared = shared or {}
     ir = popxl.Ir(replication=replicas)
     with ir.main_graph:
         streams, tensors = _streams(arrays, replicas)
+        shared_streams, shared_tensors = _shared_streams(shared)
         outs = []
-        for t in build(*tensors):
+        for t in build(*tensors, *shared_tensors):
             d = popxl.d2h_stream(t.shape, t.dtype)
             ops.host_store(d, t)
             outs.append(d)
     pf.enable_floating_point_checks(ir)
     feeds = {s: cp.shard(x, replicas, layout) if replicas > 1 else x
              for s, x in zip(streams, arrays.values())}
+    feeds.update({s: np.stack([x] * replicas) if replicas > 1 else x
+                  for s, x in zip(shared_streams, shared.values())})
     with popxl.Session(ir, DEVICE) as session:
         res = session.run(feeds)
     return [cp.unshard(res[d], layout) if replicas > 1 else res[d] for d in outs], session
@@ -371,3 +383,229 @@ def test_replica_groups_hold_separate_sequences():
         got = cp.unshard(res[g * size:(g + 1) * size], layout)
         ref, _ = pf.reference.attention(q, k, v, causal=True)
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+
+
+# -- score modifiers ---------------------------------------------------------------------------
+def _table_mod(score, g, q_idx, kv_idx, table, offset):
+    """A learned relative-position bias ``table[q_idx - kv_idx + L - 1]`` (global positions)."""
+    return score + ops.gather(table, q_idx - kv_idx + offset)
+
+
+def _temperature_mod(score, g, q_idx, kv_idx, temps):
+    """Per-head temperature: ``score * temps[g]``."""
+    return score * ops.gather(temps, g)
+
+
+def _modifier_case(name, rng, G, L):
+    """``(shared host arrays, make(*tensors) -> modifier keywords)`` of one modifier set."""
+    slopes = (2.0 ** (-8.0 * np.arange(1, G + 1) / G)).astype(np.float32)
+    if name == "softcap":
+        return {}, lambda: dict(softcap=1.5)
+    if name == "alibi":
+        return dict(slopes=slopes), lambda s: dict(alibi_slopes=s)
+    if name == "softcap+alibi":
+        return dict(slopes=slopes), lambda s: dict(softcap=2.0, alibi_slopes=s)
+    if name == "table":
+        table = rng.standard_normal(2 * L - 1).astype(np.float32)
+        offset = np.array(L - 1, np.int32)
+        return dict(table=table, offset=offset), lambda t, o: dict(
+            score_mod=_table_mod, score_mod_inputs=(t, o))
+    temps = rng.uniform(0.5, 2.0, G).astype(np.float32)
+    return dict(temps=temps), lambda t: dict(score_mod=_temperature_mod, score_mod_inputs=(t,))
+
+
+def run_cp_modified(q, k, v, dout, replicas, layout, shared, make, *, stash=True, **options):
+    """out, lse, (dq, dk, dv) of context parallelism with score modifiers (unsharded)."""
+    n = len(shared)
+
+    def build(do, q, k, v, *xs):
+        mods = make(*xs[:n])
+        out, lse = cp.context_parallel_attention(q, k, v, layout=layout, return_lse=True,
+                                                 **options, **mods)
+        grads = cp.context_parallel_attention_grad(
+            do, q, k, v, *((out, lse) if stash else (None, None)), layout=layout, **options,
+            **mods)
+        return (out, lse, *grads)
+    res, session = _run(build, dict(dout=dout, q=q, k=k, v=v), replicas, layout, shared)
+    return res[0], res[1], tuple(res[2:]), session
+
+
+def run_flash_modified(q, k, v, dout, shared, make, **options):
+    """The same on one replica with pf.flash_attention on the whole sequence."""
+    from score_mod_utils import run_modified
+    out, lse, grads, _ = run_modified(q, k, v, dout, list(shared.values()), make, options)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_softcap_and_alibi_equal_flash(R, layout, steps):
+    """softcap and ALiBi (a runtime [G] slope tensor) on global positions: out, lse and
+    gradients equal single-replica flash attention on the whole sequence (float32)."""
+    rng = np.random.default_rng(R * 10 + steps)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=2)
+    q *= 2  # scores past the cap
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, make = _modifier_case("softcap+alibi", rng, G, L)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps, stash=bool(steps % 2))
+    f_out, f_lse, f_grads = run_flash_modified(q, k, v, dout, shared, make, causal=True)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(lse, f_lse, atol=2e-6, rtol=0)
+    for name, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("name,causal,window", [
+    ("softcap", False, None), ("alibi", False, (5, 3)), ("table", True, None),
+    ("temperature", False, (-1, 4)), ("table", False, (6, -1))])
+def test_modifiers_with_masks_equal_flash(name, causal, window):
+    """Each modifier (score_mod with a relative-bias table on global positions, per-head
+    temperature) with causal and window masks: equal to single-replica flash (float32)."""
+    R, layout, steps = 4, "zigzag", 2
+    rng = np.random.default_rng(len(name))
+    G, L, D = 2, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, make = _modifier_case(name, rng, G, L)
+    mask = dict(causal=causal, window=window)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps, **mask)
+    f_out, f_lse, f_grads = run_flash_modified(q, k, v, dout, shared, make, **mask)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(lse, f_lse, atol=2e-6, rtol=0)
+    for n, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=n)
+
+
+def _reference_modifiers(name, shared, L):
+    """pf.reference keywords of a modifier case (float64 score_mod and its derivative)."""
+    if name == "softcap+alibi":
+        return dict(softcap=2.0, alibi_slopes=shared["slopes"])
+    table = shared["table"].astype(np.float64)
+    return dict(score_mod=lambda s, g, qi, kj: s + table[qi - kj + L - 1],
+                score_mod_grad=lambda s, g, qi, kj: np.ones_like(s))
+
+
+@pytest.mark.parametrize("name,R,layout,steps", [
+    ("softcap+alibi", 2, "contiguous", 2), ("softcap+alibi", 4, "zigzag", 1),
+    ("table", 4, "zigzag", 2)])
+def test_modifiers_float16_in_rule(name, R, layout, steps):
+    """float16 with modifiers: out and lse within 2x, gradients within 3x of the naive
+    same-precision error against the float64 reference (popxl_flash/tolerance.py)."""
+    dtype = "float16"
+    rng = np.random.default_rng(7)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    shared, make = _modifier_case(name, rng, G, L)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps)
+    ref_kwargs = dict(causal=True, scale=None, window=None,
+                      **_reference_modifiers(name, shared, L))
+    fwd_kwargs = {n: a for n, a in ref_kwargs.items() if n != "score_mod_grad"}
+    ref_out, ref_lse = pf.reference.attention(q, k, v, **fwd_kwargs)
+    naive_out, _ = naive_attention(q, k, v, **fwd_kwargs)
+    f_steps = steps * (L + 1) + L + D
+    assert_within_rule("out", out, naive_out, ref_out, factor=2, dtype=dtype,
+                       accum_steps=f_steps, magnitude=float(np.abs(v).max()))
+    _, naive32_lse = naive_attention(*(a.astype(np.float32) for a in (q, k, v)), **fwd_kwargs)
+    assert_within_rule("lse", lse, naive32_lse, ref_lse, factor=2, dtype="float32",
+                       accum_steps=f_steps, magnitude=float(np.abs(ref_lse).max()))
+    refs = pf.reference.attention_grad(dout, q, k, v, **ref_kwargs)
+    naives = naive_attention_grad(dout, q, k, v, **ref_kwargs)
+    mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **ref_kwargs)
+    b_steps = steps * (L + 1) + G * L + D
+    for n, g, ref, naive, mag, err in zip(("dq", "dk", "dv"), grads, refs, naives, mags,
+                                          stash_errors):
+        assert g.dtype == np.float16 and np.isfinite(g).all()
+        assert_within_rule(n, g, naive, ref, factor=3, dtype=dtype, accum_steps=b_steps,
+                           magnitude=mag, extra_floor=err)
+
+
+def test_modifiers_through_autodiff_of_a_layer_graph():
+    """pf.autodiff of a layer graph whose context-parallel call has ALiBi slopes and a
+    score_mod table as layer inputs: q, k, v gradients equal single-replica flash's."""
+    R, layout = 4, "zigzag"
+    rng = np.random.default_rng(11)
+    G, L, D = 2, 32, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, _ = _modifier_case("table", rng, G, L)
+    shared["slopes"] = (2.0 ** (-np.arange(1, G + 1))).astype(np.float32)
+
+    def mods(t, o, s):
+        return dict(softcap=3.0, alibi_slopes=s, score_mod=_table_mod, score_mod_inputs=(t, o))
+
+    def build(do, q, k, v, t, o, s):
+        def layer(q, k, v, t, o, s):
+            return cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                 **mods(t, o, s)) * 2.0
+        graph = popxl.gir().create_graph(layer, q, k, v, t, o, s)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v, t, o, s)
+        return ops.call(info.graph, do, inputs_dict=info.inputs_dict(call))
+    grads, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, shared)
+    _, _, f_grads = run_flash_modified(q, k, v, 2 * dout, shared, mods, causal=True)
+    for n, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=n)
+
+
+@pytest.mark.parametrize("fn", ["forward", "grad"])
+@pytest.mark.parametrize("name,value,fragment", [
+    ("q_segment_ids", None, "segment ids.*not supported with context parallelism"),
+    ("kv_segment_ids", None, "segment ids.*not supported with context parallelism"),
+    ("dropout", 0.1, "dropout is not supported with context parallelism"),
+    ("seed", None, "dropout is not supported with context parallelism"),
+    ("dropout_p", 0.1, "dropout is not supported with context parallelism"),
+    ("softmax_scale", 0.5, "calls it scale="),
+])
+def test_unsupported_flash_keywords_are_named(fn, name, value, fragment):
+    """A flash_attention keyword context parallelism does not take: TypeError naming it and
+    why (not Python's bare unexpected-keyword error); nothing is built."""
+    if fn == "forward" or name != "softmax_scale":
+        ir = popxl.Ir(replication=2)
+        with ir.main_graph:
+            q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+            call = (cp.context_parallel_attention if fn == "forward" else
+                    lambda *ts, **kw: cp.context_parallel_attention_grad(q, *ts, **kw))
+            with pytest.raises(TypeError, match=f"'{name}'.*{fragment}"):
+                call(q, q, q, **{name: value})
+            assert not ir.main_graph._pb_graph.getOps()
+
+
+def test_return_dropout_mask_is_named():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+        with pytest.raises(TypeError, match="'return_dropout_mask'.*not supported with context"):
+            cp.context_parallel_attention(q, q, q, return_dropout_mask=True)
+
+
+def test_bad_modifier_arguments():
+    """Modifier errors name the argument, at build time, and leave no name scope pushed."""
+    def bad_mod(score, g, q_idx, kv_idx):
+        return score[0]
+    cases = [(dict(softcap=-1.0), ValueError, "softcap must be in"),
+             (dict(alibi_slopes="s"), TypeError, "alibi_slopes must be a popxl.Tensor"),
+             (dict(alibi_slopes=(3,)), ValueError, r"alibi_slopes must be float32 \[G=2\]"),
+             (dict(score_mod=bad_mod), ValueError, "score_mod must be elementwise"),
+             (dict(score_mod_inputs=((1,),)), ValueError, "without a score_mod")]
+    for kwargs, exc, fragment in cases:
+        ir = popxl.Ir(replication=2)
+        with ir.main_graph:
+            q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+            kwargs = {n: tuple(popxl.variable(np.zeros(x, np.float32)) for x in a)
+                      if n == "score_mod_inputs" else
+                      (popxl.variable(np.zeros(a, np.float32)) if isinstance(a, tuple) else a)
+                      for n, a in kwargs.items()}
+            with pytest.raises(exc, match=fragment):
+                cp.context_parallel_attention(q, q, q, **kwargs)
+            with pytest.raises(exc, match=fragment):
+                cp.context_parallel_attention_grad(q, q, q, q, **kwargs)
+            assert popxl.constant(np.zeros(1, np.float32), name="probe").id == "probe"
