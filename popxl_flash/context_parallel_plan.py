@@ -166,6 +166,15 @@ class Plan:
         cols = self.table[:, step * self.piece:(step + 1) * self.piece]
         return cols.reshape(1, -1)
 
+    def result_key(self):
+        """What the result depends on (a stashed ``out``/``lse`` must come from a forward
+        with the same): the mask, layout and modifiers; with dropout also the rounds and
+        chunk counts (the keep masks are drawn per round and block)."""
+        key = (self.replicas, self.layout, self.causal, self.scale, self.window, self.mods)
+        if self.mods is not None and self.mods.dropout > 0:
+            key += (self.steps, self.num_chunks_q, self.num_chunks_kv)
+        return key
+
     def key(self):
         """Hashable identity (graph cache key)."""
         return (self.replicas, self.layout, self.causal, self.scale, self.window, self.steps,

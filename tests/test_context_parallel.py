@@ -507,22 +507,34 @@ def test_modifiers_float16_in_rule(name, R, layout, steps):
                                          kv_gather_steps=steps)
     ref_kwargs = dict(causal=True, scale=None, window=None,
                       **_reference_modifiers(name, shared, L))
+    check_rule(out, lse, grads, q, k, v, dout, ref_kwargs, dtype, steps)
+
+
+def check_rule(out, lse, grads, q, k, v, dout, ref_kwargs, dtype, steps):
+    """out and lse within 2x, gradients within 3x of the naive same-precision error against
+    the float64 reference with ``ref_kwargs`` (mask, modifiers, dropout keep mask)."""
+    G, L, D = q.shape
     fwd_kwargs = {n: a for n, a in ref_kwargs.items() if n != "score_mod_grad"}
     ref_out, ref_lse = pf.reference.attention(q, k, v, **fwd_kwargs)
     naive_out, _ = naive_attention(q, k, v, **fwd_kwargs)
+    boost = 1.0 / (1.0 - ref_kwargs.get("dropout", 0.0))  # kept probabilities scaled up
     f_steps = steps * (L + 1) + L + D
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert (out[empty] == 0).all() and np.isfinite(out).all()
     assert_within_rule("out", out, naive_out, ref_out, factor=2, dtype=dtype,
-                       accum_steps=f_steps, magnitude=float(np.abs(v).max()))
+                       accum_steps=f_steps, magnitude=float(np.abs(v).max()) * boost)
     _, naive32_lse = naive_attention(*(a.astype(np.float32) for a in (q, k, v)), **fwd_kwargs)
     assert_within_rule("lse", lse, naive32_lse, ref_lse, factor=2, dtype="float32",
-                       accum_steps=f_steps, magnitude=float(np.abs(ref_lse).max()))
+                       accum_steps=f_steps,
+                       magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
     refs = pf.reference.attention_grad(dout, q, k, v, **ref_kwargs)
     naives = naive_attention_grad(dout, q, k, v, **ref_kwargs)
     mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **ref_kwargs)
     b_steps = steps * (L + 1) + G * L + D
     for n, g, ref, naive, mag, err in zip(("dq", "dk", "dv"), grads, refs, naives, mags,
                                           stash_errors):
-        assert g.dtype == np.float16 and np.isfinite(g).all()
+        assert g.dtype == np.dtype(dtype) and np.isfinite(g).all()
         assert_within_rule(n, g, naive, ref, factor=3, dtype=dtype, accum_steps=b_steps,
                            magnitude=mag, extra_floor=err)
 
@@ -560,9 +572,8 @@ def test_modifiers_through_autodiff_of_a_layer_graph():
 @pytest.mark.parametrize("name,value,fragment", [
     ("q_segment_ids", None, "segment ids.*not supported with context parallelism"),
     ("kv_segment_ids", None, "segment ids.*not supported with context parallelism"),
-    ("dropout", 0.1, "dropout is not supported with context parallelism"),
-    ("seed", None, "dropout is not supported with context parallelism"),
-    ("dropout_p", 0.1, "dropout is not supported with context parallelism"),
+    ("dropout_p", 0.1, "calls it dropout="),
+    ("return_attn_probs", True, "return_dropout_mask=True"),
     ("softmax_scale", 0.5, "calls it scale="),
 ])
 def test_unsupported_flash_keywords_are_named(fn, name, value, fragment):
@@ -579,14 +590,6 @@ def test_unsupported_flash_keywords_are_named(fn, name, value, fragment):
             assert not ir.main_graph._pb_graph.getOps()
 
 
-def test_return_dropout_mask_is_named():
-    ir = popxl.Ir(replication=2)
-    with ir.main_graph:
-        q = popxl.variable(np.zeros((2, 8, 4), np.float32))
-        with pytest.raises(TypeError, match="'return_dropout_mask'.*not supported with context"):
-            cp.context_parallel_attention(q, q, q, return_dropout_mask=True)
-
-
 def test_bad_modifier_arguments():
     """Modifier errors name the argument, at build time, and leave no name scope pushed."""
     def bad_mod(score, g, q_idx, kv_idx):
@@ -595,7 +598,10 @@ def test_bad_modifier_arguments():
              (dict(alibi_slopes="s"), TypeError, "alibi_slopes must be a popxl.Tensor"),
              (dict(alibi_slopes=(3,)), ValueError, r"alibi_slopes must be float32 \[G=2\]"),
              (dict(score_mod=bad_mod), ValueError, "score_mod must be elementwise"),
-             (dict(score_mod_inputs=((1,),)), ValueError, "without a score_mod")]
+             (dict(score_mod_inputs=((1,),)), ValueError, "without a score_mod"),
+             (dict(dropout=0.2), ValueError, "dropout=0.2 needs seed="),
+             (dict(dropout=1.0), ValueError, "dropout must be in"),
+             (dict(return_dropout_mask=True), ValueError, "needs dropout > 0")]
     for kwargs, exc, fragment in cases:
         ir = popxl.Ir(replication=2)
         with ir.main_graph:
@@ -606,6 +612,159 @@ def test_bad_modifier_arguments():
                       for n, a in kwargs.items()}
             with pytest.raises(exc, match=fragment):
                 cp.context_parallel_attention(q, q, q, **kwargs)
-            with pytest.raises(exc, match=fragment):
-                cp.context_parallel_attention_grad(q, q, q, q, **kwargs)
+            if "return_dropout_mask" not in kwargs:
+                with pytest.raises(exc, match=fragment):
+                    cp.context_parallel_attention_grad(q, q, q, q, **kwargs)
             assert popxl.constant(np.zeros(1, np.float32), name="probe").id == "probe"
+
+
+# -- dropout -----------------------------------------------------------------------------------
+SEED = np.array([1234, 5678], np.uint32)
+
+
+def run_cp_dropout(q, k, v, dout, replicas, layout, p, *, seed=SEED, stash=True, **options):
+    """out, lse, (dq, dk, dv) and the keep mask (unsharded, bool [G, L, L]) with dropout."""
+    def build(do, q, k, v, s):
+        out, lse, keep = cp.context_parallel_attention(
+            q, k, v, layout=layout, return_lse=True, dropout=p, seed=s,
+            return_dropout_mask=True, **options)
+        grads = cp.context_parallel_attention_grad(
+            do, q, k, v, *((out, lse) if stash else (None, None)), layout=layout, dropout=p,
+            seed=s, **options)
+        return (out, lse, *grads, keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), replicas, layout, dict(seed=seed))
+    return res[0], res[1], tuple(res[2:5]), res[5]
+
+
+@pytest.mark.parametrize("R,layout,steps,dtype", [
+    (2, "zigzag", 1, "float32"), (2, "contiguous", 2, "float32"),
+    (4, "zigzag", 2, "float32"), (4, "contiguous", 1, "float32"),
+    (4, "zigzag", 2, "float16"), (2, "contiguous", 1, "float16")])
+def test_dropout_matches_reference_with_the_mask(R, layout, steps, dtype):
+    """Out, lse and gradients equal the float64 reference computed with the returned keep
+    mask (2x/3x rule): the forward drew that mask and the backward regenerated it."""
+    rng = np.random.default_rng(R + steps)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse, grads, keep = run_cp_dropout(q, k, v, dout, R, layout, 0.3, kv_gather_steps=steps,
+                                           stash=bool(steps % 2))
+    assert keep.dtype == np.bool_ and keep.shape == (G, L, L)
+    check_rule(out, lse, grads, q, k, v, dout,
+               dict(causal=True, scale=None, window=None, keep=keep, dropout=0.3), dtype,
+               steps)
+
+
+def test_dropout_with_modifiers_and_window():
+    rng = np.random.default_rng(4)
+    G, L, D = 2, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = np.array([0.5, 0.125], np.float32)
+    mask = dict(causal=False, window=(6, 2))
+
+    def build(do, q, k, v, s, sl):
+        mods = dict(dropout=0.2, seed=s, softcap=2.0, alibi_slopes=sl, **mask)
+        out, lse, keep = cp.context_parallel_attention(q, k, v, return_lse=True,
+                                                       return_dropout_mask=True,
+                                                       kv_gather_steps=2, **mods)
+        return (out, lse, *cp.context_parallel_attention_grad(do, q, k, v, out, lse,
+                                                              kv_gather_steps=2, **mods), keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), 4, "zigzag",
+                  dict(seed=SEED, slopes=slopes))
+    check_rule(res[0], res[1], res[2:5], q, k, v, dout,
+               dict(scale=None, keep=res[5], dropout=0.2, softcap=2.0, alibi_slopes=slopes,
+                    **mask), "float32", 2)
+
+
+def test_dropout_keep_fraction_and_distinct_blocks():
+    """The keep fraction is within binomial bounds; replicas and rounds draw their own masks
+    (the blocks of replica 0 and replica 1 differ)."""
+    R, layout, p = 2, "contiguous", 0.5
+    rng = np.random.default_rng(6)
+    G, L, D = 2, 64, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=2)
+    dout = np.zeros_like(q)
+    *_, keep = run_cp_dropout(q, k, v, dout, R, layout, p, kv_gather_steps=2, causal=False)
+    assert abs(keep.mean() - (1 - p)) < 6 * np.sqrt(p * (1 - p) / keep.size)
+    half = L // 2
+    assert not np.array_equal(keep[:, :half, :half], keep[:, half:, half:])
+    assert not np.array_equal(keep[:, :half, :half // 2], keep[:, :half, half // 2:half])
+
+
+def test_dropout_deterministic_stash_equals_recompute_and_seed_changes_mask():
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 2, 32, 32, 8, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    first = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2)
+    again = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2, stash=False)
+    for a, b in zip((first[0], first[1], *first[2], first[3]),
+                    (again[0], again[1], *again[2], again[3])):
+        np.testing.assert_array_equal(a, b)
+    other = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2,
+                           seed=np.array([1234, 5679], np.uint32))
+    assert (other[3] != first[3]).mean() > 0.2
+    assert not np.array_equal(other[0], first[0])
+
+
+def test_dropout_one_replica_one_round_equals_flash_attention():
+    """R = 1, one round, no mask: the round seed is the user's seed and the blocks are
+    flash_attention's at equal chunk counts, so the keep mask and the output are flash's.
+    (With causal or window masks flash's static schedule splits partly visible blocks into
+    sub-blocks that draw their own masks; context parallelism's runtime positions do not.)"""
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 2, 32, 32, 8, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    chunks = dict(num_chunks_q=2, num_chunks_kv=4)
+    out, _, grads, keep = run_cp_dropout(q, k, v, dout, 1, "zigzag", 0.3, kv_gather_steps=1,
+                                         causal=False, **chunks)
+    from score_mod_utils import run_modified
+    f_out, _, f_grads, f_keep = run_modified(q, k, v, dout, [SEED],
+                                             lambda s: dict(dropout=0.3, seed=s),
+                                             dict(causal=False, **chunks), mask=True)
+    np.testing.assert_array_equal(keep, f_keep)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    for g, f in zip(grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0)
+
+
+def test_dropout_stash_from_other_rounds_refused():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+        seed = popxl.variable(SEED)
+        out, lse = cp.context_parallel_attention(q, q, q, return_lse=True, dropout=0.1,
+                                                 seed=seed, kv_gather_steps=1)
+        with pytest.raises(ValueError, match="kv_gather_steps and chunk counts"):
+            cp.context_parallel_attention_grad(q, q, q, q, out, lse, dropout=0.1, seed=seed,
+                                               kv_gather_steps=2)
+        with pytest.raises(ValueError, match="other options"):
+            cp.context_parallel_attention_grad(q, q, q, q, out, lse, kv_gather_steps=1)
+        cp.context_parallel_attention_grad(q, q, q, q, out, lse, dropout=0.1, seed=seed,
+                                           kv_gather_steps=1)
+
+
+def test_dropout_through_autodiff_of_a_layer_graph():
+    """pf.autodiff of a layer with dropout (the seed a layer input): gradients equal the
+    reference with the keep mask the same seed gives."""
+    R, layout, p = 4, "zigzag", 0.25
+    rng = np.random.default_rng(12)
+    G, L, D = 2, 32, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+
+    def build(do, q, k, v, s):
+        def layer(q, k, v, s):
+            return cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                 dropout=p, seed=s)
+        graph = popxl.gir().create_graph(layer, q, k, v, s)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v, s)
+        _, keep = cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                dropout=p, seed=s, return_dropout_mask=True)
+        return (*ops.call(info.graph, do, inputs_dict=info.inputs_dict(call)), keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, dict(seed=SEED))
+    refs = pf.reference.attention_grad(dout, q, k, v, causal=True, keep=res[3], dropout=p)
+    for n, g, ref in zip(("dq", "dk", "dv"), res[:3], refs):
+        np.testing.assert_allclose(g, ref, atol=2e-6 * max(1.0, np.abs(ref).max()), rtol=0,
+                                   err_msg=n)
