@@ -6,7 +6,7 @@ argument checks.
 """
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
@@ -768,3 +768,35 @@ def test_dropout_through_autodiff_of_a_layer_graph():
     for n, g, ref in zip(("dq", "dk", "dv"), res[:3], refs):
         np.testing.assert_allclose(g, ref, atol=2e-6 * max(1.0, np.abs(ref).max()), rtol=0,
                                    err_msg=n)
+
+
+@settings(max_examples=40)
+@given(cp_cases(max_dim=6), st.sampled_from([0.0, 0.7, 4.0]), st.booleans(),
+       st.sampled_from([0.0, 0.3]))
+def test_modifiers_over_cases(case, softcap, alibi, p):
+    """softcap, ALiBi and dropout over replicas, layouts, rounds, GQA, masks and dtypes: the
+    2x/3x rule against the float64 reference (with the returned keep mask)."""
+    G, L, D = case["shape"]
+    dtype, R, layout = case["dtype"], case["R"], case["layout"]
+    rng = np.random.default_rng(case["seed"])
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, case["kv_groups"])
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    slopes = rng.uniform(0.05, 1.0, G).astype(np.float32)
+    shared = dict(seed=SEED, slopes=slopes)
+    options = dict(_mask(case), kv_gather_steps=case["steps"])
+
+    def build(do, q, k, v, s, sl):
+        mods = dict(softcap=softcap, alibi_slopes=sl if alibi else None, dropout=p,
+                    seed=s if p else None, **options)
+        res = cp.context_parallel_attention(q, k, v, layout=layout, return_lse=True,
+                                            return_dropout_mask=p > 0, **mods)
+        grads = cp.context_parallel_attention_grad(do, q, k, v, res[0], res[1], layout=layout,
+                                                   **mods)
+        return (*res, *grads)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, shared)
+    out, lse = res[0], res[1]
+    keep = res[2] if p else None
+    ref = dict(_mask(case), softcap=softcap, alibi_slopes=slopes if alibi else None)
+    if p:
+        ref.update(keep=keep, dropout=p)
+    check_rule(out, lse, res[-3:], q, k, v, dout, ref, dtype, case["steps"])
