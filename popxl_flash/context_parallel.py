@@ -35,6 +35,7 @@ Layouts (``shard``/``unshard`` lay a host sequence out and back):
   diagonal ones).
 """
 
+import inspect
 import weakref
 
 import numpy as np
@@ -130,7 +131,6 @@ UNSUPPORTED_REASONS = {
 def _unsupported_hints(fn, flash_fn):
     """``{keyword: hint}``: the core API's hints and every keyword of ``flash_fn`` that ``fn``
     does not take (:func:`popxl_flash.functional.keyword_hints`)."""
-    import inspect
     taken = set(inspect.signature(fn).parameters)
     hints = dict(functional.CORE_KEYWORD_HINTS)
     for name in inspect.signature(flash_fn).parameters:
