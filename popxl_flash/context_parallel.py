@@ -257,11 +257,7 @@ def _record(graph, plan, group, round_config):
     then knows the inputs after q, k, v (slopes, score_mod inputs) take no gradient."""
     def grad():
         return ContextParallelAttentionGrad(plan, group)
-    if plan.mods is None:
-        provenance.record_graph(graph, grad)
-        return
-    provenance.ir_record(graph.ir).graphs.setdefault(
-        graph.id, provenance.ForwardRecord({}, round_config, grad_module=grad))
+    provenance.record_graph(graph, grad, None if plan.mods is None else round_config)
 
 
 def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal=True,
