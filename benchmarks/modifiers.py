@@ -111,7 +111,8 @@ def update_section(path, section):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.modifiers",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--groups", type=int, default=2)

@@ -34,6 +34,45 @@ def _gather_piece(t, plan, step, group):
     return ops.collectives.replicated_all_gather(piece, axis=1, group=group)
 
 
+def round_seed(seed, plan, step, rank):
+    """The dropout seed of one replica's round: uint32 ``[2]`` ``seed + [rank * S + step, 0]``
+    (wrapping). Each round's flash call draws its per-block keep masks from it
+    (:mod:`popxl_flash.score_mods`), so a (replica, round, block) triple, i.e. a block of the
+    whole sequence under this plan, has its own mask, and the backward, walking the same
+    rounds and blocks, regenerates the forward's. Replica 0's first round uses ``seed``
+    itself (one replica, one round, no causal or window mask: flash_attention's masks at
+    equal chunk counts; with a mask flash splits partly visible blocks into sub-blocks,
+    which draw other masks). Seeds ``seed`` and ``seed + [n, 0]`` share round masks (as
+    flash's block seeds add to the second word).
+
+    Args:
+        seed: the user's uint32 ``[2]`` seed. plan: the :class:`Plan`. step: the round.
+        rank: int32 scalar, the replica's rank (:func:`replica_index`).
+    """
+    u32 = popxl.uint32
+    word = ops.cast(rank, u32) * popxl.constant(np.uint32(plan.steps)) + \
+        popxl.constant(np.uint32(step))
+    return seed + ops.concat([word.reshape((1,)), popxl.constant(np.zeros(1, np.uint32))],
+                             axis=0)
+
+
+def round_extras(extras, plan, step, rank):
+    """The score-modifier inputs of round ``step``: ``extras`` with the dropout seed replaced
+    by :func:`round_seed` (unchanged without dropout)."""
+    if plan.mods is None or plan.mods.dropout == 0:
+        return tuple(extras)
+    extras, at = list(extras), int(plan.mods.alibi)  # order: slopes, seed, score_mod inputs
+    extras[at] = round_seed(extras[at], plan, step, rank)
+    return tuple(extras)
+
+
+def _rank(plan, group):
+    """The replica's rank when dropout needs it (its round seeds), else ``None``."""
+    if plan.mods is None or plan.mods.dropout == 0:
+        return None
+    return replica_index(plan.replicas, group)
+
+
 def _zeros_ids(length):
     return popxl.constant(np.zeros((1, length), np.int32))
 
@@ -91,15 +130,19 @@ def _merge(acc, lse_acc, out, lse):
     return acc, lse
 
 
-def _forward_rounds(q, k, v, plan, group):
-    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype)."""
+def _forward_rounds(q, k, v, plan, group, extras=()):
+    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype); ``extras``:
+    the score-modifier inputs (:func:`popxl_flash.functional.modifier_inputs`)."""
     q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
     acc = lse_acc = None
+    rank = _rank(plan, group)
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
-                                       kv_pos, **plan.flash_options())
+                                       kv_pos, mods=plan.mods,
+                                       extras=round_extras(extras, plan, step, rank),
+                                       **plan.flash_options())
         if plan.steps == 1:
             return out, lse
         if acc is None:
@@ -119,16 +162,18 @@ def _scatter_to_owners(grad, plan, group):
     return mine.reshape((Gk, plan.piece, D))
 
 
-def _backward_rounds(dout, q, k, v, out, lse, plan, group):
+def _backward_rounds(dout, q, k, v, out, lse, plan, group, extras=()):
     """``(dq, dk, dv)`` of one replica (its rows of q, its shard of k and v)."""
     f32 = popxl.float32
     q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
     dq, dks, dvs = None, [], []
+    rank = _rank(plan, group)
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         dq_s, dk_s, dv_s = segmented_attention_grad(
             dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
+            mods=plan.mods, extras=round_extras(extras, plan, step, rank),
             **plan.flash_options())
         dq_s = ops.cast(dq_s, f32)
         dq = dq_s if dq is None else dq + dq_s
@@ -140,22 +185,24 @@ def _backward_rounds(dout, q, k, v, out, lse, plan, group):
 
 
 class ContextParallelAttention(popxl.Module):
-    """Forward graph of one replica: ``build(q, k, v) -> (out, lse)`` (see the module
-    docstring). Args: plan: :class:`Plan`. group: ReplicaGrouping or None."""
+    """Forward graph of one replica: ``build(q, k, v, *extras) -> (out, lse)`` (see the module
+    docstring; ``extras``: the score-modifier inputs of ``plan.mods``, as
+    :class:`popxl_flash.FlashAttention` takes them). Args: plan: :class:`Plan`. group:
+    ReplicaGrouping or None."""
 
     def __init__(self, plan, group=None):
         self.plan, self.group = plan, group
 
-    def build(self, q, k, v):
-        return _forward_rounds(q, k, v, self.plan, self.group)
+    def build(self, q, k, v, *extras):
+        return _forward_rounds(q, k, v, self.plan, self.group, extras)
 
 
 class ContextParallelAttentionGrad(popxl.Module):
-    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse) ->
-    (dq, dk, dv)``."""
+    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse, *extras)
+    -> (dq, dk, dv)``."""
 
     def __init__(self, plan, group=None):
         self.plan, self.group = plan, group
 
-    def build(self, dout, q, k, v, out, lse):
-        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group)
+    def build(self, dout, q, k, v, out, lse, *extras):
+        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group, extras)

@@ -126,12 +126,15 @@ class Plan:
         local_len: rows per replica. steps: S gather rounds of ``piece = local_len / S``
             rows of each shard. num_chunks_q, num_chunks_kv: the flash call's chunk counts
             (over ``local_len`` q rows and ``R * piece`` gathered columns). table: int32
-            ``[R, local_len]`` global positions (:func:`positions`).
+            ``[R, local_len]`` global positions (:func:`positions`). mods: ``None`` or the
+            :class:`~popxl_flash.score_mods.ScoreMods` of the call (softcap, ALiBi,
+            score_mod), passed to every round.
     """
 
     def __init__(self, q_shape, kv_shape, dtype, *, replicas, layout, causal, scale, window,
-                 steps, num_chunks_q, num_chunks_kv, budget):
+                 steps, num_chunks_q, num_chunks_kv, budget, mods=None):
         self.replicas, self.layout = replicas, _check_layout(layout)
+        self.mods = mods
         self.causal = check_bool("causal", causal)
         self.scale, self.window = scale, (None if window is None else check_window(window))
         self.q_shape, self.kv_shape, self.dtype = tuple(q_shape), tuple(kv_shape), dtype
@@ -163,10 +166,19 @@ class Plan:
         cols = self.table[:, step * self.piece:(step + 1) * self.piece]
         return cols.reshape(1, -1)
 
+    def result_key(self):
+        """What the result depends on (a stashed ``out``/``lse`` must come from a forward
+        with the same): the mask, layout and modifiers; with dropout also the rounds and
+        chunk counts (the keep masks are drawn per round and block)."""
+        key = (self.replicas, self.layout, self.causal, self.scale, self.window, self.mods)
+        if self.mods is not None and self.mods.dropout > 0:
+            key += (self.steps, self.num_chunks_q, self.num_chunks_kv)
+        return key
+
     def key(self):
         """Hashable identity (graph cache key)."""
         return (self.replicas, self.layout, self.causal, self.scale, self.window, self.steps,
-                self.num_chunks_q, self.num_chunks_kv, self.local_len)
+                self.num_chunks_q, self.num_chunks_kv, self.local_len, self.mods)
 
 
 # -- cost per replica ----------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def print_model(pass_, case=CASE, out=None):
     for site, kind, nbytes, n in rows:
         print(f"  {site[:44]:44} {kind:13} {nbytes:>11} {n:>7} {nbytes * n:>12}", file=out)
     kinds = ", ".join(f"{k} {v}" for k, v in prof.bytes_copied_by_kind.items())
-    print(f"  total {prof.bytes_copied} bytes ({prof.bytes_copied / blocks / 1024:.1f} KiB per "
+    print(f"  total {prof.bytes_copied} bytes ({prof.bytes_copied / blocks:,.1f} bytes per "
           f"visited block); by kind: {kinds}", file=out)
 
 

@@ -179,14 +179,14 @@ class ChunkChoice:
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``)."""
-        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "KiB copied",
+        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "bytes copied",
                 "step MiB", "work set MiB", "fits", "O(L)", "model ms")
         rows = [head]
         for c in self.candidates:
             rows.append(("*" if c is self.chosen else "", f"{c.chunk_q}x{c.chunk_kv}",
                          f"{c.flop_ratio:.4f}", str(c.iterations), str(c.ops_forward),
                          str(c.ops_backward),
-                         f"{(c.bytes_copied_forward + c.bytes_copied_backward) / 2**10:.1f}",
+                         f"{c.bytes_copied_forward + c.bytes_copied_backward:,}",
                          f"{c.step_bytes / 2**20:.2f}", f"{c.working_set_bytes / 2**20:.1f}",
                          "yes" if c.fits else "NO", "yes" if c.linear_memory else "no",
                          f"{c.seconds * 1e3:.3f}"))
@@ -195,7 +195,7 @@ class ChunkChoice:
         lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason})")
         for n, st in enumerate(self.structures):
             lines.append(f"{'structure' if n == 0 else '  against'}: {st.name:<11} ops "
-                         f"{st.ops}  KiB copied {st.bytes_copied / 2**10:,.1f}  flop ratio "
+                         f"{st.ops}  bytes copied {st.bytes_copied:,}  flop ratio "
                          f"{st.flop_ratio:.4f}  model ms {st.seconds * 1e3:.3f}"
                          + ("" if st.eligible else "  (over the FLOP budget)"))
         return "\n".join(lines)

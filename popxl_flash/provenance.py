@@ -96,15 +96,17 @@ def record_alias(tensor, source):
         rec.outputs[tensor.id] = rec.outputs[source.id]
 
 
-def record_graph(graph, grad_module):
+def record_graph(graph, grad_module, config=None):
     """Record an attention forward graph that is not a ``FlashAttention`` graph (its inputs
-    ``(q, k, v)``, its outputs ``(out, lse)``), with the factory of its backward module.
+    ``(q, k, v, ...)``, its outputs ``(out, lse)``), with the factory of its backward module.
 
     Args:
         graph: the forward graph. grad_module: callable returning the backward module.
+        config: an ``AttentionConfig`` whose ``mods`` tell :mod:`popxl_flash.autodiff` which
+            inputs after q, k, v are score-modifier inputs (no gradient); ``None`` without.
     """
     rec = ir_record(graph.ir)
-    rec.graphs.setdefault(graph.id, ForwardRecord({}, None, grad_module=grad_module))
+    rec.graphs.setdefault(graph.id, ForwardRecord({}, config, grad_module=grad_module))
 
 
 def forward_record(graph) -> Optional[ForwardRecord]:

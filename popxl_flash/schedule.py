@@ -263,7 +263,7 @@ class BlockSchedule:
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
 
     def block_list(self, order: str) -> "BlockList":
-        """The visited blocks of one loop nest, in execution order (from the planner).
+        """The visited blocks of one pass, in visiting order (from the planner).
 
         Args:
             order: ``"q_major"`` (the forward: all blocks of q chunk 0, then q chunk 1, ...;
@@ -279,7 +279,8 @@ class BlockSchedule:
 
 @dataclass(frozen=True, eq=False)
 class BlockList:
-    """The visited blocks of one loop nest, flattened in execution order: one entry per loop step.
+    """The visited blocks of one pass in visiting order: one entry per visited block (a split
+    block runs as two loop steps, in the loops of its sub-block shapes: :mod:`popxl_flash.steps`).
 
     Outer chunks (q chunks for ``q_major``, kv chunks for ``kv_major``) follow each other in
     ascending order, and the visited blocks of one outer chunk are consecutive with their inner

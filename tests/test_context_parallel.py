@@ -6,7 +6,7 @@ argument checks.
 """
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
@@ -31,20 +31,32 @@ def _streams(arrays, replicas):
     return streams, tensors
 
 
-def _run(build, arrays, replicas, layout):
-    """Build a replicated main graph (fp checks on) from whole-sequence host arrays, feed
+def _shared_streams(arrays):
+    """One h2d stream per host array of its own shape (every replica reads the same)."""
+    streams = [popxl.h2d_stream(x.shape, getattr(popxl, x.dtype.name), name=name)
+               for name, x in arrays.items()]
+    return streams, [ops.host_load(s) for s in streams]
+
+
+def _run(build, arrays, replicas, layout, shared=None):
+    """Build a replicated main graph (fp checks on) from whole-sequence host arrays (and
+    ``shared`` arrays every replica reads whole, passed to ``build`` after them), feed
     their shards, run, and unshard the outputs. Returns: (outputs, session)."""
+    shared = shared or {}
     ir = popxl.Ir(replication=replicas)
     with ir.main_graph:
         streams, tensors = _streams(arrays, replicas)
+        shared_streams, shared_tensors = _shared_streams(shared)
         outs = []
-        for t in build(*tensors):
+        for t in build(*tensors, *shared_tensors):
             d = popxl.d2h_stream(t.shape, t.dtype)
             ops.host_store(d, t)
             outs.append(d)
     pf.enable_floating_point_checks(ir)
     feeds = {s: cp.shard(x, replicas, layout) if replicas > 1 else x
              for s, x in zip(streams, arrays.values())}
+    feeds.update({s: np.stack([x] * replicas) if replicas > 1 else x
+                  for s, x in zip(shared_streams, shared.values())})
     with popxl.Session(ir, DEVICE) as session:
         res = session.run(feeds)
     return [cp.unshard(res[d], layout) if replicas > 1 else res[d] for d in outs], session
@@ -371,3 +383,420 @@ def test_replica_groups_hold_separate_sequences():
         got = cp.unshard(res[g * size:(g + 1) * size], layout)
         ref, _ = pf.reference.attention(q, k, v, causal=True)
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+
+
+# -- score modifiers ---------------------------------------------------------------------------
+def _table_mod(score, g, q_idx, kv_idx, table, offset):
+    """A learned relative-position bias ``table[q_idx - kv_idx + L - 1]`` (global positions)."""
+    return score + ops.gather(table, q_idx - kv_idx + offset)
+
+
+def _temperature_mod(score, g, q_idx, kv_idx, temps):
+    """Per-head temperature: ``score * temps[g]``."""
+    return score * ops.gather(temps, g)
+
+
+def _modifier_case(name, rng, G, L):
+    """``(shared host arrays, make(*tensors) -> modifier keywords)`` of one modifier set."""
+    slopes = (2.0 ** (-8.0 * np.arange(1, G + 1) / G)).astype(np.float32)
+    if name == "softcap":
+        return {}, lambda: dict(softcap=1.5)
+    if name == "alibi":
+        return dict(slopes=slopes), lambda s: dict(alibi_slopes=s)
+    if name == "softcap+alibi":
+        return dict(slopes=slopes), lambda s: dict(softcap=2.0, alibi_slopes=s)
+    if name == "table":
+        table = rng.standard_normal(2 * L - 1).astype(np.float32)
+        offset = np.array(L - 1, np.int32)
+        return dict(table=table, offset=offset), lambda t, o: dict(
+            score_mod=_table_mod, score_mod_inputs=(t, o))
+    temps = rng.uniform(0.5, 2.0, G).astype(np.float32)
+    return dict(temps=temps), lambda t: dict(score_mod=_temperature_mod, score_mod_inputs=(t,))
+
+
+def run_cp_modified(q, k, v, dout, replicas, layout, shared, make, *, stash=True, **options):
+    """out, lse, (dq, dk, dv) of context parallelism with score modifiers (unsharded)."""
+    n = len(shared)
+
+    def build(do, q, k, v, *xs):
+        mods = make(*xs[:n])
+        out, lse = cp.context_parallel_attention(q, k, v, layout=layout, return_lse=True,
+                                                 **options, **mods)
+        grads = cp.context_parallel_attention_grad(
+            do, q, k, v, *((out, lse) if stash else (None, None)), layout=layout, **options,
+            **mods)
+        return (out, lse, *grads)
+    res, session = _run(build, dict(dout=dout, q=q, k=k, v=v), replicas, layout, shared)
+    return res[0], res[1], tuple(res[2:]), session
+
+
+def run_flash_modified(q, k, v, dout, shared, make, **options):
+    """The same on one replica with pf.flash_attention on the whole sequence."""
+    from score_mod_utils import run_modified
+    out, lse, grads, _ = run_modified(q, k, v, dout, list(shared.values()), make, options)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_softcap_and_alibi_equal_flash(R, layout, steps):
+    """softcap and ALiBi (a runtime [G] slope tensor) on global positions: out, lse and
+    gradients equal single-replica flash attention on the whole sequence (float32)."""
+    rng = np.random.default_rng(R * 10 + steps)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=2)
+    q *= 2  # scores past the cap
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, make = _modifier_case("softcap+alibi", rng, G, L)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps, stash=bool(steps % 2))
+    f_out, f_lse, f_grads = run_flash_modified(q, k, v, dout, shared, make, causal=True)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(lse, f_lse, atol=2e-6, rtol=0)
+    for name, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("name,causal,window", [
+    ("softcap", False, None), ("alibi", False, (5, 3)), ("table", True, None),
+    ("temperature", False, (-1, 4)), ("table", False, (6, -1))])
+def test_modifiers_with_masks_equal_flash(name, causal, window):
+    """Each modifier (score_mod with a relative-bias table on global positions, per-head
+    temperature) with causal and window masks: equal to single-replica flash (float32)."""
+    R, layout, steps = 4, "zigzag", 2
+    rng = np.random.default_rng(len(name))
+    G, L, D = 2, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, make = _modifier_case(name, rng, G, L)
+    mask = dict(causal=causal, window=window)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps, **mask)
+    f_out, f_lse, f_grads = run_flash_modified(q, k, v, dout, shared, make, **mask)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(lse, f_lse, atol=2e-6, rtol=0)
+    for n, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=n)
+
+
+def _reference_modifiers(name, shared, L):
+    """pf.reference keywords of a modifier case (float64 score_mod and its derivative)."""
+    if name == "softcap+alibi":
+        return dict(softcap=2.0, alibi_slopes=shared["slopes"])
+    table = shared["table"].astype(np.float64)
+    return dict(score_mod=lambda s, g, qi, kj: s + table[qi - kj + L - 1],
+                score_mod_grad=lambda s, g, qi, kj: np.ones_like(s))
+
+
+@pytest.mark.parametrize("name,R,layout,steps", [
+    ("softcap+alibi", 2, "contiguous", 2), ("softcap+alibi", 4, "zigzag", 1),
+    ("table", 4, "zigzag", 2)])
+def test_modifiers_float16_in_rule(name, R, layout, steps):
+    """float16 with modifiers: out and lse within 2x, gradients within 3x of the naive
+    same-precision error against the float64 reference (popxl_flash/tolerance.py)."""
+    dtype = "float16"
+    rng = np.random.default_rng(7)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    shared, make = _modifier_case(name, rng, G, L)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make,
+                                         kv_gather_steps=steps)
+    ref_kwargs = dict(causal=True, scale=None, window=None,
+                      **_reference_modifiers(name, shared, L))
+    check_rule(out, lse, grads, q, k, v, dout, ref_kwargs, dtype, steps)
+
+
+def check_rule(out, lse, grads, q, k, v, dout, ref_kwargs, dtype, steps):
+    """out and lse within 2x, gradients within 3x of the naive same-precision error against
+    the float64 reference with ``ref_kwargs`` (mask, modifiers, dropout keep mask)."""
+    G, L, D = q.shape
+    fwd_kwargs = {n: a for n, a in ref_kwargs.items() if n != "score_mod_grad"}
+    ref_out, ref_lse = pf.reference.attention(q, k, v, **fwd_kwargs)
+    naive_out, _ = naive_attention(q, k, v, **fwd_kwargs)
+    boost = 1.0 / (1.0 - ref_kwargs.get("dropout", 0.0))  # kept probabilities scaled up
+    f_steps = steps * (L + 1) + L + D
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert (out[empty] == 0).all() and np.isfinite(out).all()
+    assert_within_rule("out", out, naive_out, ref_out, factor=2, dtype=dtype,
+                       accum_steps=f_steps, magnitude=float(np.abs(v).max()) * boost)
+    _, naive32_lse = naive_attention(*(a.astype(np.float32) for a in (q, k, v)), **fwd_kwargs)
+    assert_within_rule("lse", lse, naive32_lse, ref_lse, factor=2, dtype="float32",
+                       accum_steps=f_steps,
+                       magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
+    refs = pf.reference.attention_grad(dout, q, k, v, **ref_kwargs)
+    naives = naive_attention_grad(dout, q, k, v, **ref_kwargs)
+    mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **ref_kwargs)
+    b_steps = steps * (L + 1) + G * L + D
+    for n, g, ref, naive, mag, err in zip(("dq", "dk", "dv"), grads, refs, naives, mags,
+                                          stash_errors):
+        assert g.dtype == np.dtype(dtype) and np.isfinite(g).all()
+        assert_within_rule(n, g, naive, ref, factor=3, dtype=dtype, accum_steps=b_steps,
+                           magnitude=mag, extra_floor=err)
+
+
+def test_modifiers_through_autodiff_of_a_layer_graph():
+    """pf.autodiff of a layer graph whose context-parallel call has ALiBi slopes and a
+    score_mod table as layer inputs: q, k, v gradients equal single-replica flash's."""
+    R, layout = 4, "zigzag"
+    rng = np.random.default_rng(11)
+    G, L, D = 2, 32, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    shared, _ = _modifier_case("table", rng, G, L)
+    shared["slopes"] = (2.0 ** (-np.arange(1, G + 1))).astype(np.float32)
+
+    def mods(t, o, s):
+        return dict(softcap=3.0, alibi_slopes=s, score_mod=_table_mod, score_mod_inputs=(t, o))
+
+    def build(do, q, k, v, t, o, s):
+        def layer(q, k, v, t, o, s):
+            return cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                 **mods(t, o, s)) * 2.0
+        graph = popxl.gir().create_graph(layer, q, k, v, t, o, s)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v, t, o, s)
+        return ops.call(info.graph, do, inputs_dict=info.inputs_dict(call))
+    grads, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, shared)
+    _, _, f_grads = run_flash_modified(q, k, v, 2 * dout, shared, mods, causal=True)
+    for n, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=n)
+
+
+@pytest.mark.parametrize("fn", ["forward", "grad"])
+@pytest.mark.parametrize("name,value,fragment", [
+    ("q_segment_ids", None, "segment ids.*not supported with context parallelism"),
+    ("kv_segment_ids", None, "segment ids.*not supported with context parallelism"),
+    ("dropout_p", 0.1, "calls it dropout="),
+    ("return_attn_probs", True, "return_dropout_mask=True"),
+    ("softmax_scale", 0.5, "calls it scale="),
+])
+def test_unsupported_flash_keywords_are_named(fn, name, value, fragment):
+    """A flash_attention keyword context parallelism does not take: TypeError naming it and
+    why (not Python's bare unexpected-keyword error); nothing is built."""
+    if fn == "forward" or name != "softmax_scale":
+        ir = popxl.Ir(replication=2)
+        with ir.main_graph:
+            q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+            call = (cp.context_parallel_attention if fn == "forward" else
+                    lambda *ts, **kw: cp.context_parallel_attention_grad(q, *ts, **kw))
+            with pytest.raises(TypeError, match=f"'{name}'.*{fragment}"):
+                call(q, q, q, **{name: value})
+            assert not ir.main_graph._pb_graph.getOps()
+
+
+def test_bad_modifier_arguments():
+    """Modifier errors name the argument, at build time, and leave no name scope pushed."""
+    def bad_mod(score, g, q_idx, kv_idx):
+        return score[0]
+    cases = [(dict(softcap=-1.0), ValueError, "softcap must be in"),
+             (dict(alibi_slopes="s"), TypeError, "alibi_slopes must be a popxl.Tensor"),
+             (dict(alibi_slopes=(3,)), ValueError, r"alibi_slopes must be float32 \[G=2\]"),
+             (dict(score_mod=bad_mod), ValueError, "score_mod must be elementwise"),
+             (dict(score_mod_inputs=((1,),)), ValueError, "without a score_mod"),
+             (dict(dropout=0.2), ValueError, "dropout=0.2 needs seed="),
+             (dict(dropout=1.0), ValueError, "dropout must be in"),
+             (dict(return_dropout_mask=True), ValueError, "needs dropout > 0")]
+    for kwargs, exc, fragment in cases:
+        ir = popxl.Ir(replication=2)
+        with ir.main_graph:
+            q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+            kwargs = {n: tuple(popxl.variable(np.zeros(x, np.float32)) for x in a)
+                      if n == "score_mod_inputs" else
+                      (popxl.variable(np.zeros(a, np.float32)) if isinstance(a, tuple) else a)
+                      for n, a in kwargs.items()}
+            with pytest.raises(exc, match=fragment):
+                cp.context_parallel_attention(q, q, q, **kwargs)
+            if "return_dropout_mask" not in kwargs:
+                with pytest.raises(exc, match=fragment):
+                    cp.context_parallel_attention_grad(q, q, q, q, **kwargs)
+            assert popxl.constant(np.zeros(1, np.float32), name="probe").id == "probe"
+
+
+# -- dropout -----------------------------------------------------------------------------------
+SEED = np.array([1234, 5678], np.uint32)
+
+
+def run_cp_dropout(q, k, v, dout, replicas, layout, p, *, seed=SEED, stash=True, **options):
+    """out, lse, (dq, dk, dv) and the keep mask (unsharded, bool [G, L, L]) with dropout."""
+    def build(do, q, k, v, s):
+        out, lse, keep = cp.context_parallel_attention(
+            q, k, v, layout=layout, return_lse=True, dropout=p, seed=s,
+            return_dropout_mask=True, **options)
+        grads = cp.context_parallel_attention_grad(
+            do, q, k, v, *((out, lse) if stash else (None, None)), layout=layout, dropout=p,
+            seed=s, **options)
+        return (out, lse, *grads, keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), replicas, layout, dict(seed=seed))
+    return res[0], res[1], tuple(res[2:5]), res[5]
+
+
+@pytest.mark.parametrize("R,layout,steps,dtype", [
+    (2, "zigzag", 1, "float32"), (2, "contiguous", 2, "float32"),
+    (4, "zigzag", 2, "float32"), (4, "contiguous", 1, "float32"),
+    (4, "zigzag", 2, "float16"), (2, "contiguous", 1, "float16")])
+def test_dropout_matches_reference_with_the_mask(R, layout, steps, dtype):
+    """Out, lse and gradients equal the float64 reference computed with the returned keep
+    mask (2x/3x rule): the forward drew that mask and the backward regenerated it."""
+    rng = np.random.default_rng(R + steps)
+    G, L, D = 4, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse, grads, keep = run_cp_dropout(q, k, v, dout, R, layout, 0.3, kv_gather_steps=steps,
+                                           stash=bool(steps % 2))
+    assert keep.dtype == np.bool_ and keep.shape == (G, L, L)
+    check_rule(out, lse, grads, q, k, v, dout,
+               dict(causal=True, scale=None, window=None, keep=keep, dropout=0.3), dtype,
+               steps)
+
+
+def test_dropout_with_modifiers_and_window():
+    rng = np.random.default_rng(4)
+    G, L, D = 2, 32, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = np.array([0.5, 0.125], np.float32)
+    mask = dict(causal=False, window=(6, 2))
+
+    def build(do, q, k, v, s, sl):
+        mods = dict(dropout=0.2, seed=s, softcap=2.0, alibi_slopes=sl, **mask)
+        out, lse, keep = cp.context_parallel_attention(q, k, v, return_lse=True,
+                                                       return_dropout_mask=True,
+                                                       kv_gather_steps=2, **mods)
+        return (out, lse, *cp.context_parallel_attention_grad(do, q, k, v, out, lse,
+                                                              kv_gather_steps=2, **mods), keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), 4, "zigzag",
+                  dict(seed=SEED, slopes=slopes))
+    check_rule(res[0], res[1], res[2:5], q, k, v, dout,
+               dict(scale=None, keep=res[5], dropout=0.2, softcap=2.0, alibi_slopes=slopes,
+                    **mask), "float32", 2)
+
+
+def test_dropout_keep_fraction_and_distinct_blocks():
+    """The keep fraction is within binomial bounds; replicas and rounds draw their own masks
+    (the blocks of replica 0 and replica 1 differ)."""
+    R, layout, p = 2, "contiguous", 0.5
+    rng = np.random.default_rng(6)
+    G, L, D = 2, 64, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=2)
+    dout = np.zeros_like(q)
+    *_, keep = run_cp_dropout(q, k, v, dout, R, layout, p, kv_gather_steps=2, causal=False)
+    assert abs(keep.mean() - (1 - p)) < 6 * np.sqrt(p * (1 - p) / keep.size)
+    half = L // 2
+    assert not np.array_equal(keep[:, :half, :half], keep[:, half:, half:])
+    assert not np.array_equal(keep[:, :half, :half // 2], keep[:, :half, half // 2:half])
+
+
+def test_dropout_deterministic_stash_equals_recompute_and_seed_changes_mask():
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 2, 32, 32, 8, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    first = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2)
+    again = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2, stash=False)
+    for a, b in zip((first[0], first[1], *first[2], first[3]),
+                    (again[0], again[1], *again[2], again[3])):
+        np.testing.assert_array_equal(a, b)
+    other = run_cp_dropout(q, k, v, dout, 4, "zigzag", 0.4, kv_gather_steps=2,
+                           seed=np.array([1234, 5679], np.uint32))
+    assert (other[3] != first[3]).mean() > 0.2
+    assert not np.array_equal(other[0], first[0])
+
+
+def test_dropout_one_replica_one_round_equals_flash_attention():
+    """R = 1, one round, no mask: the round seed is the user's seed and the blocks are
+    flash_attention's at equal chunk counts, so the keep mask and the output are flash's.
+    (With causal or window masks flash's static schedule splits partly visible blocks into
+    sub-blocks that draw their own masks; context parallelism's runtime positions do not.)"""
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 2, 32, 32, 8, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    chunks = dict(num_chunks_q=2, num_chunks_kv=4)
+    out, _, grads, keep = run_cp_dropout(q, k, v, dout, 1, "zigzag", 0.3, kv_gather_steps=1,
+                                         causal=False, **chunks)
+    from score_mod_utils import run_modified
+    f_out, _, f_grads, f_keep = run_modified(q, k, v, dout, [SEED],
+                                             lambda s: dict(dropout=0.3, seed=s),
+                                             dict(causal=False, **chunks), mask=True)
+    np.testing.assert_array_equal(keep, f_keep)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    for g, f in zip(grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0)
+
+
+def test_dropout_stash_from_other_rounds_refused():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        q = popxl.variable(np.zeros((2, 8, 4), np.float32))
+        seed = popxl.variable(SEED)
+        out, lse = cp.context_parallel_attention(q, q, q, return_lse=True, dropout=0.1,
+                                                 seed=seed, kv_gather_steps=1)
+        with pytest.raises(ValueError, match="kv_gather_steps and chunk counts"):
+            cp.context_parallel_attention_grad(q, q, q, q, out, lse, dropout=0.1, seed=seed,
+                                               kv_gather_steps=2)
+        with pytest.raises(ValueError, match="other options"):
+            cp.context_parallel_attention_grad(q, q, q, q, out, lse, kv_gather_steps=1)
+        cp.context_parallel_attention_grad(q, q, q, q, out, lse, dropout=0.1, seed=seed,
+                                           kv_gather_steps=1)
+
+
+def test_dropout_through_autodiff_of_a_layer_graph():
+    """pf.autodiff of a layer with dropout (the seed a layer input): gradients equal the
+    reference with the keep mask the same seed gives."""
+    R, layout, p = 4, "zigzag", 0.25
+    rng = np.random.default_rng(12)
+    G, L, D = 2, 32, 4
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=1)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+
+    def build(do, q, k, v, s):
+        def layer(q, k, v, s):
+            return cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                 dropout=p, seed=s)
+        graph = popxl.gir().create_graph(layer, q, k, v, s)
+        info = pf.autodiff(graph)
+        call = ops.call_with_info(graph, q, k, v, s)
+        _, keep = cp.context_parallel_attention(q, k, v, layout=layout, kv_gather_steps=2,
+                                                dropout=p, seed=s, return_dropout_mask=True)
+        return (*ops.call(info.graph, do, inputs_dict=info.inputs_dict(call)), keep)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, dict(seed=SEED))
+    refs = pf.reference.attention_grad(dout, q, k, v, causal=True, keep=res[3], dropout=p)
+    for n, g, ref in zip(("dq", "dk", "dv"), res[:3], refs):
+        np.testing.assert_allclose(g, ref, atol=2e-6 * max(1.0, np.abs(ref).max()), rtol=0,
+                                   err_msg=n)
+
+
+@settings(max_examples=40)
+@given(cp_cases(max_dim=6), st.sampled_from([0.0, 0.7, 4.0]), st.booleans(),
+       st.sampled_from([0.0, 0.3]))
+def test_modifiers_over_cases(case, softcap, alibi, p):
+    """softcap, ALiBi and dropout over replicas, layouts, rounds, GQA, masks and dtypes: the
+    2x/3x rule against the float64 reference (with the returned keep mask)."""
+    G, L, D = case["shape"]
+    dtype, R, layout = case["dtype"], case["R"], case["layout"]
+    rng = np.random.default_rng(case["seed"])
+    q, k, v = random_qkv(rng, G, L, L, D, dtype, case["kv_groups"])
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    slopes = rng.uniform(0.05, 1.0, G).astype(np.float32)
+    shared = dict(seed=SEED, slopes=slopes)
+    options = dict(_mask(case), kv_gather_steps=case["steps"])
+
+    def build(do, q, k, v, s, sl):
+        mods = dict(softcap=softcap, alibi_slopes=sl if alibi else None, dropout=p,
+                    seed=s if p else None, **options)
+        res = cp.context_parallel_attention(q, k, v, layout=layout, return_lse=True,
+                                            return_dropout_mask=p > 0, **mods)
+        grads = cp.context_parallel_attention_grad(do, q, k, v, res[0], res[1], layout=layout,
+                                                   **mods)
+        return (*res, *grads)
+    res, _ = _run(build, dict(dout=dout, q=q, k=k, v=v), R, layout, shared)
+    out, lse = res[0], res[1]
+    keep = res[2] if p else None
+    ref = dict(_mask(case), softcap=softcap, alibi_slopes=slopes if alibi else None)
+    if p:
+        ref.update(keep=keep, dropout=p)
+    check_rule(out, lse, res[-3:], q, k, v, dout, ref, dtype, case["steps"])

@@ -30,7 +30,7 @@ emulator.install()
 #: {test id fragment (file or file::test): why the emulator cannot run it}. Mirrored in
 #: ``popxl_flash/emulator/README.md`` ("popxl-addons' own tests").
 _CUSTOM = "custom C++ op (cppimport-compiled PopART op, created through `_get_op_settings`)"
-_REPL = "replication and collectives (emulator: one replica)"
+_REPL = "collectives through popxl-addons' to_collective_op helper and replica-sharded variables"
 OUT_OF_SCOPE = {
     **{f"unit/test_route_tensor.py::test_route_tensor_into_graph{case}":
        "IR surgery (`route_tensor_into_graph`: `_ir.view.Region`, `CallOp.hasInputTensor`, "
@@ -61,7 +61,7 @@ OUT_OF_SCOPE = {
     "integration/ops/test_replicated_": _CUSTOM + "; " + _REPL,
     "integration/test_batch_serialisation.py": "remote buffers and IO tiles",
     "integration/test_phased_execution.py": "remote buffers and IO tiles",
-    "integration/test_tensor_parallel_rts.py": _REPL + "; replica-sharded variables",
+    "integration/test_tensor_parallel_rts.py": _REPL,
     "integration/test_memmap.py": "`np.memmap` variables shared with the host and remote "
                                   "variables",
     "integration/test_pipelining.py": "multi-IPU pipelining (op-created hooks, IPU copies)",
