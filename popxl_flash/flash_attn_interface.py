@@ -204,6 +204,20 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out_l, lse_l) if return_lse else out_l
 
 
+def check_alibi_slopes(alibi_slopes, dims):
+    """Raise unless ``alibi_slopes`` is ``None`` or a float32 tensor ``[Hq]`` or ``[B, Hq]``
+    of the current graph (flash-attn's layouts; ``dims``: the call's :class:`Dims`)."""
+    if alibi_slopes is None:
+        return
+    check_tensors(alibi_slopes=alibi_slopes)
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
+            alibi_slopes.dtype.name != "float32":
+        raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
+                         f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
+                         f"{alibi_slopes.dtype.name}")
+
+
 def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, score_mod_inputs,
                      dropout_p, seed, return_attn_probs, backward=False):
     """flash-attn's score-modifier and dropout options -> the core's keywords, validated
@@ -219,14 +233,7 @@ def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, sc
         Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
         ``[H]`` or ``[B, H]``: :func:`group_slopes` reshapes it inside the scope).
     """
-    if alibi_slopes is not None:
-        check_tensors(alibi_slopes=alibi_slopes)
-        shape = tuple(alibi_slopes.shape)
-        if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
-                alibi_slopes.dtype.name != "float32":
-            raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
-                             f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
-                             f"{alibi_slopes.dtype.name}")
+    check_alibi_slopes(alibi_slopes, dims)
     mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
                               score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed,
                               dropout_name="dropout_p")

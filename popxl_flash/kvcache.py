@@ -48,6 +48,7 @@ from popxl_flash import schedule as _schedule
 from popxl_flash.backend import popxl
 from popxl_flash.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
+from popxl_flash.flash_attn_interface import check_alibi_slopes
 from popxl_flash.functional import (check_tensors, keyword_hints, modifier_inputs,
                                     segmented_attention)
 from popxl_flash.segments import MAX_LEN, RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
@@ -212,14 +213,7 @@ def check_modifiers(softcap, alibi_slopes, dims):
     Returns:
         The :class:`~popxl_flash.score_mods.ScoreMods` of the call, or ``None`` (both off).
     """
-    if alibi_slopes is not None:
-        check_tensors(alibi_slopes=alibi_slopes)
-        shape = tuple(alibi_slopes.shape)
-        if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
-                alibi_slopes.dtype.name != "float32":
-            raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
-                             f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
-                             f"{alibi_slopes.dtype.name}")
+    check_alibi_slopes(alibi_slopes, dims)
     mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes)
     return mods
 
