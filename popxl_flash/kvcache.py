@@ -106,7 +106,7 @@ OPS_DECODE = dict(fixed=141, per_row=8, per_step=23, per_executed=18, combine=21
 #: loop and split-KV): softcap per executed step; ALiBi per executed step and per call (the
 #: slopes laid out per group and negated: 4, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1
 #: with splits; the model counts ``[Hq]``). Skipped steps run none of them.
-OPS_MODS = dict(softcap=3, alibi=7, alibi_fixed=4)
+OPS_MODS = dict(softcap=3, alibi=5, alibi_fixed=4)
 
 
 @dataclass(frozen=True)
