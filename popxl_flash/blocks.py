@@ -6,7 +6,8 @@ block's operands and its part of the running state, applies the pass's block upd
 writes the state back in place. The state tensors enter every loop by reference and nothing
 else reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy):
 a step copies only its loop counter. There is no conditional unless segment ids are given
-(then: skip the block, or run it; see :func:`_dispatch`). Everything here is graph
+(then: skip the block, or run it, with a second level for runtime-full blocks where the cost
+model keeps one; see :func:`_dispatch`). Everything here is graph
 code: it runs inside the graph context of the module being built and uses only the documented
 PopXL API.
 """

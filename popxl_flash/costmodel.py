@@ -24,9 +24,9 @@ into its clone and back every iteration and its initial value once, and LoopOpx 
 iterator and condition (6 bytes per iteration, 2 per loop: ``loop_control``); with segment
 ids, the taken branch of each conditional level copies all its inputs and outputs
 (``IfOpx``): the state slices for a skipped block; the state slices, the block's operands and
-segment operands (and the pattern or the class) for a running one, again at the second level
-of an unmasked group. Per-step copies therefore do not grow with L: 14 bytes without segment
-ids.
+segment operands (and the pattern or the runtime-full flag) for a running one, again at the
+second level of an unmasked group where :func:`second_level` keeps one. Per-step copies
+therefore do not grow with L: 14 bytes without segment ids.
 
 Modelled time of one pass::
 

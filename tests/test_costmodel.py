@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import costmodel, segments, steps
+from popxl_flash import costmodel, schedule, segments, steps
 from popxl_flash.config import AttentionConfig
 
 from attention_utils import host_block_classes, random_qkv, run_flash, run_flash_grad, run_graph
@@ -162,6 +162,28 @@ def test_model_segment_copies_equal_the_emulator(L, G, chunks, mask, lengths):
                                       backward=backward, segments=cfg.segments,
                                       classes=classes)
         assert measured["branch"] > 0 and model == measured, backward
+
+
+@pytest.mark.parametrize("backward, positions, causal, window, two", [
+    (False, False, True, (-1, -1), True),   # 3 wheres + equal against flag + conditional
+    (True, False, True, (-1, -1), False),   # equal + where: masking is free
+    (True, True, True, (-1, -1), True),     # + the causal band on positions: 3 more ops
+    (True, True, False, (-1, -1), False),   # positions without a band
+    (True, True, False, (8, -1), True),     # a window side: 4 more ops
+])
+def test_second_level_is_the_time_models_choice(backward, positions, causal, window, two):
+    """The segment-id dispatch keeps a second level in unmasked groups exactly where masking
+    a runtime-full block costs more modelled time (ops x OP_CYCLES) than the second level's
+    IfOpx copies, and never in masked groups."""
+    sched = schedule.plan(256, 256, 64, 64, causal=True)
+    seg = segments.SegmentConfig(1, 1, positions)
+    extra = costmodel.mask_ops(positions, causal, window, backward) - costmodel.SECOND_LEVEL_OPS
+    for group in steps.step_groups(sched, "kv_major" if backward else "q_major"):
+        chosen = costmodel.second_level(group, groups=2, head_dim=64, dtype="float16",
+                                        backward=backward, segments=seg, causal=causal,
+                                        window=window)
+        assert chosen == (two and not group.masked)
+        assert chosen == (not group.masked and extra > 0)
 
 
 def test_model_copies_per_step_do_not_grow_with_length():
