@@ -13,7 +13,9 @@ planner cannot see them. This module turns them into what the block step needs:
   with its whole positional band visible (``full``: unmasked update) or neither (masked); the
   loop reads one int32 entry per step (:func:`step_classes`, gathered once per call);
 * :func:`runtime_mask`: for every other visited block, the bool mask ``[G or 1, cq, ckv]``
-  (segment equality, not padding, positional band).
+  (segment equality, not padding, positional band); in the loop :func:`block_mask` computes it
+  from the ids :func:`loop_tensors` shaped once per call (distinct q and kv padding ids: one
+  ``equal``, no reshape per step).
 
 Semantics (see ``docs/user-guide.md``): query row ``i`` sees key ``j`` iff
 ``q_ids[i] == kv_ids[j] >= 0`` and the static mask (causal, window on indices) allows ``(i, j)``.
