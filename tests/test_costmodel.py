@@ -216,3 +216,42 @@ def test_model_chooses_the_built_structure(L):
     flat = named["branch-free"]
     assert not flat.eligible and flat.flop_ratio > costmodel.MAX_FLOP_RATIO >= best.flop_ratio
     assert "structure: grouped" in choice.table()
+
+
+@emulator_only
+def test_model_positions_copies_equal_the_emulator():
+    """With runtime positions (the varlen path) the causal band makes masking cost more than
+    a second dispatch level, forward and backward (``costmodel.second_level``): the model's
+    copies under that choice equal the emulator's, kind by kind. One sequence filling L = 256
+    with 64-row chunks: blocks above the diagonal skip, the diagonal's are masked, the others
+    runtime-full (the static schedule is planned without causal: one unmasked group)."""
+    L, G, n = 256, 2, 4
+    q, k, v = random_qkv(np.random.default_rng(4), G, L, L, 64, "float16")
+    ids = np.zeros((1, L), np.int32)
+    pos = (np.arange(L, dtype=np.int32) - L)[None]  # bottom-right positions
+    options = dict(num_chunks_q=n, num_chunks_kv=n, causal=True)
+
+    def forward(q, k, v, a, b, c, d):
+        return pf.functional.segmented_attention(q, k, v, a, b, c, d, **options)
+
+    def both(do, q, k, v, a, b, c, d):
+        out, lse = forward(q, k, v, a, b, c, d)
+        return pf.functional.segmented_attention_grad(do, q, k, v, out, lse, a, b, c, d,
+                                                      **options)
+
+    _, fwd = run_graph(forward, [q, k, v, ids, ids, pos, pos])
+    _, run = run_graph(both, [q, q, k, v, ids, ids, pos, pos])
+    spec = pf.popxl.TensorSpec(ids.shape, pf.popxl.int32)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3, **options)
+    cfg = cfg.with_segments(spec, spec, spec, spec)
+    i, j = np.indices((n, n))
+    classes = np.where(j > i, segments.RT_SKIP, np.where(j == i, segments.RT_MASKED,
+                                                         segments.RT_FULL))
+    forward_kinds = fwd.profile.bytes_copied_by_kind
+    backward_kinds = {kind: run.profile.bytes_copied_by_kind[kind] - m
+                      for kind, m in forward_kinds.items()}
+    for backward, measured in ((False, forward_kinds), (True, backward_kinds)):
+        model = costmodel.pass_copies(cfg.schedule, groups=G, head_dim=64, dtype="float16",
+                                      backward=backward, segments=cfg.segments,
+                                      classes=classes, causal=True)
+        assert measured["branch"] > 0 and model == measured, backward
