@@ -100,7 +100,8 @@ def loop_spec():
     """The backward's :class:`blocks.LoopSpec`: state ``dq`` (q rows), ``dk, dv`` (kv rows);
     operands ``q, do, lse, Dvec`` (q rows), ``k`` (kv rows), ``v^T`` (kv rows on axis 2)."""
     return blocks.LoopSpec(update=grad_block_update, state_sides=("q", "kv", "kv"),
-                           operand_axes=(("q", 1),) * 4 + (("kv", 1), ("kv", 2)))
+                           operand_axes=(("q", 1),) * 4 + (("kv", 1), ("kv", 2)),
+                           backward=True)
 
 
 def _finish(cfg, dq, dk, dv):

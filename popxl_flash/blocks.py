@@ -6,7 +6,8 @@ block's operands and its part of the running state, applies the pass's block upd
 writes the state back in place. The state tensors enter every loop by reference and nothing
 else reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy):
 a step copies only its loop counter. There is no conditional unless segment ids are given
-(then: skip the block, or run it; see :func:`_dispatch`). Everything here is graph
+(then: skip the block, or run it, with a second level for runtime-full blocks where the cost
+model keeps one; see :func:`_dispatch`). Everything here is graph
 code: it runs inside the graph context of the module being built and uses only the documented
 PopXL API.
 """
@@ -16,7 +17,7 @@ from typing import Callable, Tuple
 
 import numpy as np
 
-from popxl_flash import score_mods, segments, steps
+from popxl_flash import costmodel, score_mods, segments, steps
 from popxl_flash.backend import popxl
 
 ops = popxl.ops
@@ -127,11 +128,13 @@ class LoopSpec:
             over q rows (``"q"``) or kv rows (``"kv"``).
         operand_axes: per read-only operand, ``(side, axis)``: the axis sliced to the step's
             q rows or kv rows (2 for a pre-transposed operand such as ``k^T [Gk, D, Lkv]``).
+        backward: the backward pass (the cost model's dispatch choice weighs it).
     """
 
     update: Callable
     state_sides: Tuple[str, ...]
     operand_axes: Tuple[Tuple[str, int], ...]
+    backward: bool = False
 
 
 def _table(values):
@@ -179,7 +182,9 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
     (created here, :func:`popxl.graph_input`), then with segment ids the padded ids (and
     positions) and the group's runtime block classes, then with score modifiers their
     loop-invariant tensors (by value; :mod:`popxl_flash.score_mods`), which each step turns
-    into operands the update takes after its own.
+    into operands the update takes after its own. With segment ids the "segment" inputs end
+    with the group's bool ``[V_g]`` runs table, then (two dispatch levels,
+    :func:`second_level`) its runtime-full table.
 
     Returns:
         ``t + 1``.
@@ -198,18 +203,21 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
                     for x, side in zip(state, spec.state_sides)]
     visible = _pattern(group, t)
     seg_operands = []
+    tables = []
     if seg:
-        seg_operands = segments.step_operands(cfg, seg[:-1], offsets["q"], offsets["kv"],
+        n_tables = 2 if second_level(spec, cfg, group) else 1
+        seg, tables = seg[:-n_tables], [entry(x, t) for x in seg[-n_tables:]]
+        seg_operands = segments.step_operands(cfg, seg, offsets["q"], offsets["kv"],
                                               (group.rows, group.cols))
     if cfg.mods is not None:  # ALiBi, score_mod, dropout: operands after the update's own
         operand_slices += score_mods.step_operands(cfg, extras, offsets["q"], offsets["kv"],
                                                    (group.rows, group.cols), seg_operands)
-    if not seg:
+    if not tables:
         new = spec.update(cfg, *state_slices, *operand_slices, visible=visible)
     else:
-        classes = seg[-1]
-        new = _dispatch(spec, cfg, entry(classes, t), state_slices,
-                        [*operand_slices, *seg_operands], len(seg_operands), visible)
+        new = _dispatch(spec, cfg, tables[0], tables[1] if len(tables) == 2 else None,
+                        state_slices, [*operand_slices, *seg_operands], len(seg_operands),
+                        visible)
     for x, side, value in zip(state, spec.state_sides, new):
         write_rows_(x, offsets[side], value)
     return t + 1
@@ -223,38 +231,47 @@ def _unmasked_step(spec, cfg, *inputs):
 
 
 def _run_step(spec, cfg, n_seg, *inputs):
-    """Branch of a segment-id step of an unmasked group that runs: the unmasked update if the
-    block's runtime class is ``RT_FULL``, else the masked one. Inputs: state slices, operand
-    slices, segment operands, then the class."""
-    *inputs, block_class = inputs
+    """Branch of a segment-id step of an unmasked group that runs, with two dispatch levels
+    (:func:`popxl_flash.costmodel.second_level`): the unmasked update if the block's runtime
+    class is ``RT_FULL``, else the masked one. Inputs: state slices, operand slices, segment
+    operands, then the step's bool ``[1]`` runtime-full flag."""
+    *inputs, is_full = inputs
     ir = popxl.gcg().ir
     plain = inputs[:len(inputs) - n_seg]
     full = ir.create_graph(_unmasked_step, spec, cfg, *[x.spec for x in plain])
     n_state = len(spec.state_sides)
     masked = ir.create_graph(_masked_step, spec, cfg, n_state, n_seg, False,
                              *[x.spec for x in inputs])
-    is_full = ops.equal(block_class, popxl.constant(np.array([segments.RT_FULL], INDEX_DTYPE)))
     return ops.conditional(is_full, full, masked, then_inputs=plain, else_inputs=inputs)
 
 
-def _dispatch(spec, cfg, block_class, state_slices, operands, n_seg, visible):
-    """The block runs unless its runtime class is ``RT_SKIP`` (one conditional; each branch
-    receives only what it reads: the skip branch the state slices). In a group without a
-    static pattern a running block then takes the unmasked update when its class is
-    ``RT_FULL`` (a second level, inside the run branch): the cost model prices that level's
-    copies (the block's rows) far below the ~12 mask ops it saves on every runtime-full block,
-    the common case of packed long sequences and of a decoding cache."""
+def _dispatch(spec, cfg, runs, is_full, state_slices, operands, n_seg, visible):
+    """The block runs if its bool ``[1]`` flag ``runs`` is set (runtime class not
+    ``RT_SKIP``; one conditional; each branch receives only what it reads: the skip branch
+    the state slices). The running branch takes the masked update (the static ``visible``
+    pattern, if any, ANDed with the runtime mask), unless ``is_full`` is given (an unmasked
+    group where the cost model keeps a second level, :func:`popxl_flash.costmodel.
+    second_level`): then it dispatches again, to the unmasked update for an ``RT_FULL``
+    block."""
     ir = popxl.gcg().ir
     skip = ir.create_graph(_skipped_step, *[x.spec for x in state_slices])
-    runs = ops.greater(block_class, popxl.constant(np.array([segments.RT_SKIP], INDEX_DTYPE)))
-    if visible is None:
-        inputs = [*state_slices, *operands, block_class]
+    if is_full is not None:
+        inputs = [*state_slices, *operands, is_full]
         run = ir.create_graph(_run_step, spec, cfg, n_seg, *[x.spec for x in inputs])
     else:
-        inputs = [*state_slices, *operands, visible]
-        run = ir.create_graph(_masked_step, spec, cfg, len(state_slices), n_seg, True,
-                              *[x.spec for x in inputs])
+        inputs = [*state_slices, *operands] + ([visible] if visible is not None else [])
+        run = ir.create_graph(_masked_step, spec, cfg, len(state_slices), n_seg,
+                              visible is not None, *[x.spec for x in inputs])
     return ops.conditional(runs, run, skip, then_inputs=inputs, else_inputs=state_slices)
+
+
+def second_level(spec, cfg, group):
+    """Whether segment-id steps of ``group`` dispatch twice (the cost model's choice,
+    :func:`popxl_flash.costmodel.second_level`)."""
+    return costmodel.second_level(group, groups=cfg.groups, head_dim=cfg.head_dim,
+                                  dtype=cfg.dtype, backward=spec.backward,
+                                  segments=cfg.segments, kv_groups=cfg.kv_groups,
+                                  causal=cfg.causal, window=cfg.window)
 
 
 class PassLoops:
@@ -283,24 +300,37 @@ class PassLoops:
         extra_specs = tuple((t.shape, t.dtype) for t in extras)
         self.graphs = []
         for group in self.groups:
-            extra = seg_specs + (((group.steps,), popxl.int32),) if seg_specs else ()
+            extra = ()
+            if seg_specs:
+                n_tables = 2 if second_level(spec, cfg, group) else 1
+                extra = seg_specs + (((group.steps,), popxl.bool),) * n_tables
             self.graphs.append(ir.create_graph(
                 _group_body, spec, cfg, group, state_specs, extra, extra_specs,
                 popxl.TensorSpec((1,), popxl.int32), *[t.spec for t in operands]))
 
     def step_classes(self, classes):
-        """Per group, each step's runtime block class, int32 ``[V_g]`` (one gather per group,
-        outside the loops); ``[]`` without segment ids."""
+        """Per group, its steps' bool ``[V_g]`` tables: the block runs (runtime class not
+        ``RT_SKIP``), then with two dispatch levels (:func:`second_level`) the block is
+        ``RT_FULL`` (one gather per group and a comparison or two, outside the loops);
+        ``[None, ...]`` without segment ids."""
         if classes is None:
             return [None] * len(self.groups)
-        return [segments.step_classes(classes, g.q_chunk, g.kv_chunk) for g in self.groups]
+        out = []
+        for g in self.groups:
+            cls = segments.step_classes(classes, g.q_chunk, g.kv_chunk)  # int32 [V_g]
+            tables = [ops.greater(cls, popxl.constant(np.array(segments.RT_SKIP, INDEX_DTYPE)))]
+            if second_level(self.spec, self.cfg, g):
+                tables.append(ops.equal(cls, popxl.constant(np.array(segments.RT_FULL,
+                                                                     INDEX_DTYPE))))
+            out.append(tables)
+        return out
 
     def run(self, operands, state, seg=(), step_classes=None, extras=()):
         """One ``repeat`` per group, updating ``state`` in place (call inside
         :func:`in_order`)."""
         step_classes = step_classes or [None] * len(self.groups)
-        for group, graph, cls in zip(self.groups, self.graphs, step_classes):
-            extra = list(seg) + ([cls] if cls is not None else [])
+        for group, graph, tables in zip(self.groups, self.graphs, step_classes):
+            extra = list(seg) + list(tables or [])
             ops.repeat(graph, group.steps, counter(0), *operands, *state, *extra, *extras)
 
 

@@ -24,9 +24,9 @@ into its clone and back every iteration and its initial value once, and LoopOpx 
 iterator and condition (6 bytes per iteration, 2 per loop: ``loop_control``); with segment
 ids, the taken branch of each conditional level copies all its inputs and outputs
 (``IfOpx``): the state slices for a skipped block; the state slices, the block's operands and
-segment operands (and the pattern or the class) for a running one, again at the second level
-of an unmasked group. Per-step copies therefore do not grow with L: 14 bytes without segment
-ids.
+segment operands (and the pattern or the runtime-full flag) for a running one, again at the
+second level of an unmasked group where :func:`second_level` keeps one. Per-step copies
+therefore do not grow with L: 14 bytes without segment ids.
 
 Modelled time of one pass::
 
@@ -241,14 +241,64 @@ def _step_bytes(group, G, Gk, D, item, backward, seg):
     return state, operands, ids * (2 if seg.positions else 1)
 
 
-def _branch_copies(group, classes, G, Gk, D, item, backward, seg):
+#: Ops a segment-id step spends on its runtime mask (``segments.block_mask``): the ids'
+#: ``equal``; with positions, per band term ``greater``, ``logical_not``, ``logical_and``
+#: (causal), and one more for a window side's offset.
+MASK_OPS_IDS, MASK_OPS_CAUSAL, MASK_OPS_WINDOW_SIDE = 1, 3, 4
+#: ``where`` selects the masked update adds (``online_softmax_update``: the max, the exp's
+#: argument and the probabilities; ``probabilities`` in the backward: the exp's argument).
+MASKED_WHERE_OPS = {"forward": 3, "backward": 1}
+#: Ops of the second dispatch level of an unmasked group: the step's runtime-full flag (one
+#: ``dynamic_slice`` of the group's table) and the conditional.
+SECOND_LEVEL_OPS = 2
+
+
+def mask_ops(positions, causal, window, backward):
+    """Ops a running segment-id step spends on masking (mask and ``where`` selects)."""
+    ops = MASK_OPS_IDS + MASKED_WHERE_OPS["backward" if backward else "forward"]
+    if positions:
+        ops += MASK_OPS_CAUSAL * bool(causal)
+        ops += MASK_OPS_WINDOW_SIDE * sum(side >= 0 for side in window)
+    return ops
+
+
+def second_level(group, *, groups, head_dim, dtype, backward, segments, kv_groups=None,
+                 causal=False, window=(-1, -1)):
+    """Whether a segment-id step of ``group`` dispatches a running block again on its runtime
+    class (``RT_FULL``: the unmasked update; else masked), or always runs the masked update
+    (one conditional level).
+
+    The model prices a runtime-full block (the common case of long packed sequences and of a
+    decoding cache) both ways: one level spends :func:`mask_ops` on an all-visible mask; two
+    levels spend :data:`SECOND_LEVEL_OPS` and ``IfOpx``'s copies of the second level (the
+    state slices in and out, the operands in). Masked groups always take one level (their
+    pattern is ANDed anyway). With G = 2, D = 64, float16, 128-row chunks the forward's two
+    extra ops (~2,000 cycles) outweigh the ~228 KiB copy (~20 cycles): two levels; the
+    backward without positions masks for free (one ``equal``, one ``where``): one level.
+
+    Returns:
+        bool.
+    """
+    if group.masked:
+        return False
+    extra_ops = mask_ops(segments.positions, causal, window, backward) - SECOND_LEVEL_OPS
+    if extra_ops <= 0:
+        return False
+    G, D, item = groups, head_dim, 2 if dtype == "float16" else 4
+    Gk = G if kv_groups is None else kv_groups
+    state, operands, _ = _step_bytes(group, G, Gk, D, item, backward, segments)
+    copy_cycles = (2 * state + operands) / (TILES * COPY_BYTES_PER_TILE_CYCLE)
+    return extra_ops * OP_CYCLES > copy_cycles
+
+
+def _branch_copies(group, classes, G, Gk, D, item, backward, seg, two_levels):
     """``IfOpx`` copies of a segment-id group's steps (every input and output of the taken
     branch, at every nesting level; ``blocks._dispatch``): a skipped block (``RT_SKIP``) the
-    state slices in and out; a running block of a masked group its state, operands, segment
-    operands and pattern in and the state out; in an unmasked group the run branch that (with
-    the class instead of the pattern), then at the second level the unmasked update (state and
-    operands in, state out) for an ``RT_FULL`` block or the masked one (with the segment
-    operands) for the others."""
+    state slices in and out; a running block its state, operands and segment operands (and the
+    pattern of a masked group) in and the state out; with ``two_levels`` (:func:`second_level`)
+    the run branch also takes the step's bool runtime-full flag and then at the second level
+    the unmasked update (state and operands in, state out) for an ``RT_FULL`` block or the
+    masked one (with the segment operands) for the others."""
     state, operands, ids = _step_bytes(group, G, Gk, D, item, backward, seg)
     cls = classes[group.q_chunk, group.kv_chunk]  # [V] runtime class of each step's block
     skipped = int((cls == RT_SKIP).sum())
@@ -257,13 +307,15 @@ def _branch_copies(group, classes, G, Gk, D, item, backward, seg):
     total = skipped * 2 * state
     if group.masked:
         return total + running * (2 * state + operands + ids + group.rows * group.cols)
-    total += running * (2 * state + operands + ids + _I32)
+    if not two_levels:
+        return total + running * (2 * state + operands + ids)
+    total += running * (2 * state + operands + ids + 1)
     return total + full * (2 * state + operands) + (running - full) * (2 * state + operands
                                                                          + ids)
 
 
 def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, segments=None,
-                classes=None):
+                classes=None, causal=False, window=(-1, -1)):
     """Lowering copies of one pass by boundary kind, under PopART's rules as the emulator
     models them (``popxl_flash/emulator/copies.py``; the tests hold the two equal).
 
@@ -275,6 +327,7 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
             (the steps then run under a conditional).
         classes: with segments, int ``[nq, nkv]`` runtime block classes (``RT_SKIP``,
             ``RT_FULL``, ``RT_MASKED``); ``None``: every block ``RT_MASKED``.
+        causal, window: the call's mask, with positions (what :func:`second_level` weighs).
 
     Score modifiers (:mod:`popxl_flash.score_mods`) are not counted: without segment ids their
     loop-invariant inputs are aliased like the operands (no change), but with segment ids the
@@ -292,8 +345,10 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
     for group in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
         _loop_copies(group.steps, copies)
         if segments is not None:
+            two = second_level(group, groups=G, head_dim=D, dtype=dtype, backward=backward,
+                               segments=segments, kv_groups=Gk, causal=causal, window=window)
             copies["branch"] += _branch_copies(group, np.asarray(classes), G, Gk, D, item,
-                                               backward, segments)
+                                               backward, segments, two)
     return copies
 
 

@@ -209,7 +209,7 @@ def step_operands(cfg, prepared, i0, j0, shape, seg_operands=()):
         seg_operands: the step's segment operands (varlen positions at 2 and 3, if any).
 
     Returns:
-        list, in this order: ``q_idx [R, rows]``, ``kv_idx [R, cols]`` int32 (ALiBi,
+        list, in this order: ``q_idx [R, rows, 1]``, ``kv_idx [R, 1, cols]`` int32 (ALiBi,
         score_mod), ``-slopes [G, 1, 1]`` (ALiBi), ``keep / (1 - p) [G, rows, cols]``
         (dropout), the score_mod inputs.
     """
@@ -227,13 +227,13 @@ def _positions(cfg, i0, j0, shape, seg_operands):
     if len(seg_operands) == 4:  # varlen positions: what causal compares
         rows = _position_rows(cfg)
         return [_rows(seg_operands[2], rows), _rows(seg_operands[3], rows)]
-    q = popxl.constant(np.arange(shape[0], dtype=np.int32).reshape(1, shape[0]))
-    kv = popxl.constant(np.arange(shape[1], dtype=np.int32).reshape(1, shape[1]))
+    q = popxl.constant(np.arange(shape[0], dtype=np.int32).reshape(1, shape[0], 1))
+    kv = popxl.constant(np.arange(shape[1], dtype=np.int32).reshape(1, 1, shape[1]))
     return [q + i0, kv + j0]
 
 
 def _rows(t, rows):
-    """``t [1 or rows, c]`` broadcast to ``rows`` rows."""
+    """``t [1 or rows, ...]`` broadcast to ``rows`` rows."""
     if t.shape[0] == rows:
         return t
     return ops.concat([t] * rows, axis=0)
@@ -246,9 +246,8 @@ def _mod_input_specs(cfg):
 def _unpack_block(cfg, extra):
     extra, named = list(extra), {}
     if cfg.mods.positions:
-        q_idx, kv_idx = extra.pop(0), extra.pop(0)  # [R, rows], [R, cols]
-        named["q_idx"] = q_idx.reshape((q_idx.shape[0], q_idx.shape[1], 1))
-        named["kv_idx"] = kv_idx.reshape((kv_idx.shape[0], 1, kv_idx.shape[1]))
+        named["q_idx"] = extra.pop(0)  # [R, rows, 1]
+        named["kv_idx"] = extra.pop(0)  # [R, 1, cols]
     if cfg.mods.alibi:
         named["neg_slopes"] = extra.pop(0)
     if cfg.mods.dropout > 0:

@@ -13,7 +13,9 @@ planner cannot see them. This module turns them into what the block step needs:
   with its whole positional band visible (``full``: unmasked update) or neither (masked); the
   loop reads one int32 entry per step (:func:`step_classes`, gathered once per call);
 * :func:`runtime_mask`: for every other visited block, the bool mask ``[G or 1, cq, ckv]``
-  (segment equality, not padding, positional band).
+  (segment equality, not padding, positional band); in the loop :func:`block_mask` computes it
+  from the ids :func:`loop_tensors` shaped once per call (distinct q and kv padding ids: one
+  ``equal``, no reshape per step).
 
 Semantics (see ``docs/user-guide.md``): query row ``i`` sees key ``j`` iff
 ``q_ids[i] == kv_ids[j] >= 0`` and the static mask (causal, window on indices) allows ``(i, j)``.
@@ -232,8 +234,13 @@ def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window
     visible = ops.logical_and(ops.equal(qi, ki), ops.greater(qi, _i32(-1)))
     if q_pos is None:
         return visible
-    qp = q_pos.reshape((Gs, cq, 1))
-    kp = kv_pos.reshape((Gsk, 1, ckv))
+    return _band(visible, q_pos.reshape((Gs, cq, 1)), kv_pos.reshape((Gsk, 1, ckv)), causal,
+                 window)
+
+
+def _band(visible, qp, kp, causal, window):
+    """``visible`` and the positional band, on broadcast positions ``qp [Gs, cq, 1]``,
+    ``kp [Gsk, 1, ckv]``."""
     left, right = (min(side, MAX_LEN) for side in window)
     if causal:
         visible = ops.logical_and(visible, _not_greater(kp, qp))
@@ -242,6 +249,32 @@ def runtime_mask(q_ids, kv_ids, q_pos=None, kv_pos=None, *, causal=False, window
     if right >= 0:
         visible = ops.logical_and(visible, _not_greater(kp, qp + _i32(right)))
     return visible
+
+
+#: Padding id of the loop's q ids and kv ids (:func:`loop_tensors`): distinct, so that one
+#: ``equal`` is the whole id test (``q_id == kv_id >= 0``) in the loop.
+Q_PAD, KV_PAD = -1, -2
+
+
+def loop_tensors(ids, positions, side):
+    """The segment inputs as the loop slices them, shaped for the block mask once per call:
+    every negative id set to the side's padding id (:data:`Q_PAD`, :data:`KV_PAD`), q rows on
+    axis 1 and kv rows on axis 2 (so a step's slices broadcast without a reshape).
+
+    Args:
+        ids: padded int32 ``[Gs, L]``; positions: the same shape, or ``None``.
+        side: ``"q"`` or ``"kv"``.
+
+    Returns:
+        ``[ids]`` (then positions): ``[Gs, L, 1]`` for q, ``[Gs, 1, L]`` for kv.
+    """
+    Gs, L = ids.shape
+    shape = (Gs, L, 1) if side == "q" else (Gs, 1, L)
+    pad = Q_PAD if side == "q" else KV_PAD
+    out = [ops.where(ops.greater(ids, _i32(-1)), ids, _i32(pad)).reshape(shape)]
+    if positions is not None:
+        out.append(positions.reshape(shape))
+    return out
 
 
 def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
@@ -254,9 +287,10 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
 
     Returns:
         ``(tensors, classes)`` (kv ids of ``Gk`` rows repeated to ``G``, :func:`kv_rows`):
-        the padded ``[q_ids, kv_ids]`` (-1 on padding), plus ``[q_pos, kv_pos]`` with
-        positions, which the loop reads (read-only inputs); and the int32 ``[nq, nkv]`` block
-        classes of :func:`classify_blocks`.
+        the padded ``[q_ids, kv_ids]`` (:data:`Q_PAD`, :data:`KV_PAD` on padding), plus
+        ``[q_pos, kv_pos]`` with positions, shaped by :func:`loop_tensors`, which the loop
+        reads (read-only inputs); and the int32 ``[nq, nkv]`` block classes of
+        :func:`classify_blocks`.
     """
     q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
     kv_ids = expand_kv_rows(cfg, pad_ids(kv_ids, cfg.padded_kv_len, -1))
@@ -267,8 +301,9 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
                               chunk_stats(kv_ids, kv_pos, cfg.chunk_kv),
                               positions=cfg.segments.positions, causal=cfg.causal,
                               window=cfg.window)
-    tensors = [q_ids, kv_ids] + ([q_pos, kv_pos] if q_pos is not None else [])
-    return tensors, classes
+    (q_ids, *q_pos), (kv_ids, *kv_pos) = (loop_tensors(q_ids, q_pos, "q"),
+                                          loop_tensors(kv_ids, kv_pos, "kv"))
+    return [q_ids, kv_ids, *q_pos, *kv_pos], classes
 
 
 def kv_rows(cfg):
@@ -305,23 +340,31 @@ def step_classes(classes, q_chunk, kv_chunk):
 
 
 def step_operands(cfg, tensors, q_offset, kv_offset, lengths=None):
-    """The segment operands of one step: the chunks of the padded ids (and positions).
+    """The segment operands of one step: the chunks of the loop's ids (and positions).
 
     Args:
-        cfg: the config; tensors: the padded tensors of :func:`prepare`.
+        cfg: the config; tensors: the loop tensors of :func:`prepare`.
         q_offset, kv_offset: int32 ``[1]`` first rows of the step's q and kv rows.
         lengths: ``(rows, cols)`` of the step (``None``: whole chunks).
 
     Returns:
-        ``[q_ids_i [Gs, rows], kv_ids_j [Gsk, cols]]`` (then the positions' slices).
+        ``[q_ids_i [Gs, rows, 1], kv_ids_j [Gsk, 1, cols]]`` (then the positions' slices).
     """
     lengths = lengths or (cfg.chunk_q, cfg.chunk_kv)
-    return [ops.dynamic_slice(t, offset, axes=[1], sizes=[lengths[n % 2]], no_overlap=True)
+    return [ops.dynamic_slice(t, offset, axes=[1 + n % 2], sizes=[lengths[n % 2]],
+                              no_overlap=True)
             for n, (t, offset) in enumerate(zip(tensors, (q_offset, kv_offset) * 2))]
 
 
 def block_mask(cfg, operands):
-    """:func:`runtime_mask` of a (sub-)block from its segment operands."""
+    """Visibility of a (sub-)block from its segment operands (:func:`step_operands`): one
+    ``equal`` of the ids (their padding ids differ), then the positional band.
+
+    Returns:
+        bool ``[max(Gs, Gsk), rows, cols]``, as :func:`runtime_mask`.
+    """
     q_ids, kv_ids, *pos = operands
-    return runtime_mask(q_ids, kv_ids, *(pos or (None, None)), causal=cfg.causal,
-                        window=cfg.window)
+    visible = ops.equal(q_ids, kv_ids)
+    if not pos:
+        return visible
+    return _band(visible, *pos, cfg.causal, cfg.window)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import costmodel, segments, steps
+from popxl_flash import costmodel, schedule, segments, steps
 from popxl_flash.config import AttentionConfig
 
 from attention_utils import host_block_classes, random_qkv, run_flash, run_flash_grad, run_graph
@@ -164,6 +164,28 @@ def test_model_segment_copies_equal_the_emulator(L, G, chunks, mask, lengths):
         assert measured["branch"] > 0 and model == measured, backward
 
 
+@pytest.mark.parametrize("backward, positions, causal, window, two", [
+    (False, False, True, (-1, -1), True),   # 3 wheres + equal against flag + conditional
+    (True, False, True, (-1, -1), False),   # equal + where: masking is free
+    (True, True, True, (-1, -1), True),     # + the causal band on positions: 3 more ops
+    (True, True, False, (-1, -1), False),   # positions without a band
+    (True, True, False, (8, -1), True),     # a window side: 4 more ops
+])
+def test_second_level_is_the_time_models_choice(backward, positions, causal, window, two):
+    """The segment-id dispatch keeps a second level in unmasked groups exactly where masking
+    a runtime-full block costs more modelled time (ops x OP_CYCLES) than the second level's
+    IfOpx copies, and never in masked groups."""
+    sched = schedule.plan(256, 256, 64, 64, causal=True)
+    seg = segments.SegmentConfig(1, 1, positions)
+    extra = costmodel.mask_ops(positions, causal, window, backward) - costmodel.SECOND_LEVEL_OPS
+    for group in steps.step_groups(sched, "kv_major" if backward else "q_major"):
+        chosen = costmodel.second_level(group, groups=2, head_dim=64, dtype="float16",
+                                        backward=backward, segments=seg, causal=causal,
+                                        window=window)
+        assert chosen == (two and not group.masked)
+        assert chosen == (not group.masked and extra > 0)
+
+
 def test_model_copies_per_step_do_not_grow_with_length():
     """Without segment ids the loops copy only their step counters and LoopOpx's control
     values (PopART's rules), so bytes copied per loop step are the same at every L and chunk
@@ -194,3 +216,42 @@ def test_model_chooses_the_built_structure(L):
     flat = named["branch-free"]
     assert not flat.eligible and flat.flop_ratio > costmodel.MAX_FLOP_RATIO >= best.flop_ratio
     assert "structure: grouped" in choice.table()
+
+
+@emulator_only
+def test_model_positions_copies_equal_the_emulator():
+    """With runtime positions (the varlen path) the causal band makes masking cost more than
+    a second dispatch level, forward and backward (``costmodel.second_level``): the model's
+    copies under that choice equal the emulator's, kind by kind. One sequence filling L = 256
+    with 64-row chunks: blocks above the diagonal skip, the diagonal's are masked, the others
+    runtime-full (the static schedule is planned without causal: one unmasked group)."""
+    L, G, n = 256, 2, 4
+    q, k, v = random_qkv(np.random.default_rng(4), G, L, L, 64, "float16")
+    ids = np.zeros((1, L), np.int32)
+    pos = (np.arange(L, dtype=np.int32) - L)[None]  # bottom-right positions
+    options = dict(num_chunks_q=n, num_chunks_kv=n, causal=True)
+
+    def forward(q, k, v, a, b, c, d):
+        return pf.functional.segmented_attention(q, k, v, a, b, c, d, **options)
+
+    def both(do, q, k, v, a, b, c, d):
+        out, lse = forward(q, k, v, a, b, c, d)
+        return pf.functional.segmented_attention_grad(do, q, k, v, out, lse, a, b, c, d,
+                                                      **options)
+
+    _, fwd = run_graph(forward, [q, k, v, ids, ids, pos, pos])
+    _, run = run_graph(both, [q, q, k, v, ids, ids, pos, pos])
+    spec = pf.popxl.TensorSpec(ids.shape, pf.popxl.int32)
+    cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3, **options)
+    cfg = cfg.with_segments(spec, spec, spec, spec)
+    i, j = np.indices((n, n))
+    classes = np.where(j > i, segments.RT_SKIP, np.where(j == i, segments.RT_MASKED,
+                                                         segments.RT_FULL))
+    forward_kinds = fwd.profile.bytes_copied_by_kind
+    backward_kinds = {kind: run.profile.bytes_copied_by_kind[kind] - m
+                      for kind, m in forward_kinds.items()}
+    for backward, measured in ((False, forward_kinds), (True, backward_kinds)):
+        model = costmodel.pass_copies(cfg.schedule, groups=G, head_dim=64, dtype="float16",
+                                      backward=backward, segments=cfg.segments,
+                                      classes=classes, causal=True)
+        assert measured["branch"] > 0 and model == measured, backward
