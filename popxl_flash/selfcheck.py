@@ -183,7 +183,8 @@ def _check_backward(case, cfg, tensors, grads, mask):
         if not np.isfinite(g).all():
             ratios[name + " finite"] = "NaN or inf in the gradient"
         ratios[name] = _ratio(g, naive, ref, factor=3, dtype=case.dtype, accum_steps=n,
-                              magnitude=mag, extra_floor=extra)
+                              magnitude=mag, extra_floor=extra,
+                              parity=tolerance.gradient_rounding_parity(mag, case.dtype))
     return ratios
 
 

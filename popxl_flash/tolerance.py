@@ -23,7 +23,8 @@ the backward (FlashAttention's own test rule), and ``floor`` is the sum of small
 
 For a float16 forward's ``out``, ``factor * max|naive - ref|`` is replaced by the larger
 of it and the bound of rounding the block probabilities to the input dtype before the ``P V``
-matmul (:func:`probability_rounding_floor`; ``parity`` of :func:`rule_bound`). FlashAttention
+matmul (:func:`probability_rounding_floor`; ``parity`` of :func:`rule_bound`; the backward's
+gradients likewise with the rounding of ``P`` and ``dS``, :func:`gradient_rounding_parity`). FlashAttention
 rounds them by design (the matmul runs on input-dtype operands) and the naive attention does
 too, so on large problems the naive error, a maximum over many entries with that rounding in
 each, is the larger. On tiny ones (one output entry, ``D = 1``, a few keys) the naive error is
@@ -214,6 +215,28 @@ def probability_rounding_floor(q, k, v, *, causal, scale=None, window=None,
     bound = (float(info.eps) / 2 * (p @ v64)
              + float(info.smallest_subnormal) / 2 * (visible @ v64))  # [G, Lq, D]
     return float(bound.max(initial=0.0))
+
+
+def gradient_rounding_parity(magnitude, dtype):
+    """The backward's counterpart of :func:`probability_rounding_floor` (a ``parity`` of
+    :func:`rule_bound`): with float16 inputs the block matmuls take ``P`` (for dv) and ``dS``
+    (for dq, dk) rounded to the input dtype, as the naive attention does, so a gradient entry
+    carries up to ``u`` times the sum of the |terms| it accumulates: ``u * magnitude`` with the
+    magnitudes of :func:`grad_bounds` (unit roundoff ``u``). On tiny problems (one q row,
+    ``D = 1``, a few keys) the naive error is a single sample that can fall far below that by
+    luck (``G = 1, Lq = 1, Lkv = 4, D = 1``, scale 1.86: flash's dq error was 6.8x the naive's,
+    1.08x the 3x bound); on large ones 3x the naive error exceeds it. Zero for float32 (no
+    cast).
+
+    Args:
+        magnitude: the gradient's magnitude from :func:`grad_bounds`. dtype: the input dtype.
+
+    Returns:
+        The bound (float).
+    """
+    if np.dtype(dtype) == np.float32:
+        return 0.0
+    return float(np.finfo(dtype).eps) / 2 * magnitude
 
 
 def rounding_floor(ref, dtype):

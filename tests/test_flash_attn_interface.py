@@ -11,7 +11,8 @@ from attention_utils import (EPS32, assert_within_rule, build_only, naive_attent
                              zeros_variable)
 from popxl_flash import popxl
 from popxl_flash.config import AttentionConfig
-from popxl_flash.tolerance import grad_bounds, probability_rounding_floor
+from popxl_flash.tolerance import (grad_bounds, gradient_rounding_parity,
+                                   probability_rounding_floor)
 
 ops = popxl.ops
 
@@ -154,7 +155,8 @@ def check_grads_against_reference(q, k, v, dout, mask, dtype, route="composed"):
             ("dq", "dk", "dv"), grads, (q, k, v), refs, naives, steps, mags, stash_errors):
         assert g.shape == like.shape and g.dtype == like.dtype
         assert_within_rule(name, to_groups(g), naive, ref, factor=3, dtype=dtype,
-                           accum_steps=n, magnitude=mag, extra_floor=stash_error)
+                           accum_steps=n, magnitude=mag, extra_floor=stash_error,
+                           parity=gradient_rounding_parity(mag, dtype))
 
 
 GRAD_CASES = list(itertools.product([1, 2, 3], HEADS, ["causal", "full", "causal-window"],

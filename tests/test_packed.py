@@ -14,8 +14,8 @@ from packings import Packing, packings
 from popxl_flash import segments
 from popxl_flash.config import AttentionConfig
 from popxl_flash.functional import segmented_attention_grad
-from popxl_flash.tolerance import (grad_bounds, naive_attention, naive_attention_grad,
-                                   probability_rounding_floor)
+from popxl_flash.tolerance import (grad_bounds, gradient_rounding_parity, naive_attention,
+                                   naive_attention_grad, probability_rounding_floor)
 
 #: Masks of the core API with segment ids (static causal/window on indices).
 CORE_MASKS = [dict(causal=True, window=None), dict(causal=False, window=None),
@@ -79,7 +79,8 @@ def check_grads(grads, dout, q, k, v, refs, mask, dtype, cfg):
                                                       mags, stash_errors, steps, unseen):
         assert np.isfinite(g).all(), f"{name} must be finite"
         assert_within_rule(name, g, naive, ref, factor=3, dtype=dtype, accum_steps=n,
-                           magnitude=mag, extra_floor=err)
+                           magnitude=mag, extra_floor=err,
+                           parity=gradient_rounding_parity(mag, dtype))
         assert (g[np.broadcast_to(zero, g.shape[:2])] == 0).all(), f"{name}: padding not 0"
 
 
