@@ -175,8 +175,7 @@ def _check_backward(case, cfg, tensors, grads, mask):
     refs = pf.reference.attention_grad(dout, q, k, v, **mask)
     naives = tolerance.naive_attention_grad(dout, q, k, v, **mask)
     mags, stash = tolerance.grad_bounds(dout, q, k, v, dtype=case.dtype, **mask)
-    rows = cfg.group_size * cfg.chunk_q  # dk/dv matmuls contract the folded q rows
-    steps = (cfg.num_chunks_kv + cfg.chunk_kv + case.D,) + (cfg.num_chunks_q + rows + case.D,) * 2
+    steps = tolerance.gradient_accum_steps(cfg)
     ratios = {}
     for name, g, ref, naive, mag, extra, n in zip(("dq", "dk", "dv"), grads, refs, naives,
                                                   mags, stash, steps):

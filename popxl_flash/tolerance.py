@@ -217,6 +217,25 @@ def probability_rounding_floor(q, k, v, *, causal, scale=None, window=None,
     return float(bound.max(initial=0.0))
 
 
+def gradient_accum_steps(cfg):
+    """``accum_steps`` of :func:`rule_bound` for dq, dk, dv of a configuration.
+
+    dq sums ``dS k_j`` over the kv chunks (``num_chunks_kv`` rescaled additions, ``chunk_kv +
+    D`` products per block); dk and dv sum over the q chunks, and their block matmuls contract
+    the ``group_size * chunk_q`` rows of the q groups that share a kv group.
+
+    Args:
+        cfg: the call's :class:`~popxl_flash.config.AttentionConfig`.
+
+    Returns:
+        ``(dq_steps, dk_steps, dv_steps)``.
+    """
+    D = cfg.head_dim
+    rows = cfg.group_size * cfg.chunk_q
+    kv = cfg.num_chunks_q + rows + D
+    return cfg.num_chunks_kv + cfg.chunk_kv + D, kv, kv
+
+
 def gradient_rounding_parity(magnitude, dtype):
     """The backward's counterpart of :func:`probability_rounding_floor` (a ``parity`` of
     :func:`rule_bound`): with float16 inputs the block matmuls take ``P`` (for dv) and ``dS``

@@ -12,6 +12,7 @@ from popxl_flash import harness, popxl
 from popxl_flash.segments import RT_FULL, RT_MASKED, RT_SKIP
 from popxl_flash.tolerance import (EPS32, max_err, naive_attention,  # noqa: F401 (re-exported)
                                    naive_attention_grad, rounding_floor, rule_bound)
+from popxl_flash.tolerance import grad_bounds, gradient_rounding_parity
 
 ops = popxl.ops
 
@@ -121,6 +122,33 @@ def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magni
                        magnitude=magnitude, extra_floor=extra_floor, parity=parity)
     assert err <= bound, (f"{name}: max error {err:.3e} > bound {bound:.3e} "
                           f"({factor}x naive + floor)")
+
+
+def assert_grads_within_rule(grads, dout, q, k, v, *, dtype, steps, refs=None, **ref_kwargs):
+    """The backward's 3x rule on ``grads = (dq, dk, dv)`` (core layout ``[G, L, D]``): the
+    naive same-precision baseline, the stash and accumulation floors of
+    :func:`popxl_flash.tolerance.grad_bounds` and the float16 rounding parity.
+
+    Args:
+        grads: the gradients under test. dout, q, k, v: the host inputs.
+        dtype: the input dtype name. steps: ``accum_steps`` per gradient (three values) or one
+            for all. refs: the float64 gradients if the caller has them. ref_kwargs: the mask,
+            scale, segment and modifier options of :func:`pf.reference.attention_grad`.
+
+    Returns:
+        The float64 reference gradients.
+    """
+    if refs is None:
+        refs = pf.reference.attention_grad(dout, q, k, v, **ref_kwargs)
+    naives = naive_attention_grad(dout, q, k, v, **ref_kwargs)
+    mags, stash_errors = grad_bounds(dout, q, k, v, dtype=dtype, **ref_kwargs)
+    steps = tuple(steps) if np.ndim(steps) else (steps,) * 3
+    for name, g, ref, naive, mag, err, n in zip(("dq", "dk", "dv"), grads, refs, naives, mags,
+                                                stash_errors, steps):
+        assert_within_rule(name, g, naive, ref, factor=3, dtype=dtype, accum_steps=n,
+                           magnitude=mag, extra_floor=err,
+                           parity=gradient_rounding_parity(mag, dtype))
+    return refs
 
 
 #: (Lq, Lkv) pairs of FlashAttention's own test suite (tests/test_flash_attn.py).
