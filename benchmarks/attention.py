@@ -23,9 +23,9 @@ import popxl_flash as pf
 from benchmarks import report
 from benchmarks.graphs import (Case, flash_graph, host_inputs, naive_flops, naive_graph,
                                naive_inputs)
-from popxl_flash import devices
-from popxl_flash.steps import loop_steps
-from popxl_flash.harness import run_graph
+from popxl_flash.checks import devices
+from popxl_flash.plan.steps import loop_steps
+from popxl_flash.checks.harness import run_graph
 
 PASSES = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}
 DTYPES = ("float16", "float32")

@@ -20,9 +20,9 @@ import sys
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import devices
-from popxl_flash.context_parallel import explain, shard, unshard
-from popxl_flash.harness import run_graph
+from popxl_flash.checks import devices
+from popxl_flash.api.context_parallel import explain, shard, unshard
+from popxl_flash.checks.harness import run_graph
 
 MiB = 2 ** 20
 

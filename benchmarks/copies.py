@@ -16,7 +16,7 @@ import sys
 import popxl_flash as pf
 from benchmarks.attention import _int_list, _mask_list
 from benchmarks.graphs import Case, flash_graph, host_inputs
-from popxl_flash.harness import run_graph
+from popxl_flash.checks.harness import run_graph
 
 
 def per_block(case):

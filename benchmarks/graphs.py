@@ -2,9 +2,9 @@
 
 Each benchmark case builds two main graphs over the same host data: one calling
 :func:`popxl_flash.flash_attention` (or ``flash_attention_grad``) and one naive PopXL attention
-(:mod:`popxl_flash.naive`) that materialises the full ``[G, Lq, Lkv]`` score matrix, as a PopXL
+(:mod:`popxl_flash.checks.naive`) that materialises the full ``[G, Lq, Lkv]`` score matrix, as a PopXL
 user would write it.
-:func:`popxl_flash.harness.run_graph` compiles and runs one of them and returns its outputs,
+:func:`popxl_flash.checks.harness.run_graph` compiles and runs one of them and returns its outputs,
 timing and (on the emulator) the run profile.
 """
 from dataclasses import dataclass
@@ -13,7 +13,8 @@ from typing import Optional, Tuple
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import naive, popxl
+from popxl_flash.checks import naive
+from popxl_flash import popxl
 
 ops = popxl.ops
 
@@ -71,7 +72,7 @@ def host_inputs(case, seed=0):
 
 
 def flash_graph(case):
-    """Graph body for :func:`popxl_flash.harness.run_graph`: the library's forward, or its
+    """Graph body for :func:`popxl_flash.checks.harness.run_graph`: the library's forward, or its
     stash-mode backward."""
     if case.pass_ == "fwd":
         return lambda q, k, v: [pf.flash_attention(q, k, v, **case.options)]
@@ -80,7 +81,7 @@ def flash_graph(case):
 
 
 def naive_graph(case):
-    """Graph body for :func:`popxl_flash.harness.run_graph`: naive attention (forward, or the
+    """Graph body for :func:`popxl_flash.checks.harness.run_graph`: naive attention (forward, or the
     hand-written backward with ``out`` stashed: 5 matmuls, like flash's stash mode)."""
     options = dict(causal=case.causal, window=case.window, scale=case.config().scale)
     if case.pass_ == "fwd":

@@ -24,8 +24,10 @@ import numpy as np
 
 import popxl_flash as pf
 from benchmarks import sections
-from popxl_flash import devices, kvcache, popxl
-from popxl_flash.harness import run_graph
+from popxl_flash.checks import devices
+from popxl_flash.api import kvcache
+from popxl_flash import popxl
+from popxl_flash.checks.harness import run_graph
 
 ops = popxl.ops
 

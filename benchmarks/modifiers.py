@@ -6,7 +6,7 @@ Run from the repository root::
 
 For each feature (none, softcap, ALiBi, a one-op score_mod, dropout) and mask, the forward and
 the stash-mode backward run at two chunkings of one length; the ops executed per loop step (a
-visited block, or each sub-block of a split one: :mod:`popxl_flash.steps`) are the slope between
+visited block, or each sub-block of a split one: :mod:`popxl_flash.plan.steps`) are the slope between
 them (so the fixed per-call ops cancel), and the extra ops per step are that slope minus the
 plain attention's. Matmul FLOPs do not change with any feature (checked).
 On the emulator these are exact counts. With ``--markdown FILE`` the table replaces the section
@@ -21,9 +21,9 @@ import numpy as np
 
 import popxl_flash as pf
 from benchmarks import sections
-from popxl_flash import steps
-from popxl_flash.config import AttentionConfig
-from popxl_flash.harness import run_graph
+from popxl_flash.plan import steps
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.checks.harness import run_graph
 
 BEGIN, END = "<!-- modifiers: begin -->", "<!-- modifiers: end -->"
 

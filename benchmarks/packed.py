@@ -19,9 +19,9 @@ import sys
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import devices
-from popxl_flash.harness import run_graph
-from popxl_flash.config import SEGMENT_CHUNK_LEN
+from popxl_flash.checks import devices
+from popxl_flash.checks.harness import run_graph
+from popxl_flash.plan.config import SEGMENT_CHUNK_LEN
 
 
 def packing(seq_len, num_seqs, seed):

@@ -38,7 +38,8 @@ from typing import Dict
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import cli, popxl
+from popxl_flash.checks import cli
+from popxl_flash import popxl
 
 if pf.BACKEND == "emulator":
     from popxl_flash import emulator
@@ -50,7 +51,7 @@ import popxl_addons as addons  # noqa: E402
 from popxl_addons.layers import LayerNorm, Linear  # noqa: E402
 
 from popxl_flash.addons import SelfAttention  # noqa: E402
-from popxl_flash.naive import naive_attention  # noqa: E402
+from popxl_flash.checks.naive import naive_attention  # noqa: E402
 
 ops = popxl.ops
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import cli, popxl
+from popxl_flash.checks import cli
+from popxl_flash import popxl
 
 ops = popxl.ops
 

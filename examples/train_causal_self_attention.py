@@ -1,7 +1,7 @@
 """Train a causal self-attention layer with FlashAttention in PopXL, backward written by hand.
 
 The usual way to train with ``popxl_flash`` is autodiff of the layer graph with flash's
-backward plugged in (:func:`popxl_flash.autodiff`, see ``examples/train_gpt_block.py``). This
+backward plugged in (:func:`popxl_flash.api.autodiff`, see ``examples/train_gpt_block.py``). This
 script shows the other way, with full control over what is stashed: it composes forward and
 backward itself:
 
@@ -29,8 +29,8 @@ unchanged in substance: ``build`` is ``layer_forward`` with the weights created 
 ``self.aux``, setting ``self.var_grad[...]`` and returning ``dx`` (see the user guide, "popxl-addons
 3.3+"). Without popxl-addons, as here, you call the two graphs yourself.
 
-``--attention naive`` swaps in :func:`popxl_flash.naive.naive_attention` /
-:func:`popxl_flash.naive.naive_attention_grad` (which materialise the ``[L, L]`` score matrix
+``--attention naive`` swaps in :func:`popxl_flash.checks.naive.naive_attention` /
+:func:`popxl_flash.checks.naive.naive_attention_grad` (which materialise the ``[L, L]`` score matrix
 and recompute the probabilities in the backward). The layer code is otherwise identical, which is
 what the tests use to check the flash gradients.
 
@@ -49,8 +49,9 @@ from typing import Callable, Dict
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import cli, devices, popxl
-from popxl_flash.naive import naive_attention, naive_attention_grad
+from popxl_flash.checks import cli, devices
+from popxl_flash import popxl
+from popxl_flash.checks.naive import naive_attention, naive_attention_grad
 
 ops = popxl.ops
 
@@ -303,7 +304,7 @@ def train(steps=8, *, attention="flash", seed=0, device="ipu_model", return_weig
         steps: number of ``session.run`` calls (one step each).
         attention: ``"flash"`` or ``"naive"``.
         seed: seeds the initial weights, the input and the target.
-        device: a device name of ``popxl_flash.devices`` (``ipu_model``: the full-size model).
+        device: a device name of ``popxl_flash.checks.devices`` (``ipu_model``: the full-size model).
         return_weights: also return the weights after training.
         **sizes: overrides of :data:`DEFAULTS` (``batch``, ``seq_len``, ``hidden``, ``heads``,
             ``lr``, ``num_chunks_q``, ``num_chunks_kv``).

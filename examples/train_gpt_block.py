@@ -2,7 +2,7 @@
 
 This is the PopXL way of writing a transformer (as Graphcore's GPT examples do): build the layer
 graph, let ``popxl.transforms.autodiff`` build its gradient graph, call both. Autodiff cannot
-differentiate flash attention's loops, so the script calls :func:`popxl_flash.autodiff`, which
+differentiate flash attention's loops, so the script calls :func:`popxl_flash.api.autodiff`, which
 is ``popxl.transforms.autodiff`` with flash's hand-written backward plugged into the layer's
 ``ops.call`` of the flash graph (``called_graphs_grad_info``).
 
@@ -19,7 +19,7 @@ by autodiff. Each step runs forward, loss, the gradient graphs in reverse layer 
 update ``ops.var_updates.accumulate_(w, dw, f=-lr)`` of every weight, all in one main graph
 under ``popxl.in_sequence()``.
 
-``--attention naive`` swaps in :func:`popxl_flash.naive.naive_attention` (full score matrix,
+``--attention naive`` swaps in :func:`popxl_flash.checks.naive.naive_attention` (full score matrix,
 plain ops), which autodiff differentiates on its own; the tests compare the two.
 
 Run::
@@ -33,8 +33,9 @@ from typing import Dict, List
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import cli, popxl
-from popxl_flash.naive import naive_attention
+from popxl_flash.checks import cli
+from popxl_flash import popxl
+from popxl_flash.checks.naive import naive_attention
 
 ops = popxl.ops
 

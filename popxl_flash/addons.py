@@ -12,7 +12,7 @@ Importable when ``popxl_addons`` is (popxl-addons 3.4; on the emulator call
 
 Both register what autodiff needs in their ``called_graphs_grad_info`` when they build: the
 stash-mode backward of the flash forward graph and an entry for each graph below it (see
-:mod:`popxl_flash.autodiff`). ``call_module`` hands that map to the parent module, and
+:mod:`popxl_flash.api.autodiff`). ``call_module`` hands that map to the parent module, and
 ``GraphWithNamedArgs.autodiff``, ``addons.autodiff`` and ``autodiff_with_accumulation`` use it,
 so a plain parent autodiff needs no entries passed. A module called inline (``module(x)`` in a
 parent's ``build``) adds its map to the parent only when it is an attribute of the parent (and
@@ -30,10 +30,10 @@ no copy), so the returned output's gradient is ``FwdGrad`` and the stash is ``Fw
 import popxl_addons as addons
 from popxl_addons.layers import Linear
 
-from popxl_flash.autodiff import called_graphs_grad_info
+from popxl_flash.api.autodiff import called_graphs_grad_info
 from popxl_flash.backend import popxl
-from popxl_flash.config import _check_int
-from popxl_flash.functional import flash_attention, flash_attention_grad
+from popxl_flash.plan.config import _check_int
+from popxl_flash.api.functional import flash_attention, flash_attention_grad
 
 ops = popxl.ops
 

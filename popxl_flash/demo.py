@@ -9,9 +9,10 @@ import argparse
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash import cli, devices, popxl
-from popxl_flash.harness import run_graph
-from popxl_flash.naive import naive_attention
+from popxl_flash.checks import cli, devices
+from popxl_flash import popxl
+from popxl_flash.checks.harness import run_graph
+from popxl_flash.checks.naive import naive_attention
 
 ops = popxl.ops
 

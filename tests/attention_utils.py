@@ -1,18 +1,19 @@
 """Helpers for the attention tests: run the library on the backend, naive baselines, tolerances.
 
 The tolerance rule (FlashAttention's: 2x / 3x the error of a naive same-precision attention plus
-a reasoned floor) lives in :mod:`popxl_flash.tolerance`, shared with ``python -m
-popxl_flash.selfcheck``; its docstring gives the reasoning.
+a reasoned floor) lives in :mod:`popxl_flash.checks.tolerance`, shared with ``python -m
+popxl_flash.checks.selfcheck``; its docstring gives the reasoning.
 """
 import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import harness, popxl
-from popxl_flash.segments import RT_FULL, RT_MASKED, RT_SKIP
-from popxl_flash.tolerance import (EPS32, max_err, naive_attention,  # noqa: F401 (re-exported)
+from popxl_flash.checks import harness
+from popxl_flash import popxl
+from popxl_flash.graph.segments import RT_FULL, RT_MASKED, RT_SKIP
+from popxl_flash.checks.tolerance import (EPS32, max_err, naive_attention,  # noqa: F401 (re-exported)
                                    naive_attention_grad, rounding_floor, rule_bound)
-from popxl_flash.tolerance import grad_bounds, gradient_rounding_parity
+from popxl_flash.checks.tolerance import grad_bounds, gradient_rounding_parity
 
 ops = popxl.ops
 
@@ -45,7 +46,7 @@ def run_graph(build, inputs, *, fp_checks=False):
         fp_checks: run with floating-point exception traps on.
 
     Returns:
-        ``(outputs, run)``: the output arrays and the :class:`popxl_flash.harness.RunResult`, whose
+        ``(outputs, run)``: the output arrays and the :class:`popxl_flash.checks.harness.RunResult`, whose
         ``profile`` is the emulator's run profile.
     """
     result = harness.run_graph(lambda *ts: list(build(*ts)), list(inputs), device=DEVICE,
@@ -116,7 +117,7 @@ def gradient_magnitude(refs, name):
 def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magnitude,
                        extra_floor=0.0, parity=0.0):
     """Assert ``max|x - ref| <= max(factor * max|naive - ref|, parity) + floor`` (see
-    :mod:`popxl_flash.tolerance`, whose arguments these are)."""
+    :mod:`popxl_flash.checks.tolerance`, whose arguments these are)."""
     err = max_err(x, ref)
     bound = rule_bound(naive, ref, factor=factor, dtype=dtype, accum_steps=accum_steps,
                        magnitude=magnitude, extra_floor=extra_floor, parity=parity)
@@ -127,7 +128,7 @@ def assert_within_rule(name, x, naive, ref, *, factor, dtype, accum_steps, magni
 def assert_grads_within_rule(grads, dout, q, k, v, *, dtype, steps, refs=None, **ref_kwargs):
     """The backward's 3x rule on ``grads = (dq, dk, dv)`` (core layout ``[G, L, D]``): the
     naive same-precision baseline, the stash and accumulation floors of
-    :func:`popxl_flash.tolerance.grad_bounds` and the float16 rounding parity.
+    :func:`popxl_flash.checks.tolerance.grad_bounds` and the float16 rounding parity.
 
     Args:
         grads: the gradients under test. dout, q, k, v: the host inputs.
@@ -177,7 +178,7 @@ def suite_parametrize(seqlens):
 
 def host_block_classes(ids, chunk_q, chunk_kv):
     """Runtime classes of the blocks of one row of packed ids without positions, on the host
-    (the rule of :func:`popxl_flash.segments.classify_blocks` on the chunks' id ranges): skip
+    (the rule of :func:`popxl_flash.graph.segments.classify_blocks` on the chunks' id ranges): skip
     when the ranges are disjoint, full when both chunks are one segment without padding."""
     def stats(chunk):
         x = ids.reshape(-1, chunk)

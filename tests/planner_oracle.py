@@ -1,4 +1,4 @@
-"""Pure-numpy oracle of the block planner (``popxl_flash.schedule.plan``).
+"""Pure-numpy oracle of the block planner (``popxl_flash.plan.schedule.plan``).
 
 Deliberately the dumb way round: build the dense visibility matrix of the padded grid, cut it
 into blocks, classify each block by looking at all its elements, and deduplicate partial blocks

@@ -1,11 +1,11 @@
 """Helpers for the score-modifier and dropout tests: run forward and stashed backward with
 modifiers on host arrays, and hold the results to the FlashAttention rule against the float64
-reference (:mod:`popxl_flash.tolerance`)."""
+reference (:mod:`popxl_flash.checks.tolerance`)."""
 import numpy as np
 
 import popxl_flash as pf
-from popxl_flash.config import AttentionConfig
-from popxl_flash.tolerance import gradient_accum_steps
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.checks.tolerance import gradient_accum_steps
 
 from attention_utils import (FP_CHECKS, assert_grads_within_rule, assert_within_rule,
                              naive_attention, run_graph)

@@ -13,8 +13,9 @@ import pytest
 
 import popxl_flash as pf
 from attention_utils import assert_within_rule
-from popxl_flash import harness, popxl
-from popxl_flash.naive import naive_attention
+from popxl_flash.checks import harness
+from popxl_flash import popxl
+from popxl_flash.checks.naive import naive_attention
 
 ops = popxl.ops
 L, H, D = 12, 2, 4

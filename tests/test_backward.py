@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 
 import popxl_flash as pf
-from popxl_flash.config import AttentionConfig
-from popxl_flash.steps import loop_steps
-from popxl_flash.tolerance import gradient_accum_steps
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan.steps import loop_steps
+from popxl_flash.checks.tolerance import gradient_accum_steps
 
 from attention_utils import (FP_CHECKS, assert_grads_within_rule, random_qkv, run_flash_grad,
                              run_graph, suite_case, suite_parametrize)
@@ -44,7 +44,7 @@ def test_tiny_float16_case_within_the_rule():
     with dS rounded to float16 for the matmul, as in the naive attention. The naive error is
     one sample (4.2e-5) far below that rounding's size; flash's (2.9e-4) was over the 3x bound
     (2.65e-4). The rule takes the larger of 3x naive and the dS/P rounding bound
-    (popxl_flash.tolerance.gradient_rounding_parity)."""
+    (popxl_flash.checks.tolerance.gradient_rounding_parity)."""
     check_backward(dict(shape=(1, 1, 4, 1), kv_groups=1, dtype="float16", seed=5,
                         options=dict(num_chunks_q=1, num_chunks_kv=1, causal=False,
                                      scale=1.8565620344571683, window=None)))

@@ -5,7 +5,7 @@ import pytest
 import popxl_flash as pf
 from benchmarks import copies
 from benchmarks.graphs import Case
-from popxl_flash import steps
+from popxl_flash.plan import steps
 
 pytestmark = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator run profile")
 

@@ -1,7 +1,7 @@
 """Context parallelism (pf.context_parallel_attention): a sequence split across replicas.
 
 Unsharded outputs, lse and gradients equal single-replica attention on the whole sequence
-(tolerance rule of popxl_flash/tolerance.py), per-replica work and memory, host helpers,
+(tolerance rule of popxl_flash/checks/tolerance.py), per-replica work and memory, host helpers,
 argument checks.
 """
 import numpy as np
@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
-from popxl_flash import context_parallel as cp
+from popxl_flash.api import context_parallel as cp
 
 from attention_utils import (DEVICE, assert_grads_within_rule, assert_within_rule,
                              naive_attention, random_qkv, run_flash)
@@ -490,7 +490,7 @@ def _reference_modifiers(name, shared, L):
     ("table", 4, "zigzag", 2)])
 def test_modifiers_float16_in_rule(name, R, layout, steps):
     """float16 with modifiers: out and lse within 2x, gradients within 3x of the naive
-    same-precision error against the float64 reference (popxl_flash/tolerance.py)."""
+    same-precision error against the float64 reference (popxl_flash/checks/tolerance.py)."""
     dtype = "float16"
     rng = np.random.default_rng(7)
     G, L, D = 4, 32, 8

@@ -1,4 +1,4 @@
-"""``python -m popxl_flash.selfcheck --copies`` (popxl_flash.copycheck): the emulator path prints
+"""``python -m popxl_flash.selfcheck --copies`` (popxl_flash.checks.copycheck): the emulator path prints
 the copy model of one forward and one backward; the SDK path's log parser classifies PopART's
 lowering lines (formats from callx.cpp / loopx.cpp, sdk-release-3.4)."""
 import io
@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import copycheck, steps
+from popxl_flash.checks import copycheck
+from popxl_flash.plan import steps
 from popxl_flash.emulator.copies import LOOP_CONTROL_ONCE, LOOP_CONTROL_STEP
 
 emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator copy model")
@@ -16,7 +17,7 @@ emulator_only = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator co
 
 @emulator_only
 def test_cli_prints_the_model_of_both_passes():
-    proc = subprocess.run([sys.executable, "-m", "popxl_flash.selfcheck", "--copies"],
+    proc = subprocess.run([sys.executable, "-m", "popxl_flash.checks.selfcheck", "--copies"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout

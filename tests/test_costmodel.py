@@ -1,10 +1,12 @@
-"""The cost model of the automatic chunk choice (popxl_flash.costmodel, pf.explain)."""
+"""The cost model of the automatic chunk choice (popxl_flash.plan.costmodel, pf.explain)."""
 import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import costmodel, schedule, segments, steps
-from popxl_flash.config import AttentionConfig
+from popxl_flash.plan import costmodel, schedule, steps
+from popxl_flash.graph import segments
+from popxl_flash.api import functional
+from popxl_flash.plan.config import AttentionConfig
 
 from attention_utils import host_block_classes, random_qkv, run_flash, run_flash_grad, run_graph
 from test_forward import emulator_only
@@ -34,7 +36,7 @@ def test_automatic_choice(L, causal, chunk):
 
 
 def test_causal_done_checks_by_the_model():
-    """The automatic chunks meet issue 11's bounds: FLOP ratio <= 1.035 at L = 2048 and the
+    """The automatic chunks meet the chunk-choice bounds: FLOP ratio <= 1.035 at L = 2048 and the
     forward/backward op estimates at L = 4096 within 0.75 x the old loop nest's counts."""
     assert _auto(2048).schedule.forward_flops(64, 2).ratio <= 1.035
     chosen = pf.explain(4096, 4096, head_dim=64, groups=2).chosen
@@ -232,11 +234,11 @@ def test_model_positions_copies_equal_the_emulator():
     options = dict(num_chunks_q=n, num_chunks_kv=n, causal=True)
 
     def forward(q, k, v, a, b, c, d):
-        return pf.functional.segmented_attention(q, k, v, a, b, c, d, **options)
+        return functional.segmented_attention(q, k, v, a, b, c, d, **options)
 
     def both(do, q, k, v, a, b, c, d):
         out, lse = forward(q, k, v, a, b, c, d)
-        return pf.functional.segmented_attention_grad(do, q, k, v, out, lse, a, b, c, d,
+        return functional.segmented_attention_grad(do, q, k, v, out, lse, a, b, c, d,
                                                       **options)
 
     _, fwd = run_graph(forward, [q, k, v, ids, ids, pos, pos])

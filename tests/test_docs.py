@@ -10,8 +10,9 @@ import pytest
 import popxl_flash as pf
 from attention_utils import (EPS32, assert_within_rule, naive_attention,
                              naive_attention_grad)
-from popxl_flash import popxl, varlen
-from popxl_flash.config import AttentionConfig
+from popxl_flash import popxl
+from popxl_flash.api import varlen
+from popxl_flash.plan.config import AttentionConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md", ROOT / "docs" / "porting.md"]

@@ -10,8 +10,8 @@ from attention_utils import (EPS32, assert_grads_within_rule, assert_within_rule
                              naive_attention, run_flash_attn_func, run_graph, to_groups,
                              zeros_variable)
 from popxl_flash import popxl
-from popxl_flash.config import AttentionConfig
-from popxl_flash.tolerance import gradient_accum_steps, probability_rounding_floor
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.checks.tolerance import gradient_accum_steps, probability_rounding_floor
 
 ops = popxl.ops
 

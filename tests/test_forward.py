@@ -6,11 +6,11 @@ from hypothesis import strategies as st
 
 import popxl_flash as pf
 from popxl_flash import popxl
-from popxl_flash.config import AttentionConfig
-from popxl_flash.schedule import SKIP, WHOLE
-from popxl_flash.steps import loop_steps
-from popxl_flash.tolerance import probability_rounding_floor
-from popxl_flash.naive import naive_attention as naive_attention_graph
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan.schedule import SKIP, WHOLE
+from popxl_flash.plan.steps import loop_steps
+from popxl_flash.checks.tolerance import probability_rounding_floor
+from popxl_flash.checks.naive import naive_attention as naive_attention_graph
 
 from attention_utils import (EPS32, FLASH_ATTN_SEQLENS, FP_CHECKS, assert_within_rule,
                              naive_attention, random_qkv, run_flash, run_graph, suite_case,
@@ -99,7 +99,7 @@ def test_tiny_float16_case_within_the_rule(seed):
     naive attention does; the naive error is then a single sample that can be ten times below
     its typical size (seed 1: flash 1.1e-4, naive 1.2e-5, the 2x bound 5.4e-5). The rule takes
     the larger of 2x naive and the probability-rounding bound (1.98e-4 here;
-    popxl_flash.tolerance), which these seeds of a 400-seed scan needed."""
+    popxl_flash.checks.tolerance), which these seeds of a 400-seed scan needed."""
     check_forward(dict(shape=(1, 1, 9, 1), kv_groups=1, dtype="float16", seed=seed,
                        options=dict(num_chunks_q=1, num_chunks_kv=1, causal=False, scale=0.05,
                                     window=None)))

@@ -196,7 +196,7 @@ def test_in_order_restores_in_sequence_on_an_exception(monkeypatch):
     a stand-in with that shape), so a raise inside would leave every later op chained."""
     import contextlib
 
-    from popxl_flash import blocks
+    from popxl_flash.graph import blocks
 
     flag = {"mode": None}
 

@@ -14,7 +14,7 @@ import pytest
 
 import popxl_flash as pf
 from popxl_flash import popxl
-from popxl_flash.config import AttentionConfig
+from popxl_flash.plan.config import AttentionConfig
 
 from attention_utils import random_qkv, run_flash, run_graph
 from test_forward import emulator_only
@@ -126,7 +126,7 @@ def test_fold_is_no_op_for_multi_head():
     """Multi-head graphs are unchanged by grouped-query support: with Gk = G the fold and unfold
     return their input and create no op; with Gk < G each is one reshape view that stacks the q
     groups sharing a kv group as row blocks ([G, rows, X] -> [Gk, r * rows, X])."""
-    from popxl_flash import blocks
+    from popxl_flash.graph import blocks
     from popxl_flash.emulator import count_ops
 
     def config(kv_groups):

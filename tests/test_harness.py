@@ -1,9 +1,11 @@
-"""The harness: device names from ``popxl_flash.devices``, timed runs with ``run_with_outputs``
+"""The harness: device names from ``popxl_flash.checks.devices``, timed runs with ``run_with_outputs``
 into host buffers allocated once (never ``session.run``, which allocates them every call)."""
 import numpy as np
 import pytest
 
-from popxl_flash import harness, popxl
+from popxl_flash.checks import harness
+
+from popxl_flash import popxl
 
 
 def test_timed_runs_use_run_with_outputs(monkeypatch):

@@ -10,8 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from attention_utils import FP_CHECKS, assert_within_rule, build_only, run_graph, zeros_variable
-from popxl_flash import kvcache, popxl
-from popxl_flash.tolerance import naive_attention
+from popxl_flash.api import kvcache
+from popxl_flash import popxl
+from popxl_flash.checks.tolerance import naive_attention
 
 ops = popxl.ops
 

@@ -1,4 +1,4 @@
-"""Issue 16's "Done when" figures, exact counts of the emulator's run profile.
+"""The loop structure's copy and op targets, exact counts of the emulator's run profile.
 
 Causal attention, G = 2, D = 64, float16. Bytes copied at call, branch and loop boundaries
 (the emulator's model of PopART's lowering rules, ``popxl_flash/emulator/copies.py``) per
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash import costmodel
-from popxl_flash.config import AttentionConfig
+from popxl_flash.plan import costmodel
+from popxl_flash.plan.config import AttentionConfig
 
 from attention_utils import host_block_classes, random_qkv, run_flash, run_flash_grad, run_graph
 
@@ -109,7 +109,7 @@ def test_segment_ops_per_visited_block():
 @emulator_only
 def test_ops_per_visited_block_targets():
     """Automatic chunks at L = 4096 (256-row): at most 34 ops executed per visited block
-    forward and 40 backward (38 and 46 with the nested conditional dispatch before issue 16),
+    forward and 40 backward (38 and 46 with the nested conditional dispatch),
     and the model's count within 0.2% (the harness's host transfers are not attention ops)."""
     q, k, v = random_qkv(np.random.default_rng(5), G, 4096, 4096, D, "float16")
     _, _, fwd = run_flash(q, k, v)

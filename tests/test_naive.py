@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
-from popxl_flash.naive import naive_attention, naive_attention_grad
+from popxl_flash.checks.naive import naive_attention, naive_attention_grad
 
 from attention_utils import random_qkv, run_graph
 

@@ -1,6 +1,6 @@
 """Packed sequences: segment ids and flash_attn_varlen_func against each sequence run alone.
 
-Forward under the 2x rule, gradients under the 3x rule (:mod:`popxl_flash.tolerance`), padding
+Forward under the 2x rule, gradients under the 3x rule (:mod:`popxl_flash.checks.tolerance`), padding
 rows exact (out 0, lse -inf, gradient 0, never NaN, floating-point traps on), and executed
 matmul FLOPs on the emulator's profile against the block-granular per-sequence work.
 """
@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 import popxl_flash as pf
 from attention_utils import FP_CHECKS, assert_grads_within_rule, assert_within_rule, run_graph
 from packings import Packing, packings
-from popxl_flash import segments
-from popxl_flash.config import AttentionConfig
-from popxl_flash.functional import segmented_attention_grad
-from popxl_flash.tolerance import (gradient_accum_steps, naive_attention,
+from popxl_flash.graph import segments
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.api.functional import segmented_attention_grad
+from popxl_flash.checks.tolerance import (gradient_accum_steps, naive_attention,
                                    probability_rounding_floor)
 
 #: Masks of the core API with segment ids (static causal/window on indices).

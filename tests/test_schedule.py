@@ -1,4 +1,4 @@
-"""Block planner (popxl_flash.schedule, compiled popxl_flash._planner) against a numpy oracle."""
+"""Block planner (popxl_flash.plan.schedule, compiled popxl_flash._planner) against a numpy oracle."""
 import time
 
 import numpy as np
@@ -7,8 +7,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from planner_oracle import dense_visibility, oracle_plan
 
-from popxl_flash import schedule
-from popxl_flash.schedule import FULL, PARTIAL, SKIP, plan
+from popxl_flash.plan import schedule
+from popxl_flash.plan.schedule import FULL, PARTIAL, SKIP, plan
 
 MAX_LEN = 600
 SMALL = 12

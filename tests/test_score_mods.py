@@ -1,7 +1,7 @@
 """Score modifiers: softcap, ALiBi and a user ``score_mod`` against the float64 reference,
-forward and gradients, with FlashAttention's 2x/3x rule (``popxl_flash.tolerance``).
+forward and gradients, with FlashAttention's 2x/3x rule (``popxl_flash.checks.tolerance``).
 
-Semantics (FlashAttention-2's, ``popxl_flash.score_mods``): ``s = scale q k^T``, softcap, ALiBi
+Semantics (FlashAttention-2's, ``popxl_flash.graph.score_mods``): ``s = scale q k^T``, softcap, ALiBi
 ``-slope[g] |i + Lkv - Lq - j|``, score_mod, then the mask; lse is the logsumexp of the modified,
 masked scores.
 """
@@ -462,7 +462,7 @@ def test_score_mod_layer_through_autodiff_defaults():
 def test_modules_take_mods():
     """FlashAttention / FlashAttentionGrad with ``mods``: extras after the (absent) segment
     inputs, slopes then the score_mod inputs."""
-    from popxl_flash import score_mods
+    from popxl_flash.graph import score_mods
     q, k, v, dout = _case(13, Lq=10, Lkv=14, D=8)
     slopes, temps = alibi_slopes(4), np.array([0.5, 1.0, 1.5, 2.0], np.float32)
     mods = score_mods.options(softcap=3.0, alibi=True, score_mod=_temperature_mod,

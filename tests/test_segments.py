@@ -1,11 +1,11 @@
-"""popxl_flash.segments: the device-side segment helpers against numpy, on the backend."""
+"""popxl_flash.graph.segments: the device-side segment helpers against numpy, on the backend."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import popxl_flash as pf
 from attention_utils import run_graph
 from packings import packings
-from popxl_flash import segments
+from popxl_flash.graph import segments
 
 MASKS = [dict(causal=False, window=(-1, -1)), dict(causal=True, window=(-1, -1)),
          dict(causal=False, window=(3, 1)), dict(causal=True, window=(5, -1)),

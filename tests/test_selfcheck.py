@@ -6,11 +6,11 @@ import sys
 
 import numpy as np
 
-from popxl_flash import harness, selfcheck
+from popxl_flash.checks import harness, selfcheck
 
 
 def test_quick_matrix_passes_from_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "popxl_flash.selfcheck", "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "popxl_flash.checks.selfcheck", "--quick"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

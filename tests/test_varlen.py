@@ -152,7 +152,7 @@ def test_grad_refuses_stash_of_a_call_with_other_segment_ids():
 def test_segment_ids_cap_automatic_chunks():
     """With segment ids, automatic chunks are at most SEGMENT_CHUNK_LEN (64) rows (the cost
     model would pick 256 or more for a row of 4096); explicit counts are kept."""
-    from popxl_flash.config import SEGMENT_CHUNK_LEN
+    from popxl_flash.plan.config import SEGMENT_CHUNK_LEN
     assert SEGMENT_CHUNK_LEN == 64
     spec = popxl.TensorSpec
     q = spec((2, 4096, 64), popxl.float16)

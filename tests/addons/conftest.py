@@ -1,4 +1,4 @@
-"""Tests against real popxl-addons (issue 17), run on the emulator.
+"""Tests against real popxl-addons, run on the emulator.
 
 They need a checkout of graphcore/popxl-addons (branch ``sdk-release-3.4``) named by the
 environment variable ``POPXL_ADDONS_PATH`` (its root goes on ``sys.path``) and popxl-addons'

@@ -16,7 +16,7 @@ if not os.environ.get("POPXL_ADDONS_PATH", "").strip():
     pytest.skip("set POPXL_ADDONS_PATH to a popxl-addons checkout", allow_module_level=True)
 
 from attention_utils import assert_within_rule, gradient_magnitude
-from popxl_flash.config import AttentionConfig
+from popxl_flash.plan.config import AttentionConfig
 
 _PATH = Path(__file__).resolve().parents[2] / "examples" / "addons_gpt.py"
 _spec = importlib.util.spec_from_file_location("addons_gpt", _PATH)

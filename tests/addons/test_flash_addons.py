@@ -9,7 +9,7 @@
   given as the ``GraphWithNamedArgs``),
 
 and every gradient (inputs and weights) is held to the FlashAttention rule (3x the error of the
-same model on naive float32 attention against float64, :mod:`popxl_flash.tolerance`).
+same model on naive float32 attention against float64, :mod:`popxl_flash.checks.tolerance`).
 """
 import os
 from functools import partial
@@ -27,8 +27,8 @@ from popxl import ops  # noqa: E402
 import popxl_flash as pf
 from attention_utils import assert_within_rule, gradient_magnitude
 from popxl_flash.addons import FlashAttention, SelfAttention
-from popxl_flash.config import AttentionConfig
-from popxl_flash.tolerance import naive_attention, naive_attention_grad
+from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.checks.tolerance import naive_attention, naive_attention_grad
 
 B, L, E, H, HKV = 2, 12, 16, 4, 2
 D = E // H

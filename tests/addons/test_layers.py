@@ -1,6 +1,6 @@
 """popxl-addons' ``Linear`` and ``LayerNorm`` layers, differentiated with ``addons.autodiff``,
 run on the emulator and checked against float64 references (numpy, and PyTorch autograd when
-torch is installed) under the project's tolerance rule (``popxl_flash/tolerance.py``): error at
+torch is installed) under the project's tolerance rule (``popxl_flash/checks/tolerance.py``): error at
 most 2x (forward) / 3x (gradients) the error of the same computation done naively in float32,
 plus the rounding and accumulation floor."""
 import os
@@ -17,7 +17,7 @@ import popxl  # noqa: E402 - the emulator, installed by conftest.py
 import popxl_addons as addons  # noqa: E402
 from popxl_addons.layers import LayerNorm, Linear  # noqa: E402
 
-from popxl_flash import tolerance  # noqa: E402
+from popxl_flash.checks import tolerance  # noqa: E402
 
 EPS = 1e-5
 REFERENCES = ["numpy", "torch"]

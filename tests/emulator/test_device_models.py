@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import emulator_only, store
-from popxl_flash import devices, popxl
+from popxl_flash.checks import devices
+from popxl_flash import popxl
 from popxl_flash.emulator import popart
 from popxl_flash.emulator.errors import PopartError
 

@@ -1,4 +1,4 @@
-"""Issue 17 item 9: the remaining differences from PopXL 3.4, each settled from its source
+"""The remaining differences from PopXL 3.4, each settled from its source
 (graphcore/popart sdk-release-3.4, ``python/popxl/python_files/``)."""
 import numpy as np
 import pytest

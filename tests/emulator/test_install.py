@@ -1,4 +1,4 @@
-"""``popxl_flash.emulator.install()`` (issue 17): ``import popxl`` / ``import popart`` give the
+"""``popxl_flash.emulator.install()``: ``import popxl`` / ``import popart`` give the
 emulator in a process without the SDK, and nothing changes when a real popxl is importable.
 
 Each case runs in a subprocess: install() edits ``sys.modules`` for the whole process.

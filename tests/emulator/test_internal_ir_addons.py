@@ -1,4 +1,4 @@
-"""The ``popart._internal.ir`` pieces popxl-addons calls (issue 17), on the emulator's
+"""The ``popart._internal.ir`` pieces popxl-addons calls, on the emulator's
 stand-in (PopART sdk-release-3.4 ``python/popart._internal.ir/bindings/graph.cpp``, ``ir.cpp``,
 ``willow/src/graph.cpp``, ``willow/include/popart/ir.hpp``)."""
 import numpy as np

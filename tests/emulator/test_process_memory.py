@@ -13,7 +13,7 @@ import pytest
 import popxl_flash as pf
 from conftest import emulator_only
 from popxl_flash import popxl
-from popxl_flash.naive import naive_attention
+from popxl_flash.checks.naive import naive_attention
 
 pytestmark = emulator_only
 

@@ -1,4 +1,4 @@
-"""The emulator's ``popxl`` module holds only PopXL's names (issue 9 item 7).
+"""The emulator's ``popxl`` module holds only PopXL's names.
 
 Names PopXL 3.4 has (graphcore/popart sdk-release-3.4 ``python/popxl/__init__.py.in`` and
 ``python_files/ops/__init__.py``) are present; the ones the emulator does not implement raise
@@ -57,7 +57,7 @@ def test_unimplemented_submodules_raise_on_use():
 
 
 def test_implemented_submodules_are_popxl_modules():
-    """``popxl.utils.to_numpy`` and ``popxl.context.get_current_context`` work (issue 17)."""
+    """``popxl.utils.to_numpy`` and ``popxl.context.get_current_context`` work."""
     assert popxl.utils.to_numpy([1.0]).dtype.name == "float32"
     assert popxl.context.get_current_context() is popxl.context.get_current_context()
 

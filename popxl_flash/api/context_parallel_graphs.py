@@ -1,0 +1,208 @@
+"""Context parallelism, graph side: the PopXL graph code each replica runs.
+
+``ContextParallelAttention`` (forward: replica index, K/V gathered per round, one flash call
+with runtime positions per round, rounds merged by lse) and ``ContextParallelAttentionGrad``
+(backward: per round the flash backward on the gathered K/V, dk/dv reduce-scattered to their
+owners). See :mod:`popxl_flash.api.context_parallel` for the method.
+"""
+import numpy as np
+
+from popxl_flash.backend import popxl
+from popxl_flash.api.functional import segmented_attention, segmented_attention_grad
+
+ops = popxl.ops
+
+
+def replica_index(replicas, group=None):
+    """The replica's rank in ``group`` as an int32 scalar tensor (``replicated_slice`` of
+    ``arange(R)``: PopXL 3.4 has no replica-index op)."""
+    return ops.collectives.replicated_slice(popxl.constant(np.arange(replicas, dtype=np.int32)),
+                                            group=group)
+
+
+def _q_positions(plan, group):
+    """int32 ``[1, local_len]``: this replica's row of the position table."""
+    idx = replica_index(plan.replicas, group).reshape((1,))
+    return ops.dynamic_slice(popxl.constant(plan.table), idx, axes=[0], sizes=[1],
+                             no_overlap=True)
+
+
+def _gather_piece(t, plan, step, group):
+    """Round ``step``'s rows of shard ``t [Gk, local_len, D]`` from every replica:
+    ``[Gk, R * piece, D]`` in rank order."""
+    piece = ops.slice(t, start=[step * plan.piece], stop=[(step + 1) * plan.piece], axis=[1])
+    return ops.collectives.replicated_all_gather(piece, axis=1, group=group)
+
+
+def round_seed(seed, plan, step, rank):
+    """The dropout seed of one replica's round: uint32 ``[2]`` ``seed + [rank * S + step, 0]``
+    (wrapping). Each round's flash call draws its per-block keep masks from it
+    (:mod:`popxl_flash.graph.score_mods`), so a (replica, round, block) triple, i.e. a block of the
+    whole sequence under this plan, has its own mask, and the backward, walking the same
+    rounds and blocks, regenerates the forward's. Replica 0's first round uses ``seed``
+    itself (one replica, one round, no causal or window mask: flash_attention's masks at
+    equal chunk counts; with a mask flash splits partly visible blocks into sub-blocks,
+    which draw other masks). Seeds ``seed`` and ``seed + [n, 0]`` share round masks (as
+    flash's block seeds add to the second word).
+
+    Args:
+        seed: the user's uint32 ``[2]`` seed. plan: the :class:`Plan`. step: the round.
+        rank: int32 scalar, the replica's rank (:func:`replica_index`).
+    """
+    u32 = popxl.uint32
+    word = ops.cast(rank, u32) * popxl.constant(np.uint32(plan.steps)) + \
+        popxl.constant(np.uint32(step))
+    return seed + ops.concat([word.reshape((1,)), popxl.constant(np.zeros(1, np.uint32))],
+                             axis=0)
+
+
+def round_extras(extras, plan, step, rank):
+    """The score-modifier inputs of round ``step``: ``extras`` with the dropout seed replaced
+    by :func:`round_seed` (unchanged without dropout)."""
+    if plan.mods is None or plan.mods.dropout == 0:
+        return tuple(extras)
+    extras, at = list(extras), int(plan.mods.alibi)  # order: slopes, seed, score_mod inputs
+    extras[at] = round_seed(extras[at], plan, step, rank)
+    return tuple(extras)
+
+
+def _rank(plan, group):
+    """The replica's rank when dropout needs it (its round seeds), else ``None``."""
+    if plan.mods is None or plan.mods.dropout == 0:
+        return None
+    return replica_index(plan.replicas, group)
+
+
+def _zeros_ids(length):
+    return popxl.constant(np.zeros((1, length), np.int32))
+
+
+#: Row slices the merge of two rounds' outputs works in (its float32 temporaries are 1/M of
+#: the accumulator; the accumulator is updated in place).
+MERGE_SLICES = 8
+
+
+def _merge_weights(lse_a, lse_b):
+    """Weights of two partial results over disjoint key sets, from their logsumexps.
+
+    Args:
+        lse_a, lse_b: float32 ``[G, L]`` (``-inf`` where a part sees nothing).
+
+    Returns:
+        ``(w_a, w_b, lse)``: weights ``[G, L, 1]`` (summing to 1 where a key is seen, 0
+        elsewhere) and the merged lse. No infinity enters arithmetic (floating-point checks
+        stay quiet).
+    """
+    big = popxl.constant(np.float32(-1e30))
+    zero, one = popxl.constant(np.float32(0)), popxl.constant(np.float32(1))
+    seen_a = ops.logical_not(ops.isinf(lse_a))
+    seen_b = ops.logical_not(ops.isinf(lse_b))
+    a = ops.where(seen_a, lse_a, big)
+    b = ops.where(seen_b, lse_b, big)
+    m = ops.maximum(a, b)
+    e_a = ops.where(seen_a, ops.exp(a - m), zero)
+    e_b = ops.where(seen_b, ops.exp(b - m), zero)
+    seen = ops.logical_or(seen_a, seen_b)
+    total = ops.where(seen, e_a + e_b, one)
+    lse = ops.where(seen, m + ops.log(total), popxl.constant(np.float32(-np.inf)))
+    shape = tuple(lse.shape) + (1,)
+    return (e_a / total).reshape(shape), (e_b / total).reshape(shape), lse
+
+
+def _merge(acc, lse_acc, out, lse):
+    """Fold a round's ``(out, lse)`` into the float32 accumulator ``acc [G, L, D]`` in place,
+    ``MERGE_SLICES`` row slices at a time.
+
+    Returns:
+        ``(acc, lse)``: the updated accumulator (an alias of ``acc``) and the merged lse.
+    """
+    w_a, w_b, lse = _merge_weights(lse_acc, lse)
+    rows = acc.shape[1]
+    step = -(-rows // min(MERGE_SLICES, rows))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+
+        def part(t):
+            return ops.slice(t, start=[start], stop=[stop], axis=[1])
+        piece = part(acc) * part(w_a) + ops.cast(part(out), popxl.float32) * part(w_b)
+        acc = ops.dynamic_update_(acc, popxl.constant(np.array([start], np.int32)), piece,
+                                  axes=[1], sizes=[stop - start], no_overlap=True)
+    return acc, lse
+
+
+def _forward_rounds(q, k, v, plan, group, extras=()):
+    """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype); ``extras``:
+    the score-modifier inputs (:func:`popxl_flash.api.functional.modifier_inputs`)."""
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    acc = lse_acc = None
+    rank = _rank(plan, group)
+    for step in range(plan.steps):
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
+                                       kv_pos, mods=plan.mods,
+                                       extras=round_extras(extras, plan, step, rank),
+                                       **plan.flash_options())
+        if plan.steps == 1:
+            return out, lse
+        if acc is None:
+            acc, lse_acc = (out if out.dtype == popxl.float32 else
+                            ops.cast(out, popxl.float32)), lse
+        else:
+            acc, lse_acc = _merge(acc, lse_acc, out, lse)
+    return (acc if q.dtype == popxl.float32 else ops.cast(acc, q.dtype)), lse_acc
+
+
+def _scatter_to_owners(grad, plan, group):
+    """Sum ``grad [Gk, R * piece, D]`` (float32) over replicas; return the caller's own
+    columns ``[Gk, piece, D]`` (replicated_reduce_scatter over the replica-major layout)."""
+    Gk, _, D = grad.shape
+    by_owner = grad.reshape((Gk, plan.replicas, plan.piece, D)).transpose((1, 0, 2, 3))
+    mine = ops.collectives.replicated_reduce_scatter(by_owner, op="add", group=group)
+    return mine.reshape((Gk, plan.piece, D))
+
+
+def _backward_rounds(dout, q, k, v, out, lse, plan, group, extras=()):
+    """``(dq, dk, dv)`` of one replica (its rows of q, its shard of k and v)."""
+    f32 = popxl.float32
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    dq, dks, dvs = None, [], []
+    rank = _rank(plan, group)
+    for step in range(plan.steps):
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        dq_s, dk_s, dv_s = segmented_attention_grad(
+            dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
+            mods=plan.mods, extras=round_extras(extras, plan, step, rank),
+            **plan.flash_options())
+        dq_s = ops.cast(dq_s, f32)
+        dq = dq_s if dq is None else dq + dq_s
+        dks.append(_scatter_to_owners(ops.cast(dk_s, f32), plan, group))
+        dvs.append(_scatter_to_owners(ops.cast(dv_s, f32), plan, group))
+    dk = dks[0] if plan.steps == 1 else ops.concat(dks, axis=1)
+    dv = dvs[0] if plan.steps == 1 else ops.concat(dvs, axis=1)
+    return tuple(ops.cast(t, q.dtype) for t in (dq, dk, dv))
+
+
+class ContextParallelAttention(popxl.Module):
+    """Forward graph of one replica: ``build(q, k, v, *extras) -> (out, lse)`` (see the module
+    docstring; ``extras``: the score-modifier inputs of ``plan.mods``, as
+    :class:`popxl_flash.FlashAttention` takes them). Args: plan: :class:`Plan`. group:
+    ReplicaGrouping or None."""
+
+    def __init__(self, plan, group=None):
+        self.plan, self.group = plan, group
+
+    def build(self, q, k, v, *extras):
+        return _forward_rounds(q, k, v, self.plan, self.group, extras)
+
+
+class ContextParallelAttentionGrad(popxl.Module):
+    """Backward graph of one replica (stash mode): ``build(dout, q, k, v, out, lse, *extras)
+    -> (dq, dk, dv)``."""
+
+    def __init__(self, plan, group=None):
+        self.plan, self.group = plan, group
+
+    def build(self, dout, q, k, v, out, lse, *extras):
+        return _backward_rounds(dout, q, k, v, out, lse, self.plan, self.group, extras)

@@ -1,0 +1,52 @@
+"""``pf.explain``: the cost model's figures behind the automatic chunk choice of one call."""
+from popxl_flash.graph import score_mods
+from popxl_flash.plan import costmodel
+from popxl_flash.plan import schedule as _schedule
+from popxl_flash.plan.config import AttentionConfig
+
+
+def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
+            num_chunks_q=None, num_chunks_kv=None, kv_groups=None, score_mod=None,
+            score_mod_inputs=()) -> "costmodel.ChunkChoice":
+    """The cost model's figures behind the automatic chunk choice of one attention call.
+
+    Args:
+        Lq, Lkv: query and key/value lengths.
+        head_dim: D; groups: G = batch x heads.
+        dtype: ``"float16"`` or ``"float32"``.
+        causal, window: the mask, as :func:`popxl_flash.flash_attention`.
+        num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
+            fixes that axis's chunk length and only the other is chosen.
+        kv_groups: Gk, the groups of k and v (``None``: ``groups``; grouped-query attention:
+            a divisor of ``groups``).
+        score_mod, score_mod_inputs: a ``score_mod`` function and the ``popxl.TensorSpec`` of
+            its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
+            Ir; the chunk choice itself does not see it).
+
+    Returns:
+        :class:`popxl_flash.plan.costmodel.ChunkChoice`: ``chosen`` (the chunking
+        ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
+        (FLOPs, iterations) and modelled figures (ops, bytes copied under PopART's rules,
+        working set, fit, time), the loop ``structures`` weighed at the chosen chunking
+        (:func:`popxl_flash.plan.costmodel.structures`), and ``table()`` to print them. With
+        ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.graph.score_mods.ScoreModCost`
+        and ``table()`` ends with its line.
+    """
+    kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
+    cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
+                                      num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                                      causal=causal, window=window)
+    choice = costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                              causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
+                              chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                              chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+    if score_mod is None:
+        return choice
+    chosen = choice.chosen
+    sched = _schedule.plan(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, causal=causal,
+                           window=cfg.window)
+    mod_cost = score_mods.cost(score_mod, groups=groups, chunk_q=chosen.chunk_q,
+                               chunk_kv=chosen.chunk_kv, steps=chosen.iterations,
+                               cells=sched.executed_elements,
+                               input_specs=tuple(score_mod_inputs))
+    return score_mods.with_score_mod_cost(choice, mod_cost)

@@ -1,0 +1,396 @@
+"""Inference with a key/value cache: :func:`flash_attn_with_kvcache` (prefill and decode).
+
+flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors. The caches are static-size tensors the
+caller owns (variables, or by-reference inputs of a subgraph); the new keys and values are
+written into them in place at each batch row's run-time length, then every row attends to its
+first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Nothing here adds a
+loop body: the attention is the core's forward with run-time segment ids and positions
+(:mod:`popxl_flash.graph.segments`), which give exactly the per-row masks and the run-time block
+skipping a cache needs::
+
+    write:     k_cache[b, s_b : s_b + Lnew] = k[b]      (dynamic_update_, per batch row)
+    lengths:   n_b = s_b + Lnew                          (int32 [B], on the device)
+    kv rows:   id 0 if j < n_b else -1 (padding)         kv position j
+    q rows:    id 0                                      q position n_b - Lq + i
+    mask:      causal kv_pos <= q_pos; window q_pos - left <= kv_pos <= q_pos + right
+
+A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so a
+decode step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks.
+
+Score modifiers (flash-attn's ``softcap`` and ``alibi_slopes``) are the core's
+(:mod:`popxl_flash.graph.score_mods`), applied per block to the scores before the mask. ALiBi
+measures its distance between the positions the mask compares, ``q_pos - kv_pos =
+i + n_b - Lq - j``: flash-attn's ``|i + seqlen_k - seqlen_q - j|`` with each row's own
+``seqlen_k = n_b``; the ``[Hq]``/``[B, Hq]`` slopes are laid out per core group (below).
+
+Split-KV (flash-decoding): with ``S = num_splits > 1`` the cache's chunks are dealt to ``S``
+parts round robin (part ``s`` holds chunks ``s, s + S, s + 2S, ...``), the parts become extra
+groups of one batched attention (one matmul per step serves all parts) and their outputs are
+combined by their logsumexp. Step ``m`` of the loop then covers cache rows
+``[m S c, (m + 1) S c)``, so skipping by length still works, at a granule of ``S c`` rows.
+:func:`~popxl_flash.plan.kvcache.decode_choice` compares the structures (see
+``docs/design.md``, "KV cache").
+
+This module holds the argument checks, the graph code and the public function; the host-side
+structure choice and its cost model live in :mod:`popxl_flash.plan.kvcache`, whose public names
+(``Dims``, ``decode_choice``, ``evaluate``, ``explain``, the ``DECODE_*``/``OPS_*`` constants,
+...) are re-exported here, so ``pf.kvcache.explain`` works as before.
+
+Layouts (G = B x H, the core's groups)::
+
+    q [B, Lq, Hq, D]          -> [B*Hkv*S*r, Lq, D]     (r = Hq // Hkv, each q row S times)
+    cache [B, Lc, Hkv, D]     -> [B*Hkv*S, Lc / S, D]   (S = 1: [B*Hkv, Lc, D])
+    out [B*Hkv*S*r, Lq, D]    -> combine over S -> [B, Lq, Hq, D]
+    lse                       -> [B, Hq, Lq] float32
+    alibi_slopes [Hq], [B, Hq] -> [B*Hkv*S*r] float32  (each slope S times)
+"""
+import numpy as np
+
+from popxl_flash.backend import popxl
+from popxl_flash.plan.config import (AttentionConfig, _check_int, check_bool, check_scale,
+                                check_window)
+from popxl_flash.api.flash_attn_interface import check_alibi_slopes
+from popxl_flash.api.functional import (check_tensors, keyword_hints, modifier_inputs,
+                                    segmented_attention)
+from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q, MAX_GRANULE,
+                                      MODEL_FILLS, OPS_DECODE, OPS_MODS, PREFILL_CHUNK_Q,
+                                      DecodeCandidate, DecodeChoice, Dims, _structure,
+                                      decode_choice, evaluate, explain)
+from popxl_flash.graph.segments import MAX_LEN
+
+ops = popxl.ops
+
+#: The public names, the structure choice's re-exported from :mod:`popxl_flash.plan.kvcache`.
+__all__ = ["flash_attn_with_kvcache", "write_rows_", "check_shapes", "check_modifiers",
+           "KVCACHE_KEYWORD_HINTS", "Dims", "DecodeCandidate", "DecodeChoice", "decode_choice",
+           "evaluate", "explain", "DECODE_CHUNKS", "DECODE_SPLITS", "MAX_GRANULE",
+           "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
+
+#: What an inference-only call says to dropout keywords (flash-attn's ``flash_attn_with_kvcache``
+#: has no dropout either).
+_NO_DROPOUT = ("the KV cache is inference-only: flash_attn_with_kvcache has no dropout "
+               "(use pf.flash_attn_func with dropout_p= and seed= for training)")
+
+#: Keywords of other attention APIs (or of flash-attn's ``flash_attn_with_kvcache``) that are
+#: spelt differently or not supported here.
+KVCACHE_KEYWORD_HINTS = {
+    "scale": "flash_attn_with_kvcache calls it softmax_scale=",
+    "window": "flash_attn_with_kvcache calls it window_size=",
+    "is_causal": "flash_attn_with_kvcache calls it causal= (PyTorch SDPA's is_causal)",
+    "attn_mask": "mask tensors are not supported; use causal=, window_size= and cache_seqlens=",
+    "dropout_p": _NO_DROPOUT,
+    "dropout": _NO_DROPOUT,
+    "seed": _NO_DROPOUT + "; it takes no seed",
+    "return_attn_probs": _NO_DROPOUT + "; there is no keep mask to return",
+    "return_dropout_mask": _NO_DROPOUT + "; there is no keep mask to return",
+    "score_mod": "flash_attn_with_kvcache takes no score_mod (softcap= and alibi_slopes= are "
+                 "built in; pf.flash_attention takes a score_mod)",
+    "score_mod_inputs": "flash_attn_with_kvcache takes no score_mod (softcap= and alibi_slopes= "
+                        "are built in; pf.flash_attention takes a score_mod)",
+    "rotary_cos": "rotary embeddings are not applied here; rotate q and k before the call",
+    "rotary_sin": "rotary embeddings are not applied here; rotate q and k before the call",
+    "rotary_interleaved": "rotary embeddings are not applied here",
+    "cache_batch_idx": "the caches are indexed by batch row directly (no cache_batch_idx)",
+    "cache_leftpad": "left-padded caches are not supported: rows start at cache row 0",
+    "block_table": "paged caches are not supported: pass contiguous [B, Lcache, Hkv, D] caches",
+    "return_softmax_lse": "this API calls it return_lse=",
+}
+
+
+def _shape4(name, t, meaning):
+    shape = tuple(t.shape)
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"{name} must have rank 4 {meaning} with non-empty dims, got shape "
+                         f"{shape}")
+    return shape
+
+
+def check_shapes(q, k_cache, v_cache, k, v):
+    """Ranks, sizes and dtypes of q, the caches and the new rows.
+
+    Returns:
+        :class:`Dims`.
+    """
+    B, Lq, Hq, D = _shape4("q", q, "[B, Lq, Hq, D]")
+    Bc, Lc, Hkv, Dc = _shape4("k_cache", k_cache, "[B, Lcache, Hkv, D]")
+    if (Bc, Dc) != (B, D):
+        raise ValueError(f"k_cache must have q's batch B={B} and head dim D={D} "
+                         f"([B, Lcache, Hkv, D]), got k_cache shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got "
+                         f"v_cache shape {tuple(v_cache.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"q's head count Hq={Hq} must be a multiple of the caches' Hkv={Hkv} "
+                         "(grouped-query attention)")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None), got "
+                         f"k={'None' if k is None else tuple(k.shape)}, "
+                         f"v={'None' if v is None else tuple(v.shape)}")
+    Lnew = 0
+    if k is not None:
+        Bn, Lnew, Hn, Dn = _shape4("k", k, "[B, Lnew, Hkv, D]")
+        if (Bn, Hn, Dn) != (B, Hkv, D):
+            raise ValueError(f"k must have shape [B={B}, Lnew, Hkv={Hkv}, D={D}] (the caches' "
+                             f"batch, heads and head dim), got k shape {tuple(k.shape)}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
+                             f"{tuple(v.shape)}")
+        if Lnew > Lc:
+            raise ValueError(f"k has Lnew={Lnew} new rows, more than the cache holds "
+                             f"(Lcache={Lc})")
+    if Lc > MAX_LEN:
+        raise ValueError(f"k_cache supports up to {MAX_LEN} rows, got Lcache={Lc}")
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    if k is not None:
+        named.update(k=k, v=v)
+    dtypes = {name: t.dtype.name for name, t in named.items()}
+    AttentionConfig._check_dtypes(dtypes)
+    return Dims(B, Lq, Lc, Lnew, Hq, Hkv, D)
+
+
+def _check_seqlens(cache_seqlens, dims):
+    """``cache_seqlens``: an int32 ``[B]`` tensor, a Python int, or ``None`` (no new rows:
+    the whole cache).
+
+    Returns:
+        The tensor, or the int.
+    """
+    high = dims.cache_len - dims.new_len
+    if cache_seqlens is None:
+        if dims.new_len:
+            raise ValueError("cache_seqlens is required with new rows k, v (where to write "
+                             "them); got cache_seqlens=None")
+        return dims.cache_len
+    if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim:
+        raise TypeError(f"cache_seqlens must be an int32 [B={dims.batch}] popxl.Tensor or an "
+                        "int, got a numpy array (load it with ops.host_load, or make it a "
+                        "popxl.constant or variable)")
+    if not isinstance(cache_seqlens, popxl.Tensor):
+        return _check_int("cache_seqlens", cache_seqlens, low=0, high=high)
+    check_tensors(cache_seqlens=cache_seqlens)
+    if cache_seqlens.dtype.name != "int32":
+        raise TypeError(f"cache_seqlens must have dtype int32 [B={dims.batch}], got dtype "
+                        f"{cache_seqlens.dtype.name}")
+    if tuple(cache_seqlens.shape) != (dims.batch,):
+        raise ValueError(f"cache_seqlens must have shape [B={dims.batch}], got shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    return cache_seqlens
+
+
+def check_modifiers(softcap, alibi_slopes, dims):
+    """``softcap`` and ``alibi_slopes`` (float32 ``[Hq]`` or ``[B, Hq]``), validated.
+
+    Returns:
+        The :class:`~popxl_flash.graph.score_mods.ScoreMods` of the call, or ``None`` (both off).
+    """
+    check_alibi_slopes(alibi_slopes, dims)
+    mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes)
+    return mods
+
+
+# -- graph code -------------------------------------------------------------------------------
+def _i32(values):
+    return popxl.constant(np.ascontiguousarray(values, dtype=np.int32))
+
+
+def write_rows_(cache, new, seqlens):
+    """Write ``new [B, Lnew, Hkv, D]`` into ``cache [B, Lcache, Hkv, D]`` in place at rows
+    ``seqlens[b]`` of each batch row.
+
+    Args:
+        seqlens: int32 ``[B]`` tensor (one ``dynamic_update_`` per batch row, index
+            ``[b, seqlens[b]]`` on axes 0 and 1) or an int (one ``dynamic_update_`` for all
+            rows).
+
+    Returns:
+        The updated cache (a tensor aliasing ``cache``).
+    """
+    B, Lnew = new.shape[0], new.shape[1]
+    if not isinstance(seqlens, popxl.Tensor):
+        return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[1], sizes=[Lnew],
+                                   no_overlap=True)
+    for b in range(B):
+        start = ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])  # [1]
+        index = ops.concat([_i32([b]), start], axis=0)  # [2]: batch row, first cache row
+        row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, Lnew, Hkv, D]
+        cache = ops.dynamic_update_(cache, index, row, axes=[0, 1], sizes=[1, Lnew],
+                                    no_overlap=True)
+    return cache
+
+
+def _lengths(seqlens, dims):
+    """``n_b = seqlens[b] + Lnew``: int32 ``[B, 1, 1]`` (a tensor, also for an int)."""
+    if not isinstance(seqlens, popxl.Tensor):
+        return _i32(np.full((dims.batch, 1, 1), seqlens + dims.new_len))
+    return seqlens.reshape((dims.batch, 1, 1)) + _i32(dims.new_len)
+
+
+def _segments(lengths, dims, splits, chunk_kv, per_part):
+    """Segment ids and positions of the core call (see the module docstring).
+
+    Returns:
+        ``(q_ids, kv_ids, q_pos, kv_pos)``: int32 ``[G', Lq]``, ``[Gk', P]``, ``[G', Lq]``,
+        ``[Gk', P]`` with ``G' = B Hkv S r``, ``Gk' = B Hkv S``, ``P = per_part x chunk_kv``.
+    """
+    B, Hkv, r, Lq = dims.batch, dims.kv_heads, dims.group_size, dims.q_len
+    P = per_part * chunk_kv
+    # cache row of part s, local row m*c + t: (m*S + s)*c + t
+    local = np.arange(P)
+    rows = (((local // chunk_kv) * splits)[None, :] + np.arange(splits)[:, None]) * chunk_kv \
+        + (local % chunk_kv)[None, :]  # [S, P]
+    rows_c = _i32(rows.reshape(1, 1, splits, P))
+    kv_valid = ops.greater(lengths.reshape((B, 1, 1, 1)), rows_c)  # [B, 1, S, P]
+    zero = _i32(np.zeros((1, Hkv, 1, 1)))
+    kv_ids = ops.where(kv_valid, zero, _i32(-1)).reshape((B * Hkv * splits, P))
+    # broadcast on the device: no constant of the cache's row count per group
+    kv_pos = (rows_c + _i32(np.zeros((B, Hkv, 1, 1)))).reshape((B * Hkv * splits, P))
+    q_offsets = _i32((np.arange(Lq) - Lq).reshape(1, 1, 1, 1, Lq))
+    zeros_q = _i32(np.zeros((1, Hkv, splits, r, 1)))
+    q_pos = (lengths.reshape((B, 1, 1, 1, 1)) + q_offsets + zeros_q).reshape(
+        (B * Hkv * splits * r, Lq))
+    q_ids = _i32(np.zeros((B * Hkv * splits * r, Lq)))
+    return q_ids, kv_ids, q_pos, kv_pos
+
+
+def _q_groups(q, dims, splits):
+    """``q [B, Lq, Hq, D] -> [B*Hkv*S*r, Lq, D]`` (each q row repeated for the S parts)."""
+    B, Lq, Hkv, r, D = dims.batch, dims.q_len, dims.kv_heads, dims.group_size, dims.head_dim
+    g = q.transpose((0, 2, 1, 3)).reshape((B, Hkv, 1, r, Lq, D))
+    if splits > 1:
+        g = ops.concat([g] * splits, axis=2)
+    return g.reshape((B * Hkv * splits * r, Lq, D))
+
+
+def _group_slopes(slopes, dims, splits):
+    """ALiBi slopes ``[Hq]`` or ``[B, Hq]`` -> the core's float32 ``[B*Hkv*S*r]`` (group
+    ``(b, kv head, part, h % r)`` takes the slope of q head ``h`` of batch row ``b``)."""
+    B, Hkv, r = dims.batch, dims.kv_heads, dims.group_size
+    rows = 1 if len(slopes.shape) == 1 else B
+    g = slopes.reshape((rows, Hkv, 1, r))
+    if rows < B:
+        g = ops.concat([g] * B, axis=0)
+    if splits > 1:
+        g = ops.concat([g] * splits, axis=2)
+    return g.reshape((B * Hkv * splits * r,))
+
+
+def _cache_groups(cache, dims, splits, chunk_kv, per_part):
+    """``cache [B, Lc, Hkv, D] -> [B*Hkv*S, P, D]``, part ``s`` holding chunks ``s, s+S, ...``
+    (zero rows padded to whole granules; they are padding for every batch row)."""
+    B, Lc, Hkv, D = dims.batch, dims.cache_len, dims.kv_heads, dims.head_dim
+    padded = per_part * chunk_kv * splits
+    if padded > Lc:
+        cache = ops.concat([cache, ops.init((B, padded - Lc, Hkv, D), cache.dtype,
+                                            init_type="zero")], axis=1)
+    if splits == 1:
+        return cache.transpose((0, 2, 1, 3)).reshape((B * Hkv, padded, D))
+    g = cache.reshape((B, per_part, splits, chunk_kv, Hkv, D))
+    g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]
+    return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
+
+
+def _combine(out, lse, dims, splits):
+    """Combine the parts' ``out [G', Lq, D]``, ``lse [G', Lq]`` by their logsumexp (float32).
+
+    Returns:
+        out ``[B, Lq, Hq, D]`` (q's dtype) and lse float32 ``[B, Hq, Lq]`` (``-inf``, out 0
+        where no part saw a key).
+    """
+    B, Lq, Hkv, r, D = dims.batch, dims.q_len, dims.kv_heads, dims.group_size, dims.head_dim
+    out = out.reshape((B, Hkv, splits, r, Lq, D))
+    lse = lse.reshape((B, Hkv, splits, r, Lq, 1))
+    if splits > 1:
+        f32, dtype = popxl.float32, out.dtype
+        seen = ops.greater(lse, popxl.constant(float("-inf"), dtype=f32))
+        lse_f = ops.where(seen, lse, popxl.constant(float(np.finfo(np.float32).min), dtype=f32))
+        m = ops.max(lse_f, axis=2, keepdims=True)  # [B, Hkv, 1, r, Lq, 1]
+        w = ops.where(seen, ops.exp(lse_f - m), popxl.constant(0.0, dtype=f32))  # [.., S, ..]
+        total = ops.sum(w, axis=2)  # [B, Hkv, r, Lq, 1]
+        out32 = out if dtype == f32 else ops.cast(out, f32)
+        acc = ops.sum(w * out32, axis=2)  # [B, Hkv, r, Lq, D]
+        any_seen = ops.greater(total, popxl.constant(0.0, dtype=f32))
+        safe = ops.where(any_seen, total, popxl.constant(1.0, dtype=f32))
+        out = acc / safe
+        out = out if dtype == f32 else ops.cast(out, dtype)
+        lse = ops.where(any_seen, m.reshape((B, Hkv, r, Lq, 1)) + ops.log(safe),
+                        popxl.constant(float("-inf"), dtype=f32))
+    out = out.reshape((B, dims.q_heads, Lq, D)).transpose((0, 2, 1, 3))
+    return out, lse.reshape((B, dims.q_heads, Lq))
+
+
+@keyword_hints(KVCACHE_KEYWORD_HINTS)
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, num_splits=None, return_lse=False,
+                            num_chunks_q=None, num_chunks_kv=None):
+    """flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors: attention over a static-size
+    key/value cache, prefill (``Lq > 1``) and decode (``Lq = 1``).
+
+    If ``k`` and ``v`` are given they are first written into the caches **in place** at rows
+    ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` of each batch row ``b`` (the caches are the
+    caller's tensors: variables, or by-reference inputs of the graph being built); then batch
+    row ``b`` attends to its first ``n_b = cache_seqlens[b] + Lnew`` cache rows, query ``i``
+    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). Cache
+    chunks beyond every row's ``n_b`` are skipped at run time (no matmul).
+
+    The options after ``cache_seqlens`` are keyword-only (flash-attn's positional order has
+    ``rotary_cos``/``rotary_sin`` there).
+
+    Args:
+        q: ``[B, Lq, Hq, D]`` float16 or float32.
+        k_cache, v_cache: ``[B, Lcache, Hkv, D]``, q's dtype, ``Hkv`` divides ``Hq``
+            (grouped-query / multi-query attention: q head ``h`` reads cache head
+            ``h // (Hq // Hkv)``). Modified in place when ``k``, ``v`` are given.
+        k, v: ``None`` or the new rows ``[B, Lnew, Hkv, D]``, ``Lnew <= Lcache``.
+        cache_seqlens: the rows already in the cache per batch row: an int32 ``[B]`` tensor
+            (run time) or an int; ``cache_seqlens[b] + Lnew <= Lcache`` (not checked on the
+            device for a tensor: an out-of-range write is unspecified on the IPU). ``None``
+            (only without ``k``, ``v``): the whole cache is valid.
+        softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
+        causal: causal mask aligned bottom-right per batch row. Default ``False``.
+        window_size: ``(left, right)`` around each row's bottom-right diagonal, ``-1`` for an
+            unbounded side; intersected with ``causal``.
+        softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)`` (before ALiBi and the
+            mask); 0 = off.
+        alibi_slopes: ``None`` or a float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: the score
+            of query ``i`` and cache row ``j`` of batch row ``b`` gets
+            ``-slope * |i + n_b - Lq - j|`` (flash-attn's ``|i + seqlen_k - seqlen_q - j|``
+            with ``seqlen_k = n_b``, each row's own bottom-right alignment).
+        num_splits: ``None`` or 0 (automatic, :func:`decode_choice`), or ``S >= 1`` parts of
+            split-KV (1: one kv loop).
+        return_lse: also return the logsumexp.
+        num_chunks_q, num_chunks_kv: chunk counts over ``Lq`` and over the whole cache
+            (``None``: automatic). With splits the cache chunks are dealt to the parts, the
+            count rounded up to a multiple of ``num_splits``.
+
+    Returns:
+        out ``[B, Lq, Hq, D]`` in q's dtype (0 where a row sees no key); with ``return_lse``,
+        ``(out, lse)`` with lse float32 ``[B, Hq, Lq]`` (``-inf`` there).
+    """
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    tensors.update({n: t for n, t in (("k", k), ("v", v)) if t is not None})
+    check_tensors(**tensors)
+    dims = check_shapes(q, k_cache, v_cache, k, v)
+    seqlens = _check_seqlens(cache_seqlens, dims)
+    mods = check_modifiers(softcap, alibi_slopes, dims)
+    causal = check_bool("causal", causal)
+    scale = check_scale(softmax_scale, dims.head_dim, name="softmax_scale")
+    window = check_window(window_size, name="window_size")
+    return_lse = check_bool("return_lse", return_lse)
+    splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
+                                                         num_chunks_q, num_chunks_kv, mods)
+    with popxl.name_scope("flash_attn_with_kvcache"):
+        if k is not None:
+            k_cache = write_rows_(k_cache, k, seqlens)
+            v_cache = write_rows_(v_cache, v, seqlens)
+        lengths = _lengths(seqlens, dims)  # [B, 1, 1]
+        seg = _segments(lengths, dims, splits, chunk_kv, per_part)
+        qg = _q_groups(q, dims, splits)
+        kg = _cache_groups(k_cache, dims, splits, chunk_kv, per_part)
+        vg = _cache_groups(v_cache, dims, splits, chunk_kv, per_part)
+        extras = () if alibi_slopes is None else (_group_slopes(alibi_slopes, dims, splits),)
+        out, lse = segmented_attention(qg, kg, vg, *seg, mods=mods, extras=extras,
+                                       num_chunks_q=nq, num_chunks_kv=per_part, causal=causal,
+                                       scale=scale, window=window)
+        out, lse = _combine(out, lse, dims, splits)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,398 @@
+"""PopXL graph helpers shared by the forward and backward modules, and their loops.
+
+A pass runs one ``repeat`` loop per :class:`~popxl_flash.plan.steps.StepGroup` (steps of one
+sub-block shape, masked or not): the body looks its step up in int32 tables, slices the
+block's operands and its part of the running state, applies the pass's block update and
+writes the state back in place. The state tensors enter every loop by reference and nothing
+else reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy):
+a step copies only its loop counter. There is no conditional unless segment ids are given
+(then: skip the block, or run it, with a second level for runtime-full blocks where the cost
+model keeps one; see :func:`_dispatch`). Everything here is graph
+code: it runs inside the graph context of the module being built and uses only the documented
+PopXL API.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Tuple
+
+import numpy as np
+
+from popxl_flash.plan import costmodel, steps
+
+from popxl_flash.graph import score_mods, segments
+from popxl_flash.backend import popxl
+
+ops = popxl.ops
+
+#: Score given to masked elements when taking the running max, and the initial running max
+#: ``m_i``: the lowest float32, so every finite score of a visible element ranks above it.
+#: Finite on purpose: ``exp(m_old - m_new)`` is 1 or 0, never ``exp(-inf + inf) = NaN``, while a
+#: row has seen nothing, and masked probabilities are then zeroed with ``where`` rather than
+#: relying on it.
+MASKED_SCORE = float(np.finfo(np.float32).min)
+
+#: dtype of the loop counters and table entries.
+INDEX_DTYPE = np.int32
+
+
+def float32():
+    """The backend's float32 dtype (statistics and accumulators are always float32)."""
+    return popxl.float32
+
+
+def counter(value=0):
+    """A loop counter constant ``[1]`` int32 in the current graph."""
+    return popxl.constant(np.array([value], dtype=INDEX_DTYPE))
+
+
+def fill(t, value):
+    """``t`` with every element replaced by the constant ``value`` (a ``where`` select, so a
+    constant ``-inf`` never enters arithmetic)."""
+    true = popxl.constant(np.array(True))
+    return ops.where(true, popxl.constant(value, dtype=t.dtype), t)
+
+
+def pad_rows(t, padded_len):
+    """Pad axis 1 of ``t [G, L, D]`` with zeros to ``[G, padded_len, D]`` (no-op if equal)."""
+    G, L, D = t.shape
+    if padded_len == L:
+        return t
+    zeros = ops.init((G, padded_len - L, D), t.dtype, init_type="zero")
+    return ops.concat([t, zeros], axis=1)
+
+
+def unpad_rows(t, length):
+    """Keep the first ``length`` entries of axis 1 of ``t`` (no-op if already that long)."""
+    if t.shape[1] == length:
+        return t
+    return ops.slice(t, start=[0], stop=[length], axis=[1])
+
+
+def entry(table, t):
+    """``table[t]`` as int32 ``[1]`` for a step counter ``t [1]``."""
+    return ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
+
+
+def rows(t, offset, length):
+    """``t[:, offset : offset + length]`` for an int32 ``[1]`` row offset (axis 1)."""
+    return ops.dynamic_slice(t, offset, axes=[1], sizes=[length], no_overlap=True)
+
+
+def write_rows_(t, offset, value):
+    """Write ``value`` into ``t[:, offset : offset + value.shape[1]]`` in place; returns the alias.
+
+    Only for the library's own state (``m, l, acc``; ``dq, dk, dv``), which enters the loops
+    by reference and is read after them (:func:`in_order`).
+    """
+    return ops.dynamic_update_(t, offset, value, axes=[1], sizes=[value.shape[1]],
+                               no_overlap=True)
+
+
+def exp_diff(a, b):
+    """``exp(a - b)`` for ``a <= b`` of one shape, without overflow: ``exp(a/2 - b/2)^2``.
+
+    ``a - b`` overflows float32 when ``a`` is :data:`MASKED_SCORE` and ``b`` is beyond
+    ``2^103``; the halves never do (one ``scaled_add``, one ``exp``, one ``mul``).
+    """
+    half = ops.exp(ops.scaled_add(a, b, a=0.5, b=-0.5))
+    return half * half
+
+
+@contextlib.contextmanager
+def in_order(mode=True):
+    """``popxl.in_sequence(mode)`` for the ops created inside, restored on an exception too.
+
+    PopXL's ``in_sequence`` sets a flag of the global context and resets it after its
+    ``yield`` without ``try``/``finally``: an exception inside would leave every later op of the
+    program chained. Leaving this block always resumes PopXL's context manager normally. Only
+    ops that must keep their order go inside: the loops that update the state in place, then,
+    in a nested ``in_order(False)``, the ops that read the state after them (ordered after the
+    loops, free among themselves).
+    """
+    context = popxl.in_sequence(mode)
+    context.__enter__()
+    try:
+        yield mode
+    finally:
+        context.__exit__(None, None, None)
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """What one pass's loop step computes.
+
+    Attributes:
+        update: ``update(cfg, *state_slices, *operand_slices, *modifier_operands,
+            visible=None) -> new state slices``, the per-block math
+            (``online_softmax_update``, ``grad_block_update``; the modifier operands only with
+            score modifiers, :mod:`popxl_flash.graph.score_mods`).
+        state_sides: per state tensor (by reference, updated in place), whether axis 1 runs
+            over q rows (``"q"``) or kv rows (``"kv"``).
+        operand_axes: per read-only operand, ``(side, axis)``: the axis sliced to the step's
+            q rows or kv rows (2 for a pre-transposed operand such as ``k^T [Gk, D, Lkv]``).
+        backward: the backward pass (the cost model's dispatch choice weighs it).
+    """
+
+    update: Callable
+    state_sides: Tuple[str, ...]
+    operand_axes: Tuple[Tuple[str, int], ...]
+    backward: bool = False
+
+
+def _table(values):
+    """An int32 ``[V]`` (or ``[P, ...]``) constant of the current graph."""
+    return popxl.constant(np.ascontiguousarray(values, dtype=INDEX_DTYPE))
+
+
+def _slice(t, offset, axis, length):
+    return ops.dynamic_slice(t, offset, axes=[axis], sizes=[length], no_overlap=True)
+
+
+def _pattern(group, t):
+    """The step's static pattern, bool ``[1, rows, cols]`` (``None`` for unmasked groups):
+    one gather from the group's table of distinct patterns, a constant of the loop body."""
+    if not group.masked:
+        return None
+    patterns = popxl.constant(np.ascontiguousarray(group.patterns))  # [P, rows, cols]
+    return ops.dynamic_slice(patterns, entry(_table(group.pattern_id), t), axes=[0], sizes=[1],
+                             no_overlap=True)
+
+
+def _masked_step(spec, cfg, n_state, n_seg, has_pattern, *inputs):
+    """Branch of a segment-id step that runs: the block under its runtime mask (ANDed with the
+    static pattern). Inputs: state slices, operand slices, segment operands, then the pattern.
+
+    Returns:
+        The new state slices.
+    """
+    n_in = len(inputs) - n_seg - int(has_pattern)
+    seg_operands = inputs[n_in:n_in + n_seg]
+    visible = segments.block_mask(cfg, seg_operands)
+    if has_pattern:
+        visible = ops.logical_and(inputs[-1], visible)
+    return spec.update(cfg, *inputs[:n_in], visible=visible)
+
+
+def _skipped_step(*state):
+    """Branch of a segment-id step whose chunks share no segment: the state passes through."""
+    return [ops.identity(x) for x in state]
+
+
+def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *operands):
+    """Repeat body: one step of ``group``. Inputs: the step counter ``t [1]`` (carried), the
+    read-only operands (by value: the lowering aliases them), the state tensors by reference
+    (created here, :func:`popxl.graph_input`), then with segment ids the padded ids (and
+    positions) and the group's runtime block classes, then with score modifiers their
+    loop-invariant tensors (by value; :mod:`popxl_flash.graph.score_mods`), which each step turns
+    into operands the update takes after its own. With segment ids the "segment" inputs end
+    with the group's bool ``[V_g]`` runs table, then (two dispatch levels,
+    :func:`second_level`) its runtime-full table.
+
+    Returns:
+        ``t + 1``.
+    """
+    state = [popxl.graph_input(shape, dtype, f"state{n}", by_ref=True)
+             for n, (shape, dtype) in enumerate(state_specs)]
+    seg = [popxl.graph_input(shape, dtype, f"segment{n}")
+           for n, (shape, dtype) in enumerate(seg_specs)]
+    extras = [popxl.graph_input(shape, dtype, f"modifier{n}")
+              for n, (shape, dtype) in enumerate(extra_specs)]
+    offsets = {"q": entry(_table(group.q_row), t), "kv": entry(_table(group.kv_row), t)}
+    lengths = {"q": group.rows, "kv": group.cols}
+    operand_slices = [_slice(x, offsets[side], axis, lengths[side])
+                      for x, (side, axis) in zip(operands, spec.operand_axes)]
+    state_slices = [rows(x, offsets[side], lengths[side])
+                    for x, side in zip(state, spec.state_sides)]
+    visible = _pattern(group, t)
+    seg_operands = []
+    tables = []
+    if seg:
+        n_tables = 2 if second_level(spec, cfg, group) else 1
+        seg, tables = seg[:-n_tables], [entry(x, t) for x in seg[-n_tables:]]
+        seg_operands = segments.step_operands(cfg, seg, offsets["q"], offsets["kv"],
+                                              (group.rows, group.cols))
+    if cfg.mods is not None:  # ALiBi, score_mod, dropout: operands after the update's own
+        operand_slices += score_mods.step_operands(cfg, extras, offsets["q"], offsets["kv"],
+                                                   (group.rows, group.cols), seg_operands)
+    if not tables:
+        new = spec.update(cfg, *state_slices, *operand_slices, visible=visible)
+    else:
+        new = _dispatch(spec, cfg, tables[0], tables[1] if len(tables) == 2 else None,
+                        state_slices, [*operand_slices, *seg_operands], len(seg_operands),
+                        visible)
+    for x, side, value in zip(state, spec.state_sides, new):
+        write_rows_(x, offsets[side], value)
+    return t + 1
+
+
+def _unmasked_step(spec, cfg, *inputs):
+    """Branch of a segment-id step whose block is visible throughout at run time (class
+    ``RT_FULL``) in a group without a static pattern: the unmasked update. Inputs: state
+    slices, operand slices."""
+    return spec.update(cfg, *inputs, visible=None)
+
+
+def _run_step(spec, cfg, n_seg, *inputs):
+    """Branch of a segment-id step of an unmasked group that runs, with two dispatch levels
+    (:func:`popxl_flash.plan.costmodel.second_level`): the unmasked update if the block's runtime
+    class is ``RT_FULL``, else the masked one. Inputs: state slices, operand slices, segment
+    operands, then the step's bool ``[1]`` runtime-full flag."""
+    *inputs, is_full = inputs
+    ir = popxl.gcg().ir
+    plain = inputs[:len(inputs) - n_seg]
+    full = ir.create_graph(_unmasked_step, spec, cfg, *[x.spec for x in plain])
+    n_state = len(spec.state_sides)
+    masked = ir.create_graph(_masked_step, spec, cfg, n_state, n_seg, False,
+                             *[x.spec for x in inputs])
+    return ops.conditional(is_full, full, masked, then_inputs=plain, else_inputs=inputs)
+
+
+def _dispatch(spec, cfg, runs, is_full, state_slices, operands, n_seg, visible):
+    """The block runs if its bool ``[1]`` flag ``runs`` is set (runtime class not
+    ``RT_SKIP``; one conditional; each branch receives only what it reads: the skip branch
+    the state slices). The running branch takes the masked update (the static ``visible``
+    pattern, if any, ANDed with the runtime mask), unless ``is_full`` is given (an unmasked
+    group where the cost model keeps a second level, :func:`popxl_flash.plan.costmodel.
+    second_level`): then it dispatches again, to the unmasked update for an ``RT_FULL``
+    block."""
+    ir = popxl.gcg().ir
+    skip = ir.create_graph(_skipped_step, *[x.spec for x in state_slices])
+    if is_full is not None:
+        inputs = [*state_slices, *operands, is_full]
+        run = ir.create_graph(_run_step, spec, cfg, n_seg, *[x.spec for x in inputs])
+    else:
+        inputs = [*state_slices, *operands] + ([visible] if visible is not None else [])
+        run = ir.create_graph(_masked_step, spec, cfg, len(state_slices), n_seg,
+                              visible is not None, *[x.spec for x in inputs])
+    return ops.conditional(runs, run, skip, then_inputs=inputs, else_inputs=state_slices)
+
+
+def second_level(spec, cfg, group):
+    """Whether segment-id steps of ``group`` dispatch twice (the cost model's choice,
+    :func:`popxl_flash.plan.costmodel.second_level`)."""
+    return costmodel.second_level(group, groups=cfg.groups, head_dim=cfg.head_dim,
+                                  dtype=cfg.dtype, backward=spec.backward,
+                                  segments=cfg.segments, kv_groups=cfg.kv_groups,
+                                  causal=cfg.causal, window=cfg.window)
+
+
+class PassLoops:
+    """The loop bodies of one pass: one graph per :class:`~popxl_flash.plan.steps.StepGroup`.
+
+    Create them before the ops that need ordering (graph creation must not run inside
+    :func:`in_order`, which would chain the bodies' ops too), then :meth:`run` them inside it.
+
+    Args:
+        spec: the :class:`LoopSpec`.
+        cfg: the :class:`AttentionConfig`.
+        order: ``"q_major"`` or ``"kv_major"``: the step order within each group.
+        operands: the read-only operand tensors (specs used).
+        state: the state tensors (specs used).
+        seg: with segment ids, the padded ids (and positions) (specs used).
+        extras: with score modifiers, their prepared loop-invariant tensors (specs used).
+    """
+
+    def __init__(self, spec, cfg, order, operands, state, seg=(), extras=()):
+        self.cfg, self.spec = cfg, spec
+        self.groups = steps.step_groups(cfg.schedule, order)
+        ir = popxl.gcg().ir
+        # (shape, dtype) pairs, not specs: create_graph would make graph inputs of specs
+        state_specs = tuple((t.shape, t.dtype) for t in state)
+        seg_specs = tuple((t.shape, t.dtype) for t in seg)
+        extra_specs = tuple((t.shape, t.dtype) for t in extras)
+        self.graphs = []
+        for group in self.groups:
+            extra = ()
+            if seg_specs:
+                n_tables = 2 if second_level(spec, cfg, group) else 1
+                extra = seg_specs + (((group.steps,), popxl.bool),) * n_tables
+            self.graphs.append(ir.create_graph(
+                _group_body, spec, cfg, group, state_specs, extra, extra_specs,
+                popxl.TensorSpec((1,), popxl.int32), *[t.spec for t in operands]))
+
+    def step_classes(self, classes):
+        """Per group, its steps' bool ``[V_g]`` tables: the block runs (runtime class not
+        ``RT_SKIP``), then with two dispatch levels (:func:`second_level`) the block is
+        ``RT_FULL`` (one gather per group and a comparison or two, outside the loops);
+        ``[None, ...]`` without segment ids."""
+        if classes is None:
+            return [None] * len(self.groups)
+        out = []
+        for g in self.groups:
+            cls = segments.step_classes(classes, g.q_chunk, g.kv_chunk)  # int32 [V_g]
+            tables = [ops.greater(cls, popxl.constant(np.array(segments.RT_SKIP, INDEX_DTYPE)))]
+            if second_level(self.spec, self.cfg, g):
+                tables.append(ops.equal(cls, popxl.constant(np.array(segments.RT_FULL,
+                                                                     INDEX_DTYPE))))
+            out.append(tables)
+        return out
+
+    def run(self, operands, state, seg=(), step_classes=None, extras=()):
+        """One ``repeat`` per group, updating ``state`` in place (call inside
+        :func:`in_order`)."""
+        step_classes = step_classes or [None] * len(self.groups)
+        for group, graph, tables in zip(self.groups, self.graphs, step_classes):
+            extra = list(seg) + list(tables or [])
+            ops.repeat(graph, group.steps, counter(0), *operands, *state, *extra, *extras)
+
+
+def fold_heads(cfg, t):
+    """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
+    groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
+    per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
+    attention, r = 1).
+
+    q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
+    is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
+    ``gk * r + h``.
+    """
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape_((cfg.kv_groups, r * rows, x))
+
+
+def unfold_heads(cfg, t):
+    """Inverse of :func:`fold_heads`: ``[Gk, r * rows, X] -> [G, rows, X]`` (a view)."""
+    r = cfg.group_size
+    if r == 1:
+        return t
+    _, rows, x = t.shape
+    return t.reshape_((cfg.groups, rows // r, x))
+
+
+def matmul_f32(a, b):
+    """float32-accumulated matmul of two input-dtype tensors."""
+    f32 = float32()
+    return ops.matmul(a, b, output_type=f32, partials_type=f32)
+
+
+def scores(cfg, q_i, k_t):
+    """``scale * q_i k_j^T`` in float32 (grouped-query: one matmul per kv group over the folded
+    rows of its q groups, :func:`fold_heads`). The place for score modifications.
+
+    Args:
+        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (input dtype; the forward slices a
+            pre-transposed k, the backward transposes its ``k_j``).
+
+    Returns:
+        float32 ``[G, rows, cols]``.
+    """
+    s = matmul_f32(fold_heads(cfg, q_i), k_t)  # [Gk, r*rows, cols]
+    return unfold_heads(cfg, s) * cfg.scale
+
+
+def to_input_dtype(cfg, t):
+    """Cast a float32 tensor to the attention's input dtype (no op for float32)."""
+    return t if cfg.dtype == "float32" else ops.cast(t, getattr(popxl, cfg.dtype))
+
+
+def to_float32(t):
+    """Cast an input-dtype tensor to float32 (no op when it already is)."""
+    return t if t.dtype == popxl.float32 else ops.cast(t, popxl.float32)
+
+
+def scalar(value, dtype):
+    """A rank-0 constant of ``dtype`` in the current graph."""
+    return popxl.constant(value, dtype=dtype)

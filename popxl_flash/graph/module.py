@@ -1,0 +1,81 @@
+"""The shared home of the forward and backward ``popxl.Module`` classes.
+
+Both take the same options, validate them with the inputs' specs into one
+:class:`~popxl_flash.plan.config.AttentionConfig`, prepare the runtime segment inputs the same way
+and run their pass as the loops of :class:`popxl_flash.graph.blocks.PassLoops`.
+"""
+from popxl_flash.graph import blocks, score_mods, segments
+from popxl_flash.backend import popxl
+from popxl_flash.plan.config import AttentionConfig
+
+
+class AttentionModule(popxl.Module):
+    """Options, configuration and loops shared by :class:`popxl_flash.FlashAttention` and
+    :class:`popxl_flash.FlashAttentionGrad`.
+
+    Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``
+    as :func:`popxl_flash.flash_attention`; ``mods``: ``None`` or the
+    :class:`~popxl_flash.graph.score_mods.ScoreMods` of :func:`popxl_flash.graph.score_mods.options`
+    (its inputs follow the segment inputs of ``build``: :func:`score_mods.split_inputs`).
+    """
+
+    def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
+                 window=None, mods=None):
+        self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                            causal=causal, scale=scale, window=window, mods=mods)
+
+    def attention_config(self, q, k, v, segment_inputs=(), extras=()) -> AttentionConfig:
+        """Validate q, k, v, the segment inputs' and the score-modifier inputs' specs against
+        the options.
+
+        Args:
+            q, k, v: tensors or specs (``.shape``, ``.dtype``).
+            segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions)``,
+                ``None`` where absent.
+            extras: the score-modifier inputs (:func:`score_mods.split_inputs`).
+
+        Returns:
+            The :class:`AttentionConfig`.
+        """
+        options = {n: o for n, o in self.options.items() if n != "mods"}
+        cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
+                                          (q.dtype.name, k.dtype.name, v.dtype.name),
+                                          **options)
+        automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
+        cfg = cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
+                                automatic=automatic)
+        return score_mods.check_extras(cfg, self.options["mods"], extras)
+
+    @staticmethod
+    def run_pass(cfg, spec, order, operands, state, segment_inputs, finish, extras=()):
+        """Build and run a pass's loops, then ``finish`` on the state.
+
+        Order matters only between the loops (each updates ``state`` in place) and the reads
+        of ``state`` after them: those ops alone are put in sequence
+        (:func:`popxl_flash.graph.blocks.in_order`; the reads are one unordered block after the
+        loops). Everything else the scheduler may order freely.
+
+        Args:
+            cfg: the config; spec: the :class:`popxl_flash.graph.blocks.LoopSpec`; order: the
+                step order within groups.
+            operands, state: the padded read-only operands and the state tensors.
+            segment_inputs: the module's segment inputs (``None`` where absent).
+            finish: ``finish(*state) -> results``, the ops that read the state.
+            extras: the module's score-modifier inputs (prepared once here,
+                :func:`score_mods.prepare`).
+
+        Returns:
+            ``finish``'s results.
+        """
+        seg, classes = [], None
+        if cfg.segments is not None and cfg.schedule.visited_blocks:
+            seg, classes = segments.prepare(cfg, *segment_inputs)
+        prepared = []
+        if cfg.mods is not None and cfg.schedule.visited_blocks:
+            prepared = score_mods.prepare(cfg, extras)
+        loops = blocks.PassLoops(spec, cfg, order, operands, state, seg, prepared)
+        step_classes = loops.step_classes(classes)
+        with blocks.in_order():
+            loops.run(operands, state, seg, step_classes, prepared)
+            with blocks.in_order(False):
+                return finish(*state)
