@@ -1,7 +1,8 @@
 """The evaluator: runs a graph's plan over a slot environment, recursing for subgraphs.
 
-It also keeps the run profile counters: ops executed, matmul FLOPs, live bytes and their peak,
-bytes copied at subgraph boundaries.
+It also keeps the run profile counters: ops executed (and executions per graph, from which
+the per-kind counts follow), matmul FLOPs, live bytes and their peak, bytes copied at subgraph
+boundaries.
 """
 import numpy as np
 
@@ -28,9 +29,21 @@ class Runtime:
         self.copied_by_kind = dict.fromkeys(KINDS, 0)  # lowering copies by boundary kind
         self.copy_sites = {}  # (site, kind, bytes per execution) -> executions
         self.iterations = 0  # repeat-body executions
+        self.graph_runs = {}  # id(graph) -> [graph, executions] (ops_by_kind/elements_by_kind)
         # Replication (see replication.py): this replica's index, the rendezvous where the
         # replicas meet at collectives, bytes this replica received from collectives.
         self.replica, self.rendezvous, self.collective_bytes = 0, None, 0
+
+    def by_kind(self):
+        """Returns: (ops_by_kind, elements_by_kind): {op kind: executions}, {op kind: output
+        elements summed over executions}, over every graph frame this run executed."""
+        ops, elements = {}, {}
+        for graph, runs in self.graph_runs.values():
+            for op in graph._ops:
+                ops[op.kind] = ops.get(op.kind, 0) + runs
+                elements[op.kind] = elements.get(op.kind, 0) + runs * sum(
+                    t.nelms for t in op.outputs)
+        return ops, elements
 
     def meet(self, op, value, combine):
         """Exchange ``value`` with the other replicas at collective ``op``.
@@ -106,6 +119,11 @@ class Runtime:
                     env[s] = None
         self.ops += plan.n_ops
         self.flops += plan.flops
+        run = self.graph_runs.get(id(plan.graph))
+        if run is None:
+            self.graph_runs[id(plan.graph)] = [plan.graph, 1]
+        else:
+            run[1] += 1
         out = [env[s].copy() if c else env[s] for s, c in zip(plan.out_slots, plan.copy_out)]
         self.live = base
         return out

@@ -4,6 +4,19 @@ from typing import Optional, Tuple
 
 from .ir import Graph, Ir
 
+#: Pure view kinds: ops that only re-index their input (reshape, transpose, detach and static
+#: slice, aliasing or not; ``squeeze`` and ``flatten`` build reshapes). On an IPU they are
+#: tensor expressions, not programs: no superstep, no vector work.
+VIEW_KINDS = frozenset(("reshape", "reshape_", "transpose", "transpose_", "detach", "detach_",
+                        "slice", "slice_"))
+#: Kinds executed but doing no vector work of their own: views, matmuls (their work is
+#: ``matmul_flops``), subgraph ops (their work is their callee's ops; their copies are
+#: ``bytes_copied``), host IO and the replicated collectives (streams and links).
+NON_VECTOR_KINDS = VIEW_KINDS | frozenset((
+    "matmul", "call", "repeat", "conditional", "host_load", "host_store",
+    "replicated_all_gather", "replicated_reduce_scatter", "replicated_all_reduce",
+    "replicated_all_reduce_"))
+
 
 @dataclass
 class RunProfile:
@@ -39,6 +52,10 @@ class RunProfile:
             over the entries is ``bytes_copied``.
         collective_bytes: bytes received over the IPU links by the replicated collectives
             (ring schedule; see ``ops/collectives.py``).
+        ops_by_kind: ``{op kind: executions}`` summed over the run (sums to
+            ``ops_executed``).
+        elements_by_kind: ``{op kind: output elements}``: each executed op's output elements
+            (all outputs), summed over executions.
         replicas: with replication (R > 1), each replica's own profile (replica r at index
             r); the fields above then sum the replicas' counters, except
             ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
@@ -56,6 +73,8 @@ class RunProfile:
     bytes_copied_by_kind: dict = field(default_factory=dict)
     copy_sites: dict = field(default_factory=dict)
     collective_bytes: int = 0
+    ops_by_kind: dict = field(default_factory=dict)
+    elements_by_kind: dict = field(default_factory=dict)
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
 
     @classmethod
@@ -66,7 +85,7 @@ class RunProfile:
         total = {name: sum(getattr(p, name) for p in profiles)
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
                               "collective_bytes")}
-        for name in ("bytes_copied_by_kind", "copy_sites"):
+        for name in ("bytes_copied_by_kind", "copy_sites", "ops_by_kind", "elements_by_kind"):
             summed = {}
             for p in profiles:
                 for key, value in getattr(p, name).items():
@@ -74,6 +93,19 @@ class RunProfile:
             total[name] = summed
         return replace(first, peak_live_bytes=max(p.peak_live_bytes for p in profiles),
                        replicas=tuple(profiles), **total)
+
+    @property
+    def supersteps(self):
+        """Executed ops other than pure views (``VIEW_KINDS``): on an IPU each is at least one
+        bulk-synchronous superstep."""
+        return sum(n for kind, n in self.ops_by_kind.items() if kind not in VIEW_KINDS)
+
+    @property
+    def vector_elements(self):
+        """Output elements of the executed compute ops other than matmuls and views (kinds
+        not in ``NON_VECTOR_KINDS``), summed over executions."""
+        return sum(n for kind, n in self.elements_by_kind.items()
+                   if kind not in NON_VECTOR_KINDS)
 
     @property
     def fits_device(self):

@@ -195,6 +195,8 @@ class Session:
                                bytes_copied_by_kind=dict(rt.copied_by_kind),
                                copy_sites=dict(rt.copy_sites),
                                collective_bytes=rt.collective_bytes) for rt in runtimes]
+        for p, rt in zip(profiles, runtimes):
+            p.ops_by_kind, p.elements_by_kind = rt.by_kind()
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
 
     def _run_replica(self, h2d, d2h, replica, rendezvous):

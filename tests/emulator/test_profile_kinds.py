@@ -1,0 +1,151 @@
+"""Emulator run profile by op kind: ops_by_kind, elements_by_kind and the supersteps and
+vector_elements derived from them (emulator only; exact counts on micro-graphs).
+
+Rules (emulator README, "Run profile"): every executed op counts once per execution under its
+kind, with its output elements; ops of a subgraph count per execution of the subgraph (a repeat
+body per iteration, a conditional's taken branch only); supersteps are executed ops other than
+pure views; vector_elements are output elements of executed ops other than views, matmuls,
+subgraph ops, host IO and collectives.
+"""
+import numpy as np
+import pytest
+
+from conftest import emulator_only, store
+from popxl_flash import popxl
+
+pytestmark = emulator_only
+
+ops = popxl.ops
+
+
+def _profile(ir, inputs=None):
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run(dict(inputs or {}))
+        return session.profile
+
+
+def test_straight_line_kinds_elements_and_derived_counts():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones((2, 3), np.float32))
+        y = v * 2.0  # mul: 6 elements
+        r = ops.reshape(y, (3, 2))  # view (copying reshape)
+        t = ops.transpose_(r)  # view
+        z = ops.exp(t)  # exp: 6 elements
+        s = ops.sum(z, axis=[1])  # sum: 2 elements
+        m = ops.matmul(z, popxl.constant(np.ones((3, 4), np.float32)))  # matmul: 8 elements
+        store(s)
+        store(m)
+    p = _profile(ir)
+    assert p.ops_by_kind == {"mul": 1, "reshape": 1, "transpose_": 1, "exp": 1,
+                             "sum": 1, "matmul": 1, "host_store": 2}
+    assert p.elements_by_kind == {"mul": 6, "reshape": 6, "transpose_": 6, "exp": 6,
+                                  "sum": 2, "matmul": 8, "host_store": 0}
+    assert sum(p.ops_by_kind.values()) == p.ops_executed == 8
+    assert p.supersteps == 8 - 2  # the reshape and the transpose_ are views
+    assert p.vector_elements == 6 + 6 + 2  # mul, exp, sum
+
+
+def test_static_slices_and_detach_are_views():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones((4, 4), np.float32))
+        a = ops.slice(v, start=[0], stop=[2], axis=[0])
+        b = ops.slice_(v, start=[2], stop=[4], axis=[0])
+        store(ops.detach(a) + ops.detach_(b))  # add: 8 elements
+    p = _profile(ir)
+    assert p.ops_by_kind == {"slice": 1, "slice_": 1, "detach": 1, "detach_": 1, "add": 1,
+                             "host_store": 1}
+    assert p.supersteps == 2
+    assert p.vector_elements == 8
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_repeat_multiplies_body_kinds(count):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones(4, np.float32))
+        k = popxl.constant(np.float32(2.0))
+        g = ir.create_graph(lambda acc, kk: ops.reshape(acc * kk + 1.0, (4,)), v, k)
+        (y,) = ops.repeat(g, count, v, k)
+        store(y)
+    p = _profile(ir)
+    body = {"mul": count, "add": count, "reshape": count}
+    assert p.ops_by_kind == {**{k_: n for k_, n in body.items() if n}, "repeat": 1,
+                             "host_store": 1}
+    assert p.elements_by_kind == {**{k_: 4 * n for k_, n in body.items() if n}, "repeat": 4,
+                                  "host_store": 0}
+    assert sum(p.ops_by_kind.values()) == p.ops_executed
+    assert p.supersteps == 2 * count + 2  # mul and add per iteration; repeat and host_store
+    assert p.vector_elements == 8 * count  # the repeat's own outputs are not vector work
+
+
+def test_call_and_conditional_inside_repeat():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones(3, np.float32))
+        flag = popxl.constant(np.array([False]))
+        inner = ir.create_graph(lambda a: ops.negate(a), v)  # negate: 3
+        then_g = ir.create_graph(lambda a: a + 1.0, v)  # not taken
+        else_g = ir.create_graph(lambda a: ops.exp(a * 2.0), v)  # mul, exp: 3 each
+
+        def body(a, f):
+            (b,) = ops.call(inner, a)
+            (c,) = ops.conditional(f, then_g, else_g, then_inputs=[b], else_inputs=[b])
+            return c
+
+        g = ir.create_graph(body, v, flag)
+        (y,) = ops.repeat(g, 4, v, flag)
+        (z,) = ops.call(inner, y)
+        store(z)
+    p = _profile(ir)
+    assert p.ops_by_kind == {"repeat": 1, "call": 4 + 1, "negate": 4 + 1, "conditional": 4,
+                             "mul": 4, "exp": 4, "host_store": 1}
+    assert "add" not in p.elements_by_kind  # the untaken branch never ran
+    assert p.elements_by_kind["negate"] == 3 * 5
+    assert p.elements_by_kind["mul"] == p.elements_by_kind["exp"] == 3 * 4
+    assert sum(p.ops_by_kind.values()) == p.ops_executed == 1 + 4 * 5 + 2 + 1
+    assert p.supersteps == p.ops_executed  # no views
+    assert p.vector_elements == 3 * 5 + 3 * 4 * 2
+
+
+def test_nested_repeats_multiply():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones(2, np.float32))
+        inner = ir.create_graph(lambda a: a + 1.0, v)
+        outer = ir.create_graph(lambda a: ops.repeat(inner, 4, a)[0] * 2.0, v)
+        (y,) = ops.repeat(outer, 3, v)
+        store(y)
+    p = _profile(ir)
+    assert p.ops_by_kind == {"repeat": 1 + 3, "add": 12, "mul": 3, "host_store": 1}
+    assert p.vector_elements == 2 * (12 + 3)
+    assert p.supersteps == 1 + 3 + 12 + 3 + 1
+
+
+def test_by_kind_counts_are_per_run():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.ones(4, np.float32))
+        store(ops.exp(v))
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run()
+        session.run()
+        assert session.profile.ops_by_kind == {"exp": 1, "host_store": 1}
+        assert session.profile.vector_elements == 4
+
+
+def test_replicas_sum_by_kind():
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        s = popxl.h2d_stream((3,), popxl.float32, name="x")
+        y = ops.exp(ops.host_load(s))
+        d = popxl.d2h_stream(y.shape, y.dtype)
+        ops.host_store(d, y)
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run({s: np.ones((2, 3), np.float32)})
+        p = session.profile
+    assert [r.ops_by_kind for r in p.replicas] == [{"host_load": 1, "exp": 1,
+                                                    "host_store": 1}] * 2
+    assert p.ops_by_kind == {"host_load": 2, "exp": 2, "host_store": 2}
+    assert p.elements_by_kind["exp"] == 6 and p.vector_elements == 6
