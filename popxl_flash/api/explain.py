@@ -3,11 +3,12 @@ from popxl_flash.graph import score_mods
 from popxl_flash.plan import costmodel
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan.memory import check_budget
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
             num_chunks_q=None, num_chunks_kv=None, kv_groups=None, score_mod=None,
-            score_mod_inputs=()) -> "costmodel.ChunkChoice":
+            score_mod_inputs=(), memory_budget=None) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -22,13 +23,16 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         score_mod, score_mod_inputs: a ``score_mod`` function and the ``popxl.TensorSpec`` of
             its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
             Ir; the chunk choice itself does not see it).
+        memory_budget: bytes, as :func:`popxl_flash.flash_attention` (``None``: the default).
 
     Returns:
         :class:`popxl_flash.plan.costmodel.ChunkChoice`: ``chosen`` (the chunking
-        ``num_chunks_*=None`` uses), every ``candidates`` entry with its exact counts
-        (FLOPs, iterations) and modelled figures (ops, bytes copied under PopART's rules,
-        working set, fit, time), the loop ``structures`` weighed at the chosen chunking
-        (:func:`popxl_flash.plan.costmodel.structures`), and ``table()`` to print them. With
+        ``num_chunks_*=None`` uses), every ``candidates`` entry with its counted work per pass
+        (supersteps, matmul FLOPs, vector elements, bytes copied under PopART's rules), its
+        memory beyond the inputs and outputs and its modelled time by term
+        (:mod:`popxl_flash.plan.ipu_time`), the seed's 256-row rule (``seed``) and naive
+        attention (``naive``, and whether it fits the budget) priced alike, and ``table()``
+        to print them (times labelled modelled, with the constants used). With
         ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.graph.score_mods.ScoreModCost`
         and ``table()`` ends with its line.
     """
@@ -39,7 +43,8 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     choice = costmodel.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
                               causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
                               chunk_q=None if num_chunks_q is None else cfg.chunk_q,
-                              chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
+                              chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv,
+                              memory_budget=check_budget(memory_budget))
     if score_mod is None:
         return choice
     chosen = choice.chosen

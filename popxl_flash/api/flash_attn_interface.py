@@ -70,7 +70,7 @@ def check_kv_heads(k, v, Hq, Hkv):
 
 
 def core_options(dims, qkv, *, num_chunks_q, num_chunks_kv, causal, softmax_scale, window_size,
-                 return_lse):
+                 return_lse, memory_budget=None):
     """flash-attn's option names turned into the core API's options, and the whole call
     validated as the core will see it (``[B·H, L, D]`` groups), before any graph or scope is
     opened.
@@ -85,7 +85,7 @@ def core_options(dims, qkv, *, num_chunks_q, num_chunks_kv, causal, softmax_scal
         the checked ``return_lse``.
     """
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                   causal=check_bool("causal", causal),
+                   memory_budget=memory_budget, causal=check_bool("causal", causal),
                    scale=check_scale(softmax_scale, dims.head_dim, name="softmax_scale"),
                    window=check_window(window_size, name="window_size"))
     return_lse = check_bool("return_lse", return_lse)
@@ -142,7 +142,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     return_attn_probs=False, return_lse=False, layout="BLHD",
                     num_chunks_q=None, num_chunks_kv=None, seed=None, score_mod=None,
-                    score_mod_inputs=()):
+                    score_mod_inputs=(),
+                    memory_budget=None):
     """flash-attn's ``flash_attn_func`` on PopXL tensors: exact attention, O(L) memory.
 
     The options are keyword-only (flash-attn's fourth positional parameter is ``dropout_p``,
@@ -162,6 +163,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         layout: ``"BLHD"`` (flash-attn, default) or ``"BHLD"`` (PyTorch SDPA) for q, k, v and
             out.
         num_chunks_q, num_chunks_kv: chunk counts, as :func:`popxl_flash.flash_attention`.
+        memory_budget: bytes, as :func:`popxl_flash.flash_attention`.
         dropout_p: dropout probability on the attention probabilities, in ``[0, 1)``; needs
             ``seed``, a uint32 ``[2]`` tensor (PopXL's random seed).
         softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)``.
@@ -182,7 +184,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     dims = _check_shapes(q, k, v, layout)
     options, return_lse = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse)
+        softmax_scale=softmax_scale, window_size=window_size, return_lse=return_lse,
+        memory_budget=memory_budget)
     return_probs = check_bool("return_attn_probs", return_attn_probs)
     modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
                                  alibi_slopes=alibi_slopes,
@@ -285,7 +288,8 @@ def group_slopes(modifiers, dims):
 def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, softmax_scale=None,
                          causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                          layout="BLHD", num_chunks_q=None, num_chunks_kv=None, seed=None,
-                         score_mod=None, score_mod_inputs=()):
+                         score_mod=None, score_mod_inputs=(),
+                         memory_budget=None):
     """Hand-written backward of :func:`flash_attn_func`: gradients of q, k and v.
 
     The counterpart of :func:`popxl_flash.flash_attention_grad` in flash-attn's names, defaults
@@ -307,6 +311,7 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, so
             with dropout).
         dropout_p, seed, softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's
             score modifiers and dropout, as :func:`flash_attn_func`.
+        memory_budget: the forward's, as :func:`popxl_flash.flash_attention_grad`.
 
     Returns:
         ``(dq, dk, dv)`` in the layout, shapes and dtype of q, k, v (grouped-query: dk and dv
@@ -319,7 +324,8 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, so
                          f"got {tuple(dout.shape)} {dout.dtype.name}")
     options, _ = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, return_lse=False)
+        softmax_scale=softmax_scale, window_size=window_size, return_lse=False,
+        memory_budget=memory_budget)
     modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
                                  alibi_slopes=alibi_slopes, score_mod=score_mod,
                                  score_mod_inputs=score_mod_inputs, dropout_p=dropout_p,

@@ -167,7 +167,7 @@ def _segment_inputs(q_segment_ids, kv_segment_ids, q_positions=None, kv_position
 def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
                     window=None, return_lse=False, q_segment_ids=None, kv_segment_ids=None,
                     softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(),
-                    dropout=0.0, seed=None, return_dropout_mask=False):
+                    dropout=0.0, seed=None, return_dropout_mask=False, memory_budget=None):
     """Exact attention with O(L) memory: ``softmax(scale * q k^T + mask) v``.
 
     Args:
@@ -178,6 +178,11 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         num_chunks_q, num_chunks_kv: chunk counts in ``[1, L]``; ``None`` picks
             the cost model's choice (:func:`popxl_flash.explain`). Lengths need not be
             divisible (the tail chunk is padded).
+        memory_budget: bytes the call may hold live beyond its own inputs and outputs; the
+            automatic chunk choice is the least modelled IPU time within it (``None``: a
+            quarter of one IPU's memory, :func:`popxl_flash.plan.memory.default_budget`;
+            see :func:`popxl_flash.explain`). An explicit budget no chunking meets raises
+            ``ValueError``.
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
             True, as the PopART op; :func:`popxl_flash.flash_attn_func` defaults to False.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``. ``1.0`` matches the PopART op.
@@ -218,12 +223,13 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
     _check_mask_request(return_mask, mods)
     out, lse = _forward(q, k, v, segments, dict(num_chunks_q=num_chunks_q,
                                                 num_chunks_kv=num_chunks_kv, causal=causal,
-                                                scale=scale, window=window, mods=mods), extras)
+                                                scale=scale, window=window, mods=mods,
+                                                memory_budget=memory_budget), extras)
     result = (out, lse) if return_lse else (out,)
     if return_mask:
         result += (dropout_mask(q, k, v, segments, mods, extras, num_chunks_q=num_chunks_q,
                                 num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
-                                window=window, seed=seed),)
+                                window=window, seed=seed, memory_budget=memory_budget),)
     return result if len(result) > 1 else out
 
 
@@ -321,13 +327,14 @@ def _unpack(qkv, options, segments=(None, None)):
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, causal=True,
                                scale=None, window=None, return_lse=False, q_segment_ids=None,
-                               kv_segment_ids=None, return_dropout_mask=False, **modifiers):
+                               kv_segment_ids=None, return_dropout_mask=False,
+                               memory_budget=None, **modifiers):
     """:func:`flash_attention` on a packed ``qkv [3, G, L, D]`` (the PopART op's layout).
 
     Args:
         qkv: ``[3, G, L, D]`` float16 or float32; ``qkv[0]``, ``qkv[1]``, ``qkv[2]`` are q, k, v.
         num_chunks_q, num_chunks_kv, causal, scale, window, return_lse, q_segment_ids,
-            kv_segment_ids, return_dropout_mask: as :func:`flash_attention`.
+            kv_segment_ids, return_dropout_mask, memory_budget: as :func:`flash_attention`.
         modifiers: ``softcap``, ``alibi_slopes``, ``score_mod``, ``score_mod_inputs``,
             ``dropout``, ``seed``, as :func:`flash_attention`.
 
@@ -336,7 +343,7 @@ def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, ca
     """
     _check_modifier_names("flash_attention_qkv_packed", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
-                   scale=scale, window=window)
+                   scale=scale, window=window, memory_budget=memory_budget)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     modifier_inputs(**modifiers)
     return flash_attention(*_unpack(qkv, options, tuple(segments.values())),
@@ -359,7 +366,7 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
                          num_chunks_kv=None, causal=True, scale=None, window=None,
                          q_segment_ids=None, kv_segment_ids=None, softcap=0.0,
                          alibi_slopes=None, score_mod=None, score_mod_inputs=(), dropout=0.0,
-                         seed=None):
+                         seed=None, memory_budget=None):
     """Gradients of :func:`flash_attention` with respect to q, k and v.
 
     Stash mode (``out`` and ``lse`` given, from ``flash_attention(..., return_lse=True)``)
@@ -374,6 +381,8 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
             softcap, alibi_slopes, score_mod, score_mod_inputs, dropout, seed: the forward's
             options, segment ids and score modifiers (with dropout, also its chunk counts:
             the keep masks are drawn per block).
+        memory_budget: as :func:`flash_attention` (give the forward's: the automatic choice
+            is made for forward and backward together, so equal budgets give equal chunks).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtype of q, k, v (grouped-query: dk and dv
@@ -388,7 +397,7 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
                                    dropout=dropout, seed=seed)
     return _backward(dout, q, k, v, out, lse, segments, dict(
         num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
-        window=window, mods=mods), extras)
+        window=window, mods=mods, memory_budget=memory_budget), extras)
 
 
 def _backward(dout, q, k, v, out, lse, segments, options, extras=()):
@@ -457,14 +466,15 @@ def check_stash_options(cfg, who="flash_attention_grad",
 @keyword_hints(CORE_KEYWORD_HINTS)
 def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks_q=None,
                                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                                    q_segment_ids=None, kv_segment_ids=None, **modifiers):
+                                    q_segment_ids=None, kv_segment_ids=None,
+                                    memory_budget=None, **modifiers):
     """Gradient of :func:`flash_attention_qkv_packed` with respect to the packed ``qkv``.
 
     Args:
         dout: ``[G, L, D]``; qkv: ``[3, G, L, D]``; out, lse: stash (see
             :func:`flash_attention_grad`) or both ``None``.
-        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids:
-            the forward's options and segment ids.
+        num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids,
+            memory_budget: the forward's options and segment ids.
         modifiers: the forward's score modifiers (:func:`flash_attention_qkv_packed`).
 
     Returns:
@@ -472,7 +482,7 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
     """
     _check_modifier_names("flash_attention_qkv_packed_grad", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
-                   scale=scale, window=window)
+                   scale=scale, window=window, memory_budget=memory_budget)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     modifier_inputs(**modifiers)
     q, k, v = _unpack(qkv, options, tuple(segments.values()))

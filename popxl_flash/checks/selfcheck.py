@@ -240,7 +240,17 @@ def main(argv=None):
                         help="instead of the matrix: the lowering copies of one forward and one "
                              "backward, PopART's decisions (read from its log, SDK only) next "
                              "to the emulator's model (popxl_flash.checks.copycheck)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="instead of the matrix: time micro-graphs on the device and write "
+                             "the cost model's fitted IPU constants (popxl_flash.checks."
+                             "calibrate); on the emulator, print what it would measure")
+    parser.add_argument("--output", default="ipu-constants.json",
+                        help="with --calibrate: the JSON file to write (default "
+                             "ipu-constants.json)")
     args = parser.parse_args(argv)
+    if args.calibrate:
+        from popxl_flash.checks import calibrate
+        return calibrate.run(args.device, args.output)
     if args.copies:
         from popxl_flash.checks import copycheck
         return copycheck.run(args.device)

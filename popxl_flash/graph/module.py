@@ -20,9 +20,10 @@ class AttentionModule(popxl.Module):
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None, mods=None):
+                 window=None, mods=None, memory_budget=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-                            causal=causal, scale=scale, window=window, mods=mods)
+                            causal=causal, scale=scale, window=window, mods=mods,
+                            memory_budget=memory_budget)
 
     def attention_config(self, q, k, v, segment_inputs=(), extras=()) -> AttentionConfig:
         """Validate q, k, v, the segment inputs' and the score-modifier inputs' specs against

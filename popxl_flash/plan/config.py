@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from popxl_flash.plan import costmodel
+from popxl_flash.plan import memory as _memory
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan.schedule import normalise_window
 from popxl_flash.plan.segments import MAX_LEN, SegmentConfig
@@ -222,13 +223,16 @@ class AttentionConfig:
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                    names=("q", "k", "v")):
+                    names=("q", "k", "v"), memory_budget=None):
         """Validate shapes, dtypes and options.
 
         Args:
             q_shape: ``[G, Lq, D]``; k_shape, v_shape: ``[Gk, Lkv, D]`` with ``G % Gk == 0``.
             dtypes: the dtype names of q, k, v (``str``).
             names: how the three tensors are named in error messages.
+            memory_budget: bytes for the automatic chunk choice (``None``: the default,
+                :func:`popxl_flash.plan.memory.default_budget`); an explicit budget that no
+                chunking meets raises ``ValueError``.
 
         Returns:
             A validated :class:`AttentionConfig`.
@@ -253,11 +257,20 @@ class AttentionConfig:
         chunk_q, _ = resolve_num_chunks("num_chunks_q", Lq, num_chunks_q)
         chunk_kv, _ = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
         scale, window = check_scale(scale, D), check_window(window)
-        if chunk_q is None or chunk_kv is None:
-            chosen = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
+        budget = None if memory_budget is None else _memory.check_budget(memory_budget)
+        if chunk_q is None or chunk_kv is None or budget is not None:
+            choice = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
                                       window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
-                                      kv_groups=Gk).chosen
-            chunk_q, chunk_kv = chosen.chunk_q, chosen.chunk_kv
+                                      kv_groups=Gk, memory_budget=budget)
+            if budget is not None and not choice.chosen.fits:
+                raise ValueError(
+                    f"memory_budget={budget:,} bytes: no chunking of this call fits it (the "
+                    f"least memory, chunks {choice.chosen.chunk_q} x "
+                    f"{choice.chosen.chunk_kv}, needs {choice.chosen.memory_bytes:,} bytes "
+                    "beyond the inputs and outputs); raise memory_budget, or split the call "
+                    "(context parallelism, fewer heads per IPU); pf.explain(...) shows the "
+                    "candidates")
+            chunk_q, chunk_kv = choice.chosen.chunk_q, choice.chosen.chunk_kv
         return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=math.ceil(Lq / chunk_q),
                    num_chunks_kv=math.ceil(Lkv / chunk_kv), causal=causal, scale=scale,

@@ -57,40 +57,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from typing import Optional
+
+from popxl_flash.plan import baselines as _baselines
+from popxl_flash.plan import ipu_time as _ipu_time
+from popxl_flash.plan import memory as _memory
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP
 
-#: Tiles of one IPU (GC200 / Mk2: 1472 tiles, 900 MB In-Processor-Memory, 250 TFLOP/s float16
-#: and 62.5 TFLOP/s float32 peak; Graphcore's IPU-M2000 / Colossus Mk2 announcement, 2020).
-TILES = 1472
-#: SRAM per tile (GC200: 624 KiB; Graphcore's IPU datasheet).
-TILE_MEMORY_BYTES = 624 * 1024
-#: Clock of the GC200 (1.33 GHz; Graphcore's IPU-M2000 datasheet).
-CLOCK_HZ = 1.33e9
-#: Peak matmul FLOPs per tile-cycle (float32 accumulation): GC200 peak 250 TFLOP/s float16 and
-#: 62.5 TFLOP/s float32, divided by tiles and clock (~128 and ~32).
-FLOPS_PER_TILE_CYCLE = {"float16": 128, "float32": 32}
-#: Assumed cycles of one executed op: each op is at least one bulk-synchronous superstep
-#: (compute set, chip-wide sync, exchange); about 0.75 us at 1.33 GHz, the "few microseconds or
-#: less" order of a Poplar program step. A parameter, not a measurement.
-OP_CYCLES = 1000
-#: Assumed extra cycles per loop iteration (counter, loop control). A parameter.
-ITERATION_CYCLES = 200
-#: Assumed bytes a tile copies per cycle in a lowering copy (64-bit load + store; the GC200's
-#: 47.5 TB/s memory bandwidth is ~24 B per tile-cycle, shared by the load and the store, and
-#: exchange is 8 TB/s chip-wide). A parameter.
-COPY_BYTES_PER_TILE_CYCLE = 8
-#: Fraction of tile memory assumed usable for tensors (the rest: code, exchange buffers,
-#: Poplar temporaries). A parameter.
-USABLE_MEMORY_FRACTION = 0.5
-#: Wasted-work budget: largest forward executed/useful FLOP ratio the choice accepts.
-MAX_FLOP_RATIO = 1.035
-#: Second-tier budget, for masks no candidate meets the first for (windows, short causal
-#: sequences): the fastest chunking within it wins, else the least wasteful.
-FALLBACK_FLOP_RATIO = 1.25
-#: Chunk lengths tried (square blocks; capped at the sequence lengths).
-CANDIDATE_CHUNKS = (64, 128, 256, 512)
+#: The IPU constants live in one place, :mod:`popxl_flash.plan.ipu_time` (reference values,
+#: overridable by a calibration file); these names are kept for readers of this module.
+TILES = _ipu_time.REFERENCE.tiles
+TILE_MEMORY_BYTES = _ipu_time.REFERENCE.tile_memory_bytes
 
 #: Ops executed per pass, counted on this version's graphs (the emulator's profile):
 #: ``fixed + per_loop * loops + per_step * steps + per_masked * steps of masked groups``.
@@ -124,20 +103,14 @@ class Candidate:
     Attributes:
         chunk_q, chunk_kv, num_chunks_q, num_chunks_kv: the chunking.
         flop_ratio: forward executed / useful matmul FLOPs (exact).
-        forward_flops, backward_flops: executed matmul FLOPs, backward in stash mode (exact).
-        iterations: loop iterations per pass: visited blocks plus split blocks' second
-            sub-blocks (exact).
-        ops_forward, ops_backward: ops executed per pass (counted model).
-        bytes_copied_forward, bytes_copied_backward: lowering copies per pass under PopART's
-            rules (:func:`pass_copies`, without segment ids: the step counters and loop
-            control; equal to the emulator's).
-        working_set_bytes: resident tensors + one step's temporaries, larger pass (model).
-        step_bytes: one step's temporaries (model; the part that grows with the chunk).
-        fits: working set within the usable tile memory.
-        linear_memory: ``step_bytes`` at most the resident tensors' bytes, so memory stays
-            O(L) (what flash attention is for).
-        eligible: fits, linear_memory and ``flop_ratio <= MAX_FLOP_RATIO``.
-        seconds: modelled forward + backward time on one IPU.
+        forward, backward: the counted work of a forward and of a stash-mode backward pass
+            (:class:`popxl_flash.plan.counts.PassCounts`: supersteps, matmul FLOPs, vector
+            elements, bytes copied, loop iterations; held to the emulator by the tests).
+        time_forward, time_backward: their modelled time
+            (:class:`popxl_flash.plan.ipu_time.ModelledTime`, by term).
+        memory_forward, memory_backward: bytes each pass holds beyond its inputs and outputs
+            (:func:`popxl_flash.plan.memory.flash_bytes`, an upper bound of the emulator's).
+        fits: both within the budget of the choice.
     """
 
     chunk_q: int
@@ -145,19 +118,70 @@ class Candidate:
     num_chunks_q: int
     num_chunks_kv: int
     flop_ratio: float
-    forward_flops: int
-    backward_flops: int
-    iterations: int
-    ops_forward: int
-    ops_backward: int
-    bytes_copied_forward: int
-    bytes_copied_backward: int
-    working_set_bytes: int
-    step_bytes: int
+    forward: object
+    backward: object
+    time_forward: object
+    time_backward: object
+    memory_forward: int
+    memory_backward: int
     fits: bool
-    linear_memory: bool
-    eligible: bool
-    seconds: float
+
+    @property
+    def seconds(self) -> float:
+        """Modelled forward + backward time (s)."""
+        return self.time_forward.seconds + self.time_backward.seconds
+
+    @property
+    def memory_bytes(self) -> int:
+        """The larger pass's bytes beyond its inputs and outputs."""
+        return max(self.memory_forward, self.memory_backward)
+
+    @property
+    def ops_forward(self) -> int:
+        """Forward supersteps (ops executed other than views)."""
+        return self.forward.supersteps
+
+    @property
+    def ops_backward(self) -> int:
+        """Backward supersteps."""
+        return self.backward.supersteps
+
+    @property
+    def forward_flops(self) -> int:
+        return self.forward.matmul_flops
+
+    @property
+    def backward_flops(self) -> int:
+        return self.backward.matmul_flops
+
+    @property
+    def iterations(self) -> int:
+        """Loop iterations of the forward pass."""
+        return self.forward.iterations
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Naive attention (:mod:`popxl_flash.checks.naive`) priced by the same model.
+
+    Attributes:
+        forward, backward: :class:`~popxl_flash.plan.ipu_time.WorkCounts`.
+        time_forward, time_backward: :class:`~popxl_flash.plan.ipu_time.ModelledTime`.
+        memory_forward, memory_backward: bytes beyond inputs and outputs.
+        fits: both within the budget.
+    """
+
+    forward: object
+    backward: object
+    time_forward: object
+    time_backward: object
+    memory_forward: int
+    memory_backward: int
+    fits: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.time_forward.seconds + self.time_backward.seconds
 
 
 @dataclass(frozen=True)
@@ -166,39 +190,61 @@ class ChunkChoice:
 
     Attributes:
         chosen: the chosen :class:`Candidate`.
-        candidates: all candidates, ascending chunk length.
+        candidates: all candidates, by chunk lengths.
         reason: why the chosen one won (str).
-        structures: the loop structures weighed at the chosen chunking
-            (:func:`structures`), the model's choice first.
+        budget: the ``memory_budget`` (bytes) the choice kept to.
+        seed: the seed's chunk rule (256-row chunks) as a :class:`Candidate`.
+        naive: naive attention as a :class:`Baseline`.
+        label: how the times are labelled (:func:`popxl_flash.plan.ipu_time.label`).
     """
 
     chosen: Candidate
     candidates: tuple
     reason: str
-    structures: tuple = ()
+    budget: int = 0
+    seed: Optional[Candidate] = None
+    naive: Optional[Baseline] = None
+    label: str = ""
 
     def table(self) -> str:
-        """The candidates as a text table (the chosen one marked ``*``)."""
-        head = ("", "chunks", "flop ratio", "iters", "ops fwd", "ops bwd", "bytes copied",
-                "step MiB", "work set MiB", "fits", "O(L)", "model ms")
+        """The candidates as a text table (the chosen one marked ``*``, the fastest few and
+        the seed's rule), then the chosen, the seed's rule and naive attention side by side."""
+        head = ("", "chunks", "flop ratio", "steps", "supersteps f+b", "MFLOP f+b",
+                "Melements f+b", "bytes copied", "MiB f/b", "fits", "modelled us")
+        shown = sorted(self.candidates, key=lambda c: c.seconds)[:12]
+        for extra in (self.chosen, self.seed):
+            if extra is not None and extra not in shown:
+                shown.append(extra)
         rows = [head]
-        for c in self.candidates:
-            rows.append(("*" if c is self.chosen else "", f"{c.chunk_q}x{c.chunk_kv}",
-                         f"{c.flop_ratio:.4f}", str(c.iterations), str(c.ops_forward),
-                         str(c.ops_backward),
-                         f"{c.bytes_copied_forward + c.bytes_copied_backward:,}",
-                         f"{c.step_bytes / 2**20:.2f}", f"{c.working_set_bytes / 2**20:.1f}",
-                         "yes" if c.fits else "NO", "yes" if c.linear_memory else "no",
-                         f"{c.seconds * 1e3:.3f}"))
+        for c in sorted(shown, key=lambda c: (c.chunk_q, c.chunk_kv)):
+            mark = "*" if c is self.chosen else ("s" if c == self.seed else "")
+            rows.append((mark, f"{c.chunk_q}x{c.chunk_kv}", f"{c.flop_ratio:.4f}",
+                         str(c.forward.iterations),
+                         str(c.forward.supersteps + c.backward.supersteps),
+                         f"{(c.forward.matmul_flops + c.backward.matmul_flops) / 1e6:,.1f}",
+                         f"{(c.forward.vector_elements + c.backward.vector_elements) / 1e6:,.2f}",
+                         f"{c.forward.bytes_copied + c.backward.bytes_copied:,}",
+                         f"{c.memory_forward / 2**20:.1f}/{c.memory_backward / 2**20:.1f}",
+                         "yes" if c.fits else "NO", f"{c.seconds * 1e6:,.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-        lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason})")
-        for n, st in enumerate(self.structures):
-            lines.append(f"{'structure' if n == 0 else '  against'}: {st.name:<11} ops "
-                         f"{st.ops}  bytes copied {st.bytes_copied:,}  flop ratio "
-                         f"{st.flop_ratio:.4f}  model ms {st.seconds * 1e3:.3f}"
-                         + ("" if st.eligible else "  (over the FLOP budget)"))
+        lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason}); "
+                     f"memory_budget {self.budget:,} bytes ({self.budget / 2**20:.1f} MiB)")
+        lines.append(_compare_line("flash (chosen)", self.chosen))
+        if self.seed is not None:
+            lines.append(_compare_line("seed's 256-row rule", self.seed))
+        if self.naive is not None:
+            lines.append(_compare_line("naive attention", self.naive))
+        lines.append(f"times are {self.label}")
         return "\n".join(lines)
+
+
+def _compare_line(name, c):
+    """One line: forward, backward and total modelled time, memory, whether it fits."""
+    return (f"{name:>20}: forward {c.time_forward.seconds * 1e6:,.1f} us, backward "
+            f"{c.time_backward.seconds * 1e6:,.1f} us, total {c.seconds * 1e6:,.1f} us "
+            f"(modelled); {max(c.memory_forward, c.memory_backward) / 2**20:,.1f} MiB "
+            f"{'fits' if c.fits else 'does NOT fit'} the budget")
 
 
 def _ops(weights, groups):
@@ -287,8 +333,9 @@ def second_level(group, *, groups, head_dim, dtype, backward, segments, kv_group
     G, D, item = groups, head_dim, 2 if dtype == "float16" else 4
     Gk = G if kv_groups is None else kv_groups
     state, operands, _ = _step_bytes(group, G, Gk, D, item, backward, segments)
-    copy_cycles = (2 * state + operands) / (TILES * COPY_BYTES_PER_TILE_CYCLE)
-    return extra_ops * OP_CYCLES > copy_cycles
+    c = _ipu_time.current()
+    copy_cycles = (2 * state + operands) / (c.tiles * c.copy_bytes_per_tile_cycle)
+    return extra_ops * c.superstep_cycles > copy_cycles
 
 
 def _branch_copies(group, classes, G, Gk, D, item, backward, seg, two_levels):
@@ -352,76 +399,102 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
     return copies
 
 
-def _working_set(sched, G, Gk, D, item):
-    """``(resident, step)`` bytes of the backward pass (the larger): the resident tensors
-    (padded q, do, out, k, v; lse, Dvec; float32 dq, dk, dv; k, v, dk, dv of Gk groups) and
-    one step's temporaries (~5 float32 ``[cq, ckv]`` blocks and 4 float32 ``[cq, D]`` rows)."""
-    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    resident = (G * (3 * lq * D * item + 2 * lq * _F32 + lq * D * _F32)
-                + Gk * (2 * lkv * D * item + 2 * lkv * D * _F32))
-    step = 5 * sched.chunk_q * sched.chunk_kv * _F32 + 4 * sched.chunk_q * D * _F32
-    return resident, G * step
-
-
-def _seconds(flops, ops, iterations, copied, dtype):
-    compute = flops / (TILES * FLOPS_PER_TILE_CYCLE[dtype] * CLOCK_HZ)
-    overhead = (ops * OP_CYCLES + iterations * ITERATION_CYCLES) / CLOCK_HZ
-    return compute + overhead + copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
+def _seconds(flops, ops, copied, dtype):
+    """Modelled seconds of ``ops`` supersteps, ``flops`` matmul FLOPs and ``copied`` bytes
+    (:func:`popxl_flash.plan.ipu_time.time`; no vector term)."""
+    return _ipu_time.time(_ipu_time.WorkCounts(ops, flops, 0, copied), dtype).seconds
 
 
 def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
-             kv_groups=None):
+             kv_groups=None, memory_budget=None):
     """The model's figures for one chunking.
 
     Args:
         Lq, Lkv: sequence lengths; chunk_q, chunk_kv: chunk lengths.
         head_dim, groups: D and G.
         kv_groups: Gk, the groups of k and v (``None``: G; grouped-query attention: a divisor
-            of G). It changes only the modelled bytes; FLOPs and ops are those of G.
+            of G).
         dtype: ``"float16"`` or ``"float32"``.
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
+        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
 
     Returns:
         A :class:`Candidate`.
     """
-    sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
-    item = 2 if dtype == "float16" else 4
-    fwd = sched.forward_flops(head_dim, groups)
-    bwd = sched.backward_flops(head_dim, groups)
-    fwd_groups = _steps.step_groups(sched, "q_major")
-    bwd_groups = _steps.step_groups(sched, "kv_major")
-    ops_f = _ops(OPS_FORWARD[dtype], fwd_groups)
-    ops_b = _ops(OPS_BACKWARD[dtype], bwd_groups)
+    from popxl_flash.plan import counts as _counts
+    budget = _memory.check_budget(memory_budget)
     kv_groups = groups if kv_groups is None else kv_groups
-    copied_f, copied_b = (sum(pass_copies(sched, groups=groups, head_dim=head_dim, dtype=dtype,
-                                          backward=b).values()) for b in (False, True))
-    resident, step = _working_set(sched, groups, kv_groups, head_dim, item)
-    working = resident + step
-    fits = working <= TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION
-    linear = step <= resident
-    iters = _steps.loop_steps(sched)
-    seconds = (_seconds(fwd.executed, ops_f, iters, copied_f, dtype)
-               + _seconds(bwd.executed, ops_b, iters, copied_b, dtype))
+    sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
+    args = dict(head_dim=head_dim, groups=groups, kv_groups=kv_groups, dtype=dtype,
+                causal=causal, window=window)
+    fwd, bwd = (_counts.pass_counts(Lq, Lkv, chunk_q, chunk_kv, backward=b, **args)
+                for b in (False, True))
+    mem = [_memory.flash_bytes(sched, groups=groups, kv_groups=kv_groups, head_dim=head_dim,
+                               dtype=dtype, backward=b, steps=c.iterations)
+           for b, c in ((False, fwd), (True, bwd))]
     return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
-                     num_chunks_kv=sched.nkv, flop_ratio=fwd.ratio, forward_flops=fwd.executed,
-                     backward_flops=bwd.executed, iterations=iters, ops_forward=ops_f,
-                     ops_backward=ops_b, bytes_copied_forward=copied_f,
-                     bytes_copied_backward=copied_b, working_set_bytes=working,
-                     step_bytes=step, fits=fits, linear_memory=linear,
-                     eligible=fits and linear and fwd.ratio <= MAX_FLOP_RATIO, seconds=seconds)
+                     num_chunks_kv=sched.nkv, flop_ratio=sched.forward_flops(head_dim, 1).ratio,
+                     forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
+                     time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
+                     memory_backward=mem[1], fits=max(mem) <= budget)
 
 
-def _balanced(length, target):
-    """The chunk length of ``ceil(length / target)`` equal chunks (at most ``target``; the
-    padding of the tail is less than one chunk per chunk count)."""
-    count = -(-length // target)
-    return -(-length // count)
+def naive(Lq, Lkv, *, head_dim, groups, dtype, causal, window, memory_budget=None):
+    """Naive attention priced by the same model (:class:`Baseline`)."""
+    budget = _memory.check_budget(memory_budget)
+    masked = causal or tuple(window) != (-1, -1)
+    args = dict(groups=groups, q_len=Lq, kv_len=Lkv, head_dim=head_dim, dtype=dtype)
+    fwd, bwd = (_baselines.naive_counts(masked=masked, backward=b, **args) for b in (False, True))
+    mem = [_memory.naive_bytes(masked=masked, backward=b, **args) for b in (False, True)]
+    return Baseline(forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
+                    time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
+                    memory_backward=mem[1], fits=max(mem) <= budget)
+
+
+#: Chunk counts tried on an axis besides those of :data:`CANDIDATE_CHUNK_LENGTHS`: one block
+#: up to eight, balanced (``ceil(L / n)`` rows; lengths need not be powers of two).
+CANDIDATE_COUNTS = (1, 2, 3, 4, 5, 6, 8)
+#: Chunk lengths tried on an axis (balanced over the sequence as counts ``ceil(L / c)``).
+CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024)
+#: Largest number of blocks a candidate may have (each visited block costs its supersteps, so
+#: finer chunkings only win where memory binds, and the planner's tables grow with them).
+MAX_CANDIDATE_BLOCKS = 2048
+#: Largest ratio between the two axes' chunk lengths tried.
+MAX_CHUNK_ASPECT = 4
+
+
+#: When no chunking fits the budget: the fastest within this factor of the least memory (the
+#: resident state dominates there, so the finest chunking would cost many supersteps for
+#: little memory).
+NOTHING_FITS_SLACK = 1.25
+
+
+def _axis_lengths(length, fixed):
+    """Chunk lengths tried on one axis (``fixed``: only that one)."""
+    if fixed is not None:
+        return (fixed,)
+    counts = set(CANDIDATE_COUNTS) | {-(-length // c) for c in CANDIDATE_CHUNK_LENGTHS}
+    return tuple(sorted({-(-length // n) for n in counts if n <= length}))
+
+
+def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
+    """The ``(chunk_q, chunk_kv)`` pairs :func:`choose` weighs: every pair of the axes'
+    lengths (:func:`_axis_lengths`) with at most :data:`MAX_CANDIDATE_BLOCKS` blocks."""
+    pairs = [(cq, ckv) for cq in _axis_lengths(Lq, chunk_q) for ckv in _axis_lengths(Lkv, chunk_kv)
+             if -(-Lq // cq) * -(-Lkv // ckv) <= MAX_CANDIDATE_BLOCKS
+             and (chunk_q or chunk_kv or max(cq, ckv) <= MAX_CHUNK_ASPECT * min(cq, ckv)
+                  or min(cq, ckv) in (Lq, Lkv))]
+    if not pairs:  # fixed lengths that make many blocks: the finest allowed on the free axis
+        cq = chunk_q or Lq
+        ckv = chunk_kv or Lkv
+        pairs = [(cq, ckv)]
+    return pairs
 
 
 @functools.lru_cache(maxsize=1024)
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
-           chunk_kv=None, kv_groups=None):
-    """Choose chunk lengths by the model (see the module docstring).
+           chunk_kv=None, kv_groups=None, memory_budget=None):
+    """Choose chunk lengths: the least modelled forward + backward time within the budget.
 
     Cached (the arguments are hashable and the result immutable): the functional API validates
     a call's configuration more than once, and every layer of a model asks the same question.
@@ -430,179 +503,40 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         Lq, Lkv, head_dim, groups, dtype, causal, window: the attention call.
         kv_groups: Gk of k and v (``None``: G), as :func:`evaluate`.
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
+        memory_budget: bytes the call may hold beyond its inputs and outputs (``None``: the
+            default, :func:`popxl_flash.plan.memory.default_budget`).
 
     Returns:
-        A :class:`ChunkChoice`.
+        A :class:`ChunkChoice`. When no candidate fits, ``chosen`` is the one needing the
+        least memory and ``reason`` says so (the entry points raise ``ValueError``).
     """
-    pairs = []
-    for c in CANDIDATE_CHUNKS:
-        pair = (chunk_q or _balanced(Lq, c), chunk_kv or _balanced(Lkv, c))
-        if pair not in pairs:
-            pairs.append(pair)
-    candidates = tuple(evaluate(Lq, Lkv, cq, ckv, head_dim=head_dim, groups=groups,
-                                dtype=dtype, causal=causal, window=window, kv_groups=kv_groups)
-                       for cq, ckv in pairs)
-    eligible = [c for c in candidates if c.eligible]
-    linear = [c for c in candidates if c.fits and c.linear_memory]
-    fitting = [c for c in candidates if c.fits]
-    if eligible:
-        chosen = min(eligible, key=lambda c: c.seconds)
-        reason = (f"least modelled time with FLOP ratio <= {MAX_FLOP_RATIO}, step temporaries "
-                  "<= resident tensors, fitting memory")
-    elif any(c.flop_ratio <= FALLBACK_FLOP_RATIO for c in linear):
-        chosen = min((c for c in linear if c.flop_ratio <= FALLBACK_FLOP_RATIO),
-                     key=lambda c: c.seconds)
-        reason = (f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least modelled time within "
-                  f"{FALLBACK_FLOP_RATIO} with step temporaries <= resident tensors")
-    elif linear:
-        chosen = min(linear, key=lambda c: (c.flop_ratio, c.seconds))
-        reason = (f"no chunking within FLOP ratio {FALLBACK_FLOP_RATIO}: least wasted work with "
-                  "step temporaries <= resident tensors")
-    elif fitting:
-        chosen = min(fitting, key=lambda c: (c.flop_ratio, c.seconds))
-        reason = f"no chunking within FLOP ratio {MAX_FLOP_RATIO}: least wasted work that fits"
-    else:
-        chosen = min(candidates, key=lambda c: c.working_set_bytes)
-        reason = "NOTHING FITS the usable tile memory: smallest working set"
-    weighed = structures(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, head_dim=head_dim,
-                         groups=groups, dtype=dtype, causal=causal, window=window,
-                         kv_groups=kv_groups)
-    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, structures=weighed)
-
-
-#: Ops per pass of the nested-conditional dispatch (one loop, carried state, conditionals
-#: nested by step kind), fitted on the emulator to those graphs:
-#: ``fixed + per_step * V + per_partial * partial + per_split * split + per_last * last``.
-OPS_DISPATCH_FORWARD = dict(fixed=13, per_step=30.7, per_partial=9.7, per_split=42.6,
-                            per_last=7.8)
-OPS_DISPATCH_BACKWARD = dict(fixed=6, per_step=39.4, per_partial=8.6, per_split=47.5,
-                             per_last=3.2)
-
-
-@dataclass(frozen=True)
-class Structure:
-    """The model's figures for one loop structure at one chunking (forward + stash backward).
-
-    Attributes:
-        name: ``"grouped"`` (built: one branch-free loop per step group, state in place),
-            ``"dispatch"`` (one loop, carried state, conditionals nested by step kind, the
-            structure of the nested-conditional dispatch) or ``"branch-free"`` (one loop, every block whole under
-            a gathered mask, all visible for full blocks; no sub-blocks).
-        ops: ops executed, forward + backward.
-        bytes_copied: lowering copies under PopART's rules, forward + backward.
-        flops: executed matmul FLOPs, forward + backward.
-        flop_ratio: forward executed / useful FLOPs.
-        seconds: modelled time (:func:`_seconds` of each pass, summed).
-        eligible: ``flop_ratio`` within :data:`MAX_FLOP_RATIO`, or at most the built
-            structure's (the wasted-work policy of the chunk choice applies to structures too).
-    """
-
-    name: str
-    ops: int
-    bytes_copied: int
-    flops: int
-    flop_ratio: float
-    seconds: float
-    eligible: bool
-
-
-def _rank_keys(blist):
-    """Step kinds ``(kind, split, last)`` of a block list, most frequent first, and the
-    conditional nesting level each runs at (two kinds: one level; n kinds: the i-th at level
-    ``min(i + 1, n - 1)``)."""
-    keys = list(zip(blist.kind.tolist(), blist.split.tolist(), blist.last.tolist()))
-    counts = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    ranked = sorted(counts, key=lambda key: (-counts[key], key))
-    n = len(ranked)
-    level = {key: (0 if n == 1 else min(i + 1, n - 1)) for i, key in enumerate(ranked)}
-    return keys, level
-
-
-def _dispatch_copies(sched, G, Gk, D, item, backward):
-    """PopART-rule copies of the dispatch structure (the rules of :func:`pass_copies`): per
-    step, the carried values into LoopOpx's clones and back, LoopOpx's control copies, and the
-    taken branch's inputs and outputs at every nesting level (``IfOpx`` never aliases); once,
-    the carried initial values; the by-reference results are aliased (nothing else reads them
-    while the loop runs)."""
-    cq, ckv = sched.chunk_q, sched.chunk_kv
-    if backward:
-        carried = Gk * 2 * ckv * D * _F32 + COUNTER_BYTES  # dk_j, dv_j, t
-        inputs = (carried - COUNTER_BYTES + G * (cq * D * _F32 + 2 * cq * D * item
-                                                 + 2 * cq * _F32) + Gk * 2 * ckv * D * item)
-        outputs = carried - COUNTER_BYTES + G * cq * D * _F32 + Gk * 2 * ckv * D * _F32
-        blist = sched.block_list("kv_major")
-    else:
-        carried = G * (2 * cq + cq * D) * _F32 + COUNTER_BYTES  # m_i, l_i, acc, t
-        inputs = carried - COUNTER_BYTES + G * cq * D * item + Gk * 2 * ckv * D * item
-        outputs = carried - COUNTER_BYTES + G * (cq * D * item + cq * _F32)
-        blist = sched.block_list("q_major")
-    keys, level = _rank_keys(blist)
-    branch = sum(level[key] for key in keys) * (inputs + outputs)
-    return (2 * carried * len(keys) + branch + carried + LOOP_CONTROL_ONCE
-            + LOOP_CONTROL_STEP * len(keys))
-
-
-def _dispatch_ops(weights, blist):
-    partial = int((blist.kind == _schedule.PARTIAL).sum())
-    split = int((blist.split != _schedule.WHOLE).sum())
-    return round(weights["fixed"] + weights["per_step"] * len(blist)
-                 + weights["per_partial"] * partial + weights["per_split"] * split
-                 + weights["per_last"] * int(blist.last.sum()))
-
-
-def structures(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
-               kv_groups=None):
-    """The model's estimate of the loop structures it weighs, for one chunking.
-
-    The library builds ``"grouped"``. A structure is eligible if it wastes no more matmul work
-    than the policy allows (:data:`MAX_FLOP_RATIO`, or the built structure's ratio when that is
-    higher); the least modelled time among the eligible ones is the model's choice. The test
-    suite holds the choice to ``"grouped"`` at the issue's sizes, so constants that made another
-    structure win would show. (With G = 2, D = 64 the branch-free body is ~1.5% faster on the
-    model: splitting a diagonal block saves FLOPs that cost less than its second step's ops;
-    it wastes 6.2% of the matmul work at 16 chunks, against 3.1% split.)
-
-    Args:
-        as :func:`evaluate`.
-
-    Returns:
-        A tuple of :class:`Structure`: eligible ones first, each part by modelled time.
-    """
-    sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
-    G, D, item = groups, head_dim, 2 if dtype == "float16" else 4
+    budget = _memory.check_budget(memory_budget)
+    window = (-1, -1) if window is None else tuple(window)
+    args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
+                kv_groups=kv_groups, memory_budget=budget)
+    pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
     Gk = groups if kv_groups is None else kv_groups
-    flops = sched.forward_flops(D, G)
-    fwd, bwd = flops.executed, sched.backward_flops(D, G).executed
-    V = sched.visited_blocks
-    budget = max(MAX_FLOP_RATIO, flops.ratio)
-    useful = max(flops.useful, 1)
-    out = []
-    grouped = evaluate(Lq, Lkv, chunk_q, chunk_kv, head_dim=D, groups=G, dtype=dtype,
-                       causal=causal, window=window, kv_groups=kv_groups)
-    out.append(Structure("grouped", grouped.ops_forward + grouped.ops_backward,
-                         grouped.bytes_copied_forward + grouped.bytes_copied_backward,
-                         fwd + bwd, flops.ratio, grouped.seconds, True))
-    ops_f = _dispatch_ops(OPS_DISPATCH_FORWARD, sched.block_list("q_major"))
-    ops_b = _dispatch_ops(OPS_DISPATCH_BACKWARD, sched.block_list("kv_major"))
-    copied_f = _dispatch_copies(sched, G, Gk, D, item, backward=False)
-    copied_b = _dispatch_copies(sched, G, Gk, D, item, backward=True)
-    out.append(Structure("dispatch", ops_f + ops_b, copied_f + copied_b, fwd + bwd,
-                         flops.ratio, _seconds(fwd, ops_f, V, copied_f, dtype)
-                         + _seconds(bwd, ops_b, V, copied_b, dtype), True))
-    whole = V * chunk_q * chunk_kv * G * D * 2  # multiply-adds x 2 per matmul cell
-    flat_f, flat_b = 2 * whole, 5 * whole
-    weights_f, weights_b = OPS_FORWARD[dtype], OPS_BACKWARD[dtype]
-    ops_f = weights_f["fixed"] + weights_f["per_loop"] + V * (weights_f["per_step"]
-                                                              + weights_f["per_masked"])
-    ops_b = weights_b["fixed"] + weights_b["per_loop"] + V * (weights_b["per_step"]
-                                                              + weights_b["per_masked"])
-    loop = dict.fromkeys(COPY_KINDS, 0)
-    _loop_copies(V, loop)  # one loop of V whole-block steps
-    copied = sum(loop.values())
-    ratio = flat_f / useful if flops.useful else 1.0
-    out.append(Structure("branch-free", ops_f + ops_b, 2 * copied, flat_f + flat_b, ratio,
-                         _seconds(flat_f, ops_f, V, copied, dtype)
-                         + _seconds(flat_b, ops_b, V, copied, dtype), ratio <= budget))
-    return tuple(sorted(out, key=lambda s: (not s.eligible, s.seconds)))
+
+    def bound(pair):
+        return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
+                                         chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
+    # Candidates that cannot fit are not planned; if none can, the few needing the least.
+    kept = [pair for pair in pairs if bound(pair) <= budget]
+    kept = kept or sorted(pairs, key=bound)[:4]
+    candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        chosen = min(fitting, key=lambda c: (c.seconds, c.memory_bytes))
+        reason = "least modelled forward + backward time within memory_budget"
+    else:
+        least = min(c.memory_bytes for c in candidates)
+        near = [c for c in candidates if c.memory_bytes <= NOTHING_FITS_SLACK * least]
+        chosen = min(near, key=lambda c: (c.seconds, c.memory_bytes))
+        reason = (f"NOTHING FITS memory_budget={budget:,} bytes (the least any chunking needs "
+                  f"is {least:,}): the least modelled time within {NOTHING_FITS_SLACK}x of that")
+    seed_q, seed_kv = _baselines.seed_chunks(Lq, Lkv)
+    seed = evaluate(Lq, Lkv, chunk_q or seed_q, chunk_kv or seed_kv, **args)
+    base = naive(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype, causal=causal,
+                 window=window, memory_budget=budget)
+    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, budget=budget,
+                       seed=seed, naive=base, label=_ipu_time.label())

@@ -203,7 +203,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
                                            dtype=dtype, backward=False, segments=seg,
                                            classes=classes).values())
         copied_mean += copied / len(lengths)
-        seconds += costmodel._seconds(f, o, steps, copied, dtype) / len(lengths)
+        seconds += costmodel._seconds(f, o, copied, dtype) / len(lengths)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
                            granule=granule, flops=tuple(flops), ops=tuple(op_counts),
                            bytes_copied=round(copied_mean), seconds=seconds)

@@ -1,0 +1,116 @@
+"""Memory of one attention call beyond its own inputs and outputs, and the default budget.
+
+``memory_budget=`` (bytes) on every planning entry point bounds what a call may hold live
+beyond its inputs and outputs: the emulator's ``peak_live_bytes`` minus the bytes of the
+call's inputs and outputs (constants, such as the mask tables, count against the budget).
+The functions here are upper bounds of that figure, held to the emulator's profile by
+``tests/test_memory_budget.py`` (never below it; at most ~2x above it for large blocks).
+
+Default budget (:data:`DEFAULT_MEMORY_FRACTION` of one IPU's In-Processor-Memory, ~224 MiB on
+a GC200): an assumption. Attention is one part of a layer: the same memory holds the layer's
+weights (or their shards), its other activations, the optimiser state of a training step,
+Poplar's code and exchange buffers; a quarter leaves the rest three quarters. It holds the
+float32 gradient state of the backward (``dq, dk, dv``: ``4 (G Lq + 2 Gk Lkv) D`` bytes, which
+no chunking avoids) at the per-IPU head counts of Graphcore's tensor-parallel model scripts.
+Pass ``memory_budget=`` to trade memory for time either way; when no chunking fits, the
+choice says so (``pf.explain``), and an explicit ``memory_budget`` raises ``ValueError``.
+"""
+from popxl_flash.plan import ipu_time
+
+#: Fraction of one IPU's memory a call may hold by default (assumption, see module docstring).
+DEFAULT_MEMORY_FRACTION = 1 / 4
+
+_F32 = 4
+
+#: Float32 block-sized temporaries live at once at the peak of a step ``[G, cq, ckv]``
+#: (forward: scores and probabilities; backward: P, dP, dS and a cast), an upper bound of the
+#: emulator's liveness on this version's graphs.
+FORWARD_BLOCKS, BACKWARD_BLOCKS = 1.5, 2.25
+#: Float32 row-sized temporaries ``[G, cq, D]`` and ``[Gk, ckv, D]`` at once.
+FORWARD_ROWS, BACKWARD_ROWS = 2.0, 3.0
+#: Small tensors of any pass (scalars, counters, one-element constants): a fixed allowance.
+FIXED_BYTES = 4096
+#: Bytes of the loop tables per step (first q row, first kv column, pattern id: int32).
+TABLE_BYTES_PER_STEP = 12
+#: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
+#: their scaled and masked copies, the softmax, its cast), measured on the emulator
+#: (float16: 6.5 forward, 10 backward; float32: 5 and 7), plus the bool mask ``[Lq, Lkv]``.
+NAIVE_BYTES_PER_SCORE = {("float16", False): 6.5, ("float16", True): 10.0,
+                         ("float32", False): 5.0, ("float32", True): 7.0}
+
+
+def default_budget(constants=None) -> int:
+    """The default ``memory_budget``: :data:`DEFAULT_MEMORY_FRACTION` of one IPU's memory."""
+    c = constants or ipu_time.current()
+    return int(c.device_bytes * DEFAULT_MEMORY_FRACTION)
+
+
+def check_budget(memory_budget, name="memory_budget"):
+    """``memory_budget`` as an int number of bytes (``None``: :func:`default_budget`).
+
+    Raises:
+        TypeError: not an integer. ValueError: not positive.
+    """
+    import numbers
+    if memory_budget is None:
+        return default_budget()
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
+        raise TypeError(f"{name} must be an int number of bytes or None (the default: "
+                        f"{default_budget():,} bytes), got {name}={memory_budget!r} "
+                        f"({type(memory_budget).__name__})")
+    if memory_budget <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, got {name}="
+                         f"{memory_budget}")
+    return int(memory_budget)
+
+
+def _item(dtype):
+    return 2 if dtype == "float16" else 4
+
+
+def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
+    """Upper bound of one flash pass's live bytes beyond its inputs and outputs.
+
+    Args:
+        sched: the :class:`~popxl_flash.plan.schedule.BlockSchedule`.
+        groups, kv_groups, head_dim: G, Gk, D; dtype: the input dtype name.
+        backward: the stash-mode backward (else the forward).
+        steps: the pass's loop steps (:func:`popxl_flash.plan.steps.loop_steps`).
+
+    Returns:
+        int bytes.
+    """
+    G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
+    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+    pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
+    tables = sched.patterns.nbytes + TABLE_BYTES_PER_STEP * steps
+    block = G * sched.chunk_q * sched.chunk_kv * _F32
+    if not backward:
+        state = G * lq * (D + 2) * _F32  # m, l, acc
+        padded = pad_q * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
+        temps = FORWARD_BLOCKS * block + FORWARD_ROWS * (
+            G * sched.chunk_q + Gk * sched.chunk_kv) * D * _F32
+    else:
+        state = (G * lq * D + 2 * Gk * lkv * D + 2 * G * lq) * _F32  # dq, dk, dv; Dvec, lse
+        padded = pad_q * 3 * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
+        temps = BACKWARD_BLOCKS * block + BACKWARD_ROWS * (
+            G * sched.chunk_q + Gk * sched.chunk_kv) * D * _F32
+    return int(state + padded + tables + temps + FIXED_BYTES)
+
+
+def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):
+    """A cheap lower bound of :func:`flash_bytes` (no schedule needed): the backward's float32
+    gradient state and its block temporaries. The choice skips candidates above the budget by
+    it without planning them (a block as long as a 32K sequence would make the planner
+    materialise its mask)."""
+    state = (groups * q_len * head_dim + 2 * kv_groups * kv_len * head_dim) * _F32
+    return int(state + BACKWARD_BLOCKS * groups * chunk_q * chunk_kv * _F32)
+
+
+def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
+    """Live bytes of naive attention (:mod:`popxl_flash.checks.naive`) beyond its inputs and
+    outputs: the score-sized tensors, the mask, a few rows."""
+    scores = groups * q_len * kv_len
+    rows = groups * max(q_len, kv_len) * head_dim * _F32 * (5 if backward else 2)
+    return int(NAIVE_BYTES_PER_SCORE[(dtype, bool(backward))] * scores
+               + (q_len * kv_len if masked else 0) + rows + FIXED_BYTES)
