@@ -159,8 +159,8 @@ def test_in_place_dynamic_update_counts_its_update():
         v = popxl.variable(np.zeros((8, 3), np.float32))
         at = popxl.constant(np.array([2], np.int32))
         part = ops.dynamic_slice(v, at, axes=[0], sizes=[2], no_overlap=True)
-        ops.dynamic_update_(v, at, part + 1.0, axes=[0], sizes=[2], no_overlap=True)
-        store(v)
+        w = ops.dynamic_update_(v, at, part + 1.0, axes=[0], sizes=[2], no_overlap=True)
+        store(w)
     p = _profile(ir)
     assert p.elements_by_kind == {"dynamic_slice": 6, "add": 6, "dynamic_update_": 6,
                                   "host_store": 0}
