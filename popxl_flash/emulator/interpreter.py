@@ -8,6 +8,7 @@ import numpy as np
 
 from .copies import KINDS
 from .plan import MULTI, PLAIN
+from .profile import WORK_INPUT
 
 _ndarray, _asarray = np.ndarray, np.asarray
 
@@ -41,8 +42,9 @@ class Runtime:
         for graph, runs in self.graph_runs.values():
             for op in graph._ops:
                 ops[op.kind] = ops.get(op.kind, 0) + runs
-                elements[op.kind] = elements.get(op.kind, 0) + runs * sum(
-                    t.nelms for t in op.outputs)
+                pos = WORK_INPUT.get(op.kind)
+                n = sum(t.nelms for t in op.outputs) if pos is None else op.inputs[pos].nelms
+                elements[op.kind] = elements.get(op.kind, 0) + runs * n
         return ops, elements
 
     def meet(self, op, value, combine):

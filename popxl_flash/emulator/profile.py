@@ -9,6 +9,9 @@ from .ir import Graph, Ir
 #: tensor expressions, not programs: no superstep, no vector work.
 VIEW_KINDS = frozenset(("reshape", "reshape_", "transpose", "transpose_", "detach", "detach_",
                         "slice", "slice_"))
+#: Kinds whose work is one input's elements, not their output's: an in-place dynamic update
+#: writes its update (input 2) into the tensor it returns.
+WORK_INPUT = {"dynamic_update_": 2}
 #: Kinds executed but doing no vector work of their own: views, matmuls (their work is
 #: ``matmul_flops``), subgraph ops (their work is their callee's ops; their copies are
 #: ``bytes_copied``), host IO and the replicated collectives (streams and links).
@@ -55,7 +58,8 @@ class RunProfile:
         ops_by_kind: ``{op kind: executions}`` summed over the run (sums to
             ``ops_executed``).
         elements_by_kind: ``{op kind: output elements}``: each executed op's output elements
-            (all outputs), summed over executions.
+            (all outputs; the update's for ``dynamic_update_``, ``WORK_INPUT``), summed over
+            executions.
         replicas: with replication (R > 1), each replica's own profile (replica r at index
             r); the fields above then sum the replicas' counters, except
             ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).

@@ -149,3 +149,19 @@ def test_replicas_sum_by_kind():
                                                     "host_store": 1}] * 2
     assert p.ops_by_kind == {"host_load": 2, "exp": 2, "host_store": 2}
     assert p.elements_by_kind["exp"] == 6 and p.vector_elements == 6
+
+
+def test_in_place_dynamic_update_counts_its_update():
+    """An in-place dynamic update writes its update (2 x 3 elements), not the whole tensor it
+    returns (8 x 3); the dynamic slice's output is its slice."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.zeros((8, 3), np.float32))
+        at = popxl.constant(np.array([2], np.int32))
+        part = ops.dynamic_slice(v, at, axes=[0], sizes=[2], no_overlap=True)
+        w = ops.dynamic_update_(v, at, part + 1.0, axes=[0], sizes=[2], no_overlap=True)
+        store(w)
+    p = _profile(ir)
+    assert p.elements_by_kind == {"dynamic_slice": 6, "add": 6, "dynamic_update_": 6,
+                                  "host_store": 0}
+    assert p.vector_elements == 18 and p.supersteps == 4
