@@ -169,26 +169,26 @@ class Session:
         return outputs
 
     def run_with_outputs(self, inputs=None, outputs=None, downcast_inputs=True):
-        """Run, writing results into the given output arrays (see ``run``)."""
+        """Run, writing results into the given output arrays (see ``run``).
+
+        Each output array must have the stream's full shape (PopXL's ``_verify_io_shape``:
+        ``ValueError`` otherwise). A d2h entry the run never writes keeps the array's previous
+        contents (PopXL leaves it unspecified and raises nothing)."""
         self._assert_attached()
         h2d = self._prepare_inputs(inputs or {}, downcast_inputs)
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
-        nht = self._ir.num_host_transfers
+        for s, arr in outputs.items():
+            self._verify_io_shape(s, arr)
         d2h = {s: _d2h_buffer(s, outputs[s], self._full_shape(s, always=True)) for s in outputs}
         t0 = time.perf_counter()
         replicas = self._ir.replication_factor
         runtimes = run_replicas(replicas, lambda r, rdv: self._run_replica(h2d, d2h, r, rdv))
         self._host_in_sync = False
-        for rt in runtimes:
-            for s, n in rt.stores.items():
-                if n < nht:
-                    raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries "
-                                       "were never written by host_store this run (their "
-                                       "contents are unspecified on the device)")
         for s in d2h:
             if not np.may_share_memory(d2h[s], outputs[s]):
-                outputs[s][...] = d2h[s].reshape(outputs[s].shape)
+                _entries(outputs[s], self._ir.num_host_transfers)[...] = \
+                    d2h[s].reshape(_entries(outputs[s], self._ir.num_host_transfers).shape)
         seconds = time.perf_counter() - t0
         profiles = [RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes, seconds, rt.copied,
                                self._device.memory_bytes, loop_iterations=rt.iterations,
@@ -196,6 +196,38 @@ class Session:
                                copy_sites=dict(rt.copy_sites),
                                collective_bytes=rt.collective_bytes) for rt in runtimes]
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
+
+    def _full_input_shape(self, shape):
+        """PopXL's helper: ``shape`` with the ``num_host_transfers`` and replication dims in
+        front (each only when > 1)."""
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        return ((nht,) if nht > 1 else ()) + ((reps,) if reps > 1 else ()) + tuple(shape)
+
+    def _verify_io_shape(self, stream, arr):
+        """PopXL's check of one run array: at least ``num_host_transfers`` entries, the
+        replication dim, then the stream's shape (an array of ones only squeezed to ``()``
+        passes too). Raises: ValueError."""
+        kind = "input" if stream in self._ir.get_all_h2d_streams() else "output"
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        shape = np.shape(arr)
+        repl_index = data_index = int(nht > 1)
+        if nht > 1 and (not shape or shape[0] < nht):
+            raise ValueError(f"Dimension 0 ({shape[0] if shape else None}) for the array "
+                             f"provided for {kind} stream {stream.tensor_id} is not large "
+                             f"enough.\nIt should be at least of size num_host_transfers = {nht}")
+        if reps > 1:
+            data_index += 1
+            if len(shape) <= repl_index or shape[repl_index] != reps:
+                raise ValueError(f"Dimension {repl_index} for the array provided for {kind} "
+                                 f"stream {stream.tensor_id} is the wrong size.\nIt should be "
+                                 f"of size replication_factor = {reps}")
+        if np.squeeze(arr).shape[data_index:] == ():
+            return
+        if shape[data_index:] != stream.shape:
+            raise ValueError(f"Shape mismatch for {kind} stream {stream.tensor_id}:\nStream "
+                             f"shape = {stream.shape}, therefore expected full global batch "
+                             f"shape {self._full_input_shape(stream.shape)}. Got array shape = "
+                             f"{shape}")
 
     def _run_replica(self, h2d, d2h, replica, rendezvous):
         """Run the main graph as replica ``replica`` (its rows of the stream buffers, its
@@ -285,14 +317,29 @@ def _host_array(data, downcast):
     return dtypes.to_numpy(data, downcast=downcast)
 
 
+def _entries(out, nht):
+    """The part of a (verified) output array a run writes: its first ``nht`` entries when it
+    has more (PopXL accepts a longer leading dim), else all of it."""
+    return out[:nht] if nht > 1 and out.shape[0] > nht else out
+
+
 def _d2h_buffer(stream, out, shape):
     """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
-    array of the stream's dtype and size (no staging copy), else a new buffer.
+    array of the stream's dtype and size (no staging copy), else a new buffer holding its
+    current contents (entries a run does not write keep them).
     ``shape``: ``(num_host_transfers, [replicas,] *stream.shape)``."""
-    if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
-            out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
-        return out.reshape(shape)
-    return np.empty(shape, stream.dtype.as_numpy())
+    if not isinstance(out, np.ndarray) or out.dtype != stream.dtype.as_numpy():
+        raise TypeError(f"output array for d2h stream {stream.tensor_id}: a numpy array of "
+                        f"{stream.dtype.as_numpy()} is needed (StepIO writes the raw device "
+                        f"bytes), got {getattr(out, 'dtype', type(out))}")
+    part = _entries(out, shape[0])
+    if part.size != int(np.prod(shape)):
+        raise RuntimeError(f"output array for d2h stream {stream.tensor_id}: {part.size} "
+                           f"elements for {int(np.prod(shape))} (a shape of ones PopXL's check "
+                           "lets through; what StepIO writes then is unspecified)")
+    if part.flags.c_contiguous:
+        return part.reshape(shape)
+    return np.array(part, copy=True).reshape(shape)
 
 
 def _check_keys(given, expected, what):

@@ -1,0 +1,162 @@
+"""Audit of the emulator against PopART sdk-release-3.4's source, fourth round: constructs
+the emulator refused although PopXL accepts them, or accepted although PopXL refuses them.
+
+Each test is written against ``popxl_flash.popxl`` and runs unchanged on the SDK; the source
+that settles it is named in the docstring.
+"""
+import numpy as np
+import pytest
+
+from conftest import COMPILE_ERRORS, IR_ERRORS, run, store
+from popxl_flash import popxl
+
+ops = popxl.ops
+f32 = popxl.float32
+
+
+# -- Session.run_with_outputs ------------------------------------------------------------------
+def _one_output_ir(nht=1):
+    ir = popxl.Ir()
+    ir.num_host_transfers = nht
+    with ir.main_graph:
+        x = popxl.constant(np.arange(6, dtype=np.float32).reshape(2, 3))
+        s = store(x + 1.0)
+    return ir, s
+
+
+def test_run_with_outputs_refuses_an_array_of_the_right_size_but_wrong_shape():
+    """``Session._verify_io_shape`` (``python_files/session.py``) compares the array's data
+    dims with the stream shape: ValueError, before anything runs."""
+    ir, s = _one_output_ir()
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(ValueError, match="Shape mismatch"):
+            session.run_with_outputs({}, {s: np.zeros((3, 2), np.float32)})
+        out = np.zeros((2, 3), np.float32)
+        session.run_with_outputs({}, {s: out})
+    np.testing.assert_array_equal(out, np.arange(6).reshape(2, 3) + 1)
+
+
+def test_run_with_outputs_refuses_too_few_host_transfers():
+    """Dimension 0 must be at least ``num_host_transfers`` (``_verify_io_shape``)."""
+    ir = popxl.Ir()
+    ir.num_host_transfers = 2
+    with ir.main_graph:
+        x = popxl.constant(np.ones(3, np.float32))
+        s = popxl.d2h_stream(x.shape, f32)
+        ops.host_store(s, x)
+        ops.host_store(s, x + 1.0)
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(ValueError, match="not large enough"):
+            session.run_with_outputs({}, {s: np.zeros((1, 3), np.float32)})
+        out = np.zeros((2, 3), np.float32)
+        session.run_with_outputs({}, {s: out})
+    np.testing.assert_array_equal(out, [[1, 1, 1], [2, 2, 2]])
+
+
+def test_unwritten_d2h_entry_is_not_an_error():
+    """PopXL checks no count of ``host_store``s: a run that writes fewer entries than
+    ``num_host_transfers`` completes (the unwritten entries are unspecified)."""
+    ir = popxl.Ir()
+    ir.num_host_transfers = 2
+    with ir.main_graph:
+        x = popxl.constant(np.full(3, 7.0, np.float32))
+        s = popxl.d2h_stream(x.shape, f32)
+        ops.host_store(s, x)
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run()[s]
+    np.testing.assert_array_equal(out[0], [7, 7, 7])
+
+
+# -- inplacing ambiguity -----------------------------------------------------------------------
+def _updating_graph(ir):
+    g = ir.create_empty_graph("upd")
+    with g:
+        v = popxl.graph_input((3,), f32, "v", by_ref=True)
+        ops.var_updates.accumulate_(v, popxl.constant(np.ones(3, np.float32)))
+    return g
+
+
+def test_two_unordered_by_ref_calls_updating_one_variable_compile():
+    """``Op::growAliasModelMulti`` (``willow/src/op.cpp``) adds a modifying edge only for an
+    input that aliases an output; PopXL's CallOp has no input-output alias, so two by-ref
+    calls with no order between them are not an inplacing ambiguity."""
+    ir = popxl.Ir()
+    g = _updating_graph(ir)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), name="v")
+        ops.call(g, v)
+        ops.call(g, v)
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run()
+        np.testing.assert_array_equal(session.get_tensor_data(v), [2, 2, 2])
+
+
+def test_in_place_op_and_unordered_reader_stay_ambiguous():
+    """An in-place op's input 0 aliases its output: still a modifier."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32), name="x")
+        y = x * 2.0
+        ops.add_(x, popxl.constant(np.float32(1.0)))
+        store(y)
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+
+
+# -- repeat: by-ref loop-carried input ----------------------------------------------------------
+def test_by_ref_loop_carried_input_is_copied_back():
+    """``ops/repeat.py`` marks a by-ref carried input modified (full region);
+    ``LoopOpx::copyModifiedBodyInputsToOpInputs`` copies the body input, as the last iteration
+    left it, back into the parent tensor."""
+    ir = popxl.Ir()
+    body = ir.create_empty_graph("body")
+    with body:
+        x = popxl.graph_input((3,), f32, "x", by_ref=True)
+        x1 = ops.var_updates.accumulate_(x, popxl.constant(np.ones(3, np.float32)))
+        popxl.graph_output(x1 * 2.0)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), name="v")
+        (out,) = ops.repeat(body, 3, v)
+        s = store(out)
+    with popxl.Session(ir, "ipu_model") as session:
+        r = session.run()[s]
+        got = session.get_tensor_data(v)
+    # iteration inputs 0 -> 2 -> 6; each adds 1 in place: the last input ends at 7
+    np.testing.assert_array_equal(got, [7, 7, 7])
+    np.testing.assert_array_equal(r, [14, 14, 14])
+
+
+# -- CallSiteInfo.set_parent_input_modified ----------------------------------------------------
+def test_set_parent_input_modified_makes_in_place_writes_reach_the_parent():
+    """``CallSiteInfo.set_parent_input_modified`` (``ops/call.py``) adds the input to the
+    CallOp's modified map; ``CallOpx`` copies it back after the call."""
+    ir = popxl.Ir()
+    g = ir.create_empty_graph("g")
+    with g:
+        x = popxl.graph_input((3,), f32, "x")
+        ops.var_updates.accumulate_(x, popxl.constant(np.ones(3, np.float32)))
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), name="v")
+        w = popxl.variable(np.zeros(3, np.float32), name="w")
+        info = ops.call_with_info(g, v)
+        info.set_parent_input_modified(v)
+        ops.call(g, w)  # by value: w keeps its value
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run()
+        np.testing.assert_array_equal(session.get_tensor_data(v), [1, 1, 1])
+        np.testing.assert_array_equal(session.get_tensor_data(w), [0, 0, 0])
+
+
+def test_set_parent_input_modified_of_a_non_input_raises():
+    """``Op::inIndex``: "Cannot find input index"."""
+    ir = popxl.Ir()
+    g = ir.create_empty_graph("g")
+    with g:
+        x = popxl.graph_input((3,), f32, "x")
+        popxl.graph_output(x + 1.0)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), name="v")
+        other = popxl.variable(np.zeros(3, np.float32), name="other")
+        info = ops.call_with_info(g, v)
+        with pytest.raises(IR_ERRORS):
+            info.set_parent_input_modified(other)
