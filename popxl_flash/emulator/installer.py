@@ -96,7 +96,8 @@ def _build_modules(popxl):
     from typing import Literal
 
     from . import _internal_ir, context, dtypes, errors, ir, popart, replica_grouping, session
-    from . import tensor, utils
+    from . import random_seed, tensor, utils
+    from .ops import random as _ops_random
     from .unsupported import stub_module
     ops = popxl.ops
     transforms = popxl.transforms
@@ -145,6 +146,10 @@ def _build_modules(popxl):
         for name in files:
             mods.setdefault(f"{package}.{name}", _OpModule(
                 f"{package}.{name}", package, _names.file_names(package, name), names))
+    mods["popxl.random_seed"] = _module("popxl.random_seed", {
+        n: getattr(random_seed, n) for n in ("create_seeds", "uint64_to_two_uint32",
+                                             "two_uint32_to_uint64", "MAX_UINT64")})
+    mods["popxl.ops.random_seed"].create_random_seed = _ops_random._create_random_seed
     for name in _names.STUB_SUBMODULES:
         mods.setdefault(name, stub_module(name))
     # type aliases PopXL defines in op modules

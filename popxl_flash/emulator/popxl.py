@@ -15,6 +15,7 @@ from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_1
                      uint32, uint64)
 from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_stream,
                  graph_input, graph_output, h2d_stream)
+from .random_seed import create_seeds
 from .replica_grouping import ReplicaGrouping
 from .session import Session
 from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable

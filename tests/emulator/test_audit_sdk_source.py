@@ -160,3 +160,66 @@ def test_set_parent_input_modified_of_a_non_input_raises():
         info = ops.call_with_info(g, v)
         with pytest.raises(IR_ERRORS):
             info.set_parent_input_modified(other)
+
+
+# -- random seeds (host helpers) and random ops ------------------------------------------------
+def test_create_seeds_is_host_code_with_popxls_shape_and_words():
+    """``python_files/random_seed.py``: uint64 draws of ``default_rng(seed + offset)`` split
+    into (high, low) uint32 words, shape ``[bps, gaf, replicas, 2]`` squeezed."""
+    seeds = popxl.create_seeds(5, offset=1, batches_per_step=3, replicas=2)
+    assert seeds.dtype == np.uint32 and seeds.shape == (3, 2, 2)
+    draws = np.random.default_rng(6).integers(0, 2 ** 64 - 1, endpoint=True, dtype="uint64",
+                                              size=6)
+    words = [(int(d) >> 32, int(d) & 0xFFFFFFFF) for d in draws]
+    np.testing.assert_array_equal(seeds.reshape(6, 2), np.array(words, np.uint32))
+    assert popxl.create_seeds(1).shape == (2,)
+
+
+def test_random_seed_word_helpers():
+    two_uint32_to_uint64 = popxl.random_seed.two_uint32_to_uint64
+    uint64_to_two_uint32 = popxl.random_seed.uint64_to_two_uint32
+    assert uint64_to_two_uint32(2 ** 40 + 7) == (2 ** 8, 7)
+    assert two_uint32_to_uint64(2 ** 8, 7) == 2 ** 40 + 7
+    with pytest.raises(ValueError):
+        uint64_to_two_uint32(-1)
+    with pytest.raises(ValueError):
+        two_uint32_to_uint64(2 ** 32, 0)
+
+
+def test_create_random_seed_from_its_module():
+    """``popxl.ops.random_seed.create_random_seed`` exists (not in ``popxl.ops``); two
+    modifiers give two seeds that keep word 0."""
+    create_random_seed = popxl.ops.random_seed.create_random_seed
+    ir = popxl.Ir()
+    with ir.main_graph:
+        seed = popxl.constant(np.array([3, 4], np.uint32))
+        a = create_random_seed(seed, popxl.constant(0, popxl.uint32))
+        b = create_random_seed(seed, popxl.constant(1, popxl.uint32))
+        with pytest.raises(ValueError):
+            create_random_seed(popxl.constant(np.array([1, 2, 3], np.uint32)),
+                               popxl.constant(0, popxl.uint32))
+    ra, rb = run(ir, None, [a, b])
+    assert ra[0] == rb[0] == 3 and ra[1] != rb[1]
+
+
+def test_random_uniform_int32_gives_integers_in_the_closed_range():
+    """``RandomUniformOp`` takes any output type (``setupWithShape``); poprand's uniform
+    generates int32 in ``[low, high]``."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        seed = popxl.constant(np.array([1, 2], np.uint32))
+        x = ops.random_uniform(seed, (2000,), low=-2, high=3, dtype=popxl.int32)
+    r = run(ir, None, x)
+    assert r.dtype == np.int32 and set(np.unique(r)) == {-2, -1, 0, 1, 2, 3}
+
+
+def test_random_normal_int32_and_dropout_of_int_build_and_fail_at_session():
+    """Op setup accepts them (``setupWithShape``, ``DropoutOp::setup``); poprand's normal and
+    dropout take float types only: the lowering refuses."""
+    for build in (lambda s: ops.random_normal(s, (3,), dtype=popxl.int32),
+                  lambda s: ops.dropout(popxl.constant(np.arange(3, dtype=np.int32)), s, 0.5)):
+        ir = popxl.Ir()
+        with ir.main_graph:
+            store(build(popxl.constant(np.array([1, 2], np.uint32))))
+        with pytest.raises(COMPILE_ERRORS):
+            popxl.Session(ir, "ipu_model")
