@@ -49,6 +49,7 @@ class Session:
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
+        _check_variable_groupings(ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
         fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
         self._main, plans = build_plans(ir, fp_checks=fp_checks)
@@ -57,6 +58,7 @@ class Session:
         self._vars = list(ir.main_graph.variables)
         self._host = {v: np.array(v._data, copy=True) for v in self._vars}
         self._on_device, self._depth, self._host_in_sync = {}, 0, True
+        self._all_replicas = {}
         self.profile = None
 
     ir = property(lambda self: self._ir)
@@ -100,6 +102,8 @@ class Session:
         (the first replica of each group; one group of all replicas: replica 0's value)."""
         self._assert_attached()
         self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
+        self._all_replicas = {v: np.stack([rv[v] for rv in self._replica_vars])
+                              for v in self._on_device if _returns_all_replicas(v)}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -116,8 +120,18 @@ class Session:
         if any(isinstance(t, Variable) for t in tensors) and self.is_attached \
                 and not self._host_in_sync:
             self.weights_to_host()
-        return {t: _user_value(t, self._host[t]) if isinstance(t, Variable)
+        return {t: self._all_replica_values(t) if _returns_all_replicas(t)
+                else _user_value(t, self._host[t]) if isinstance(t, Variable)
                 else np.array(t._data, copy=True) for t in tensors}
+
+    def _all_replica_values(self, var):
+        """``"all_replicas"`` retrieval of a grouped variable: ``[replication_factor, ...]``,
+        row r replica r's value as the last ``weights_to_host`` read it (PopXL's
+        ``readWeights``; before any, each replica's initial value)."""
+        if var in self._all_replicas:
+            return np.array(self._all_replicas[var], copy=True)
+        return np.stack([_replica_value(var, self._host[var], r)
+                         for r in range(self._ir.replication_factor)])
 
     def write_variable_data(self, tensor, data):
         """Args: tensor: Variable. data: array of exactly ``tensor.dtype`` and shape."""
@@ -277,6 +291,21 @@ class Session:
         return out
 
 
+def _check_variable_groupings(ir):
+    """PopART's C++ ``ReplicaGrouping(numReplicas, stride, groupSize)``, built for each
+    variable's settings when the Session prepares the weights, requires the replicas to be
+    divisible by ``stride * group_size`` (``willow/src/replicagrouping.cpp``); PopXL's Python
+    grouping does not check it. Raises: PopartError."""
+    n = ir.replication_factor
+    for v in ir.main_graph.variables:
+        rg = v.replica_grouping.const_rg
+        if n % (rg.stride * rg.group_size):
+            raise PopartError(f"variable {v.id}: the number of replicas in a "
+                              "`popart::ReplicaGrouping` must be divisible by the product of "
+                              f"the stride and the group size ({n} replicas, stride "
+                              f"{rg.stride}, group size {rg.group_size})")
+
+
 def _replica_value(var, host, replica):
     """Replica ``replica``'s copy of ``var`` from its host value (groups of the constant-stride
     grouping PopXL stores, ``const_rg``)."""
@@ -289,15 +318,18 @@ def _replica_value(var, host, replica):
 def _host_value(var, replica_vars):
     """The host value of ``var`` from the replicas' copies ("one_per_group": the first replica
     of each group of the constant-stride grouping)."""
-    if var.retrieval_mode == "all_replicas" and var.replica_grouping.group_size > 1 and \
-            len(replica_vars) > 1:
-        raise NotImplementedError(f"variable {var.id}: retrieval_mode 'all_replicas' is not "
-                                  "implemented by the emulator")
     rg = var.replica_grouping.const_rg
     if rg.num_groups == 1:
         return np.array(replica_vars[0][var], copy=True)
     firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
     return np.stack([replica_vars[r][var] for r in firsts])
+
+
+def _returns_all_replicas(t):
+    """Whether ``get_tensor_data`` gives every replica's value of ``t`` (PopXL: a Variable
+    with ``retrieval_mode="all_replicas"`` and groups of more than one replica)."""
+    return isinstance(t, Variable) and t.retrieval_mode == "all_replicas" and \
+        t.replica_grouping.group_size > 1
 
 
 def _user_value(var, host):

@@ -223,3 +223,77 @@ def test_random_normal_int32_and_dropout_of_int_build_and_fail_at_session():
             store(build(popxl.constant(np.array([1, 2], np.uint32))))
         with pytest.raises(COMPILE_ERRORS):
             popxl.Session(ir, "ipu_model")
+
+
+# -- collectives and replica groupings ---------------------------------------------------------
+coll = ops.collectives
+
+
+def _replica_index_program(replicas, collective):
+    """Each replica's variable holds its replica index (``[R, 1]`` with groups of one);
+    ``collective(x)`` is stored."""
+    ir = popxl.Ir(replication=replicas)
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(np.arange(replicas, dtype=np.int32)[:, None],
+                           replica_grouping=ir.replica_grouping(1, 1))
+        s = store(collective(x, ir))
+    with popxl.Session(ir, "ipu_model") as session:
+        return session.run()[s]
+
+
+@pytest.mark.parametrize("stride,size", [(1, 2), (1, 4), (2, 2), (4, 2), (1, 8)])
+def test_reduce_scatter_of_fewer_elements_than_replicas(stride, size):
+    """PopART's ``tests/integration/popxl/test_replica_grouping.py``: a one-element
+    reduce-scatter gives the group's first replica the group's sum, every other replica 0."""
+    out = _replica_index_program(8, lambda x, ir: coll.replicated_reduce_scatter(
+        x, "add", group=ir.replica_grouping(stride, size)))
+    assignment = popxl.Ir(replication=8).replica_grouping(stride, size).assignment
+    for r in range(8):
+        members = [q for q in range(8) if assignment[q] == assignment[r]]
+        assert out[r].tolist() == ([sum(members)] if r == members[0] else [0])
+
+
+def test_rts_reduce_scatter_builds_with_its_meta_shape_and_gathers_back():
+    """``ReplicatedReduceScatterOp::setup`` gives an RTS output the input's shape as meta shape;
+    an all-gather with ``output_shape="auto"`` then restores that shape."""
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        x = popxl.variable(np.arange(9, dtype=np.float32).reshape(3, 3))
+        y = coll.replicated_reduce_scatter(
+            x, "add", configure_output_for_replicated_tensor_sharding=True)
+        assert y.shape == (5,) and y.meta_shape == (3, 3)  # 9 elements: the last chunk padded
+        z = coll.replicated_all_gather(y)
+        assert z.shape == (3, 3)
+        s = store(z)
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run()[s]
+    np.testing.assert_array_equal(out[0], 2 * np.arange(9).reshape(3, 3))
+    np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_grouping_that_does_not_tile_the_replicas_is_refused_at_session():
+    """PopXL's Python grouping builds (stride 1, group size 3 of 4 replicas); PopART's C++
+    ``ReplicaGrouping`` refuses it when the Session prepares the weights."""
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros(3, np.float32), replica_grouping=ir.replica_grouping(1, 3))
+        store(v + 1.0)
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+
+
+def test_all_replicas_retrieval_of_a_grouped_variable():
+    """``Session.get_tensors_data``: ``"all_replicas"`` with groups of more than one replica
+    reads every replica's weights, ``[replication_factor, ...]``."""
+    ir = popxl.Ir(replication=4)
+    with ir.main_graph:
+        v = popxl.variable(np.zeros((2, 3), np.float32), retrieval_mode="all_replicas",
+                           replica_grouping=ir.replica_grouping(2, 2))
+        idx = coll.replicated_slice(popxl.constant(np.arange(4, dtype=np.float32)))
+        ops.var_updates.accumulate_(v, idx.reshape((1,)) * popxl.constant(np.ones(3, np.float32)))
+    with popxl.Session(ir, "ipu_model") as session:
+        session.run()
+        got = session.get_tensor_data(v)
+    assert got.shape == (4, 3)
+    # row r: replica r's own copy, which added its replica index
+    np.testing.assert_array_equal(got, np.repeat(np.arange(4, dtype=np.float32)[:, None], 3, 1))
