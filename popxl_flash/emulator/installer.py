@@ -154,17 +154,25 @@ def _build_modules(popxl):
         mods.setdefault(name, stub_module(name))
     # type aliases PopXL defines in op modules
     mods["popxl.ops.negative_log_likelihood"].REDUCTION_TYPE = Literal["mean", "sum", "none"]
+    from .ops import collectives as _coll
     mods["popxl.ops.collectives.collectives"] = _module("popxl.ops.collectives.collectives", {
         "CollectiveOps": Literal["add", "mean", "mul", "min", "max", "and", "or",
-                                 "square_add"]},
-        public=("CommGroup", "CommGroupType", "to_collective_op"))
+                                 "square_add"], "to_collective_op": _coll.to_collective_op,
+        "OP_MAP": {k: _coll.to_collective_op(k) for k in _coll.OP_MAP}},
+        public=("CommGroup", "CommGroupType"))
     mods["popart"] = _module("popart", {
-        "popart_exception": errors.PopartError, "DeviceManager": popart.DeviceManager,
+        "popart_exception": errors.PopartError,
+        "popart_internal_exception": errors.PopartInternalError,
+        "popart_runtime_error": errors.PopartRuntimeError,
+        "poplibs_exception": errors.PoplibsError, "poplar_exception": errors.PoplarError,
+        "poplar_runtime_error": errors.PoplarRuntimeError,
+        "versionString": popart.version_string, "DeviceManager": popart.DeviceManager,
         "DeviceType": popart.DeviceType, "DeviceInfo": popart.DeviceInfo,
         "SessionOptions": popart.SessionOptions}, public=("PyWeightsIO", "getLogger"),
         doc="The emulator's ``popart`` (install()): the names PopXL code uses next to popxl.")
     pb_ir = _module("popart._internal.ir", {n: getattr(_internal_ir, n) for n in (
         "ExpectedConnection", "ExpectedConnectionType", "BwdGraphInfo", "Graph", "Ir", "Op",
+        "CollectiveOperator",
         "Tensor", "TensorInfo", "GraphId", "TopoCons", "op", "view", "patterns",
         "ExecutionContext")}, doc=_internal_ir.__doc__)
     mods["popart._internal"] = _module("popart._internal", {"ir": pb_ir})

@@ -21,14 +21,18 @@ from .session import Session
 from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable
 from .unsupported import stub as _stub, stub_module as _stub_module, surface as _surface
 
+#: what ``popxl.__version__`` gives on the emulator: the PopXL release it follows
+__version__ = "3.4.0"
+
 ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
     "var_updates": _surface("popxl.ops.var_updates", _names.VAR_UPDATES, _ops.var_updates),
     "collectives": _surface("popxl.ops.collectives", _names.COLLECTIVES,
                             _ops.collectives),
     "CallSiteInfo": _ops.CallSiteInfo,
 })
-tensor = _surface("popxl.tensor", _names.TENSOR + ("HostTensor", "host_tensor_types"), _tensor,
-                  children={"graph_input": graph_input, "graph_output": graph_output})
+tensor = _surface("popxl.tensor", _names.TENSOR + _names.TENSOR_TYPES, _tensor,
+                  children={"graph_input": graph_input, "graph_output": graph_output,
+                            "TensorLike": _tensor.HostScalarTensor | Tensor})
 # popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
 transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)
 

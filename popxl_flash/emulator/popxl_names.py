@@ -42,6 +42,10 @@ TENSOR = ("Tensor", "Variable", "Constant", "TensorSpec", "TensorByRef", "consta
           "graph_input", "graph_output", "remote_variable", "remote_replica_sharded_variable",
           "replica_sharded_variable", "replica_sharded_buffer")
 
+#: ``popxl.tensor``'s type aliases (``python_files/tensor.py``).
+TENSOR_TYPES = ("ScalarType", "HostTensor", "host_tensor_types", "HostScalarTensor",
+                "TensorLike")
+
 OPS = (
     "CallSiteInfo", "PadType", "abs", "add", "add_", "argmax", "argmin", "average_pool",
     "batch_norm_inference", "call", "call_with_info", "cast", "ceil", "clamp", "clip",

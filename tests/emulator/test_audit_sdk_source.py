@@ -297,3 +297,24 @@ def test_all_replicas_retrieval_of_a_grouped_variable():
     assert got.shape == (4, 3)
     # row r: replica r's own copy, which added its replica index
     np.testing.assert_array_equal(got, np.repeat(np.arange(4, dtype=np.float32)[:, None], 3, 1))
+
+
+# -- names -------------------------------------------------------------------------------------
+def test_version_and_type_aliases():
+    """``popxl/__init__.py.in`` sets ``__version__``; ``python_files/tensor.py`` defines the
+    host type aliases."""
+    assert isinstance(popxl.__version__, str) and popxl.__version__.split(".")[0].isdigit()
+    for name in ("TensorLike", "ScalarType", "HostTensor", "HostScalarTensor",
+                 "host_tensor_types"):
+        assert hasattr(popxl.tensor, name)
+
+
+def test_to_collective_op_maps_names_to_collective_operators():
+    """``ops/collectives/collectives.py``: ``OP_MAP`` and ``to_collective_op`` ("mul" is Mean
+    in 3.4); an unknown name is ValueError."""
+    to_op = popxl.ops.collectives.collectives.to_collective_op
+    assert to_op("mul") == to_op("mean")
+    assert to_op("add") != to_op("mean")
+    assert str(to_op("add")).endswith("Add")
+    with pytest.raises(ValueError):
+        to_op("sum")

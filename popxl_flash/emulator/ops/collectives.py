@@ -36,11 +36,29 @@ _DTYPES = frozenset((dtypes.float32, dtypes.float16, dtypes.int32, dtypes.uint32
 
 
 def _to_collective_op(op):
+    """The emulator's name of collective ``op`` (ValueError for an unknown name, as PopXL)."""
     try:
         return OP_MAP[op]
-    except (KeyError, TypeError):
+    except KeyError:
         raise ValueError(f"Not a valid op: {op}. Must choose from: "
                          f"{', '.join(OP_MAP.keys())}") from None
+
+
+def to_collective_op(op):
+    """``popxl.ops.collectives.collectives.to_collective_op``: the ``_ir.CollectiveOperator``
+    of ``op`` ("mul" gives Mean, as PopXL 3.4's table). Raises: ValueError."""
+    from .._internal_ir import COLLECTIVE_NAMES
+    name = _to_collective_op(op)
+    return next(k for k, v in COLLECTIVE_NAMES.items() if v == name)
+
+
+def collective_name(operator):
+    """The emulator's collective name of an ``_ir.CollectiveOperator`` (custom ops get one
+    from PopXL code). Raises: ValueError for Mul (PopXL maps no name to it)."""
+    from .._internal_ir import COLLECTIVE_NAMES
+    if operator not in COLLECTIVE_NAMES:
+        raise ValueError(f"collective operator {operator} is not modelled by the emulator")
+    return COLLECTIVE_NAMES[operator]
 
 
 # -- groups ------------------------------------------------------------------------------------
