@@ -54,6 +54,30 @@ COLLECTIVE_NAMES = {CollectiveOperator.Add: "add", CollectiveOperator.Mean: "mea
                     CollectiveOperator.SquareAdd: "square_add", CollectiveOperator.Local: "local"}
 
 
+class ReplicaGrouping:
+    """``popart.ReplicaGrouping`` (C++) as ``popxl.ReplicaGrouping._pb_replica_grouping``
+    gives it: replicas, stride, group size (``willow/src/replicagrouping.cpp`` checks)."""
+
+    def __init__(self, num_replicas, stride, group_size):
+        if num_replicas % (stride * group_size):
+            raise PopartError("The number of replicas in a `popart::ReplicaGrouping` must be "
+                              "divisible by the product of the stride and the group size.")
+        self._n, self._stride = num_replicas, stride if group_size > 1 else 1
+        self._size = group_size
+
+    def getNumReplicas(self):  # noqa: N802
+        return self._n
+
+    def getStride(self):  # noqa: N802
+        return self._stride
+
+    def getGroupSize(self):  # noqa: N802
+        return self._size
+
+    def getNumGroups(self):  # noqa: N802
+        return self._n // self._size
+
+
 class ExpectedConnectionType(enum.Enum):
     """``_ir.ExpectedConnectionType``."""
     Fwd = "Fwd"
@@ -282,8 +306,12 @@ class PbIr:
         self._ir._patterns = patterns
 
     def applyPreAliasPatterns(self, graph):  # noqa: N802
-        """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
+        """PopART's pre-alias patterns on ``graph`` (a graph of this Ir): the emulator's ops
+        are already in their final form except the modelled custom ops that
+        ``OpToIdentityPattern`` replaces by identities (``addons_ops``)."""
         self._check_graph(graph)
+        from .addons_ops.tensor_parallel import apply_op_to_identity
+        apply_op_to_identity(graph._graph)
 
     def applyInplacePattern(self, graph):  # noqa: N802
         """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""

@@ -24,20 +24,28 @@ _STATE = {"installed": False}
 MODULES = {}
 
 
-def install():
+def install(standins=False):
     """Make ``popxl``, its submodules, ``popart`` and ``popart._internal.ir`` the emulator's.
 
+    Args:
+        standins: also put the stand-ins for ``popdist``, ``mpi4py.MPI`` and ``cppimport``
+            into ``sys.modules`` (``standins.py``: the first two only where the real module
+            does not load; cppimport's hook then gives the emulator's models of popxl-addons'
+            custom ops), as Graphcore's PopXL code imports them. Only when the emulator is
+            (or becomes) ``popxl``.
     Returns:
         True when the emulator is (now, or already) what ``import popxl`` gives; False when a
         real PopXL is importable (then nothing is changed). Idempotent.
     """
     from . import popxl as emu_popxl
-    if _STATE["installed"] or sys.modules.get("popxl") is emu_popxl:
-        return True
-    if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
-        return False
-    sys.modules.update(MODULES)
-    _STATE["installed"] = True
+    if not (_STATE["installed"] or sys.modules.get("popxl") is emu_popxl):
+        if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
+            return False
+        sys.modules.update(MODULES)
+        _STATE["installed"] = True
+    if standins:
+        from .standins import install_standins
+        install_standins()
     return True
 
 
