@@ -34,6 +34,50 @@ _OP_TYPES = {"call": "Call", "repeat": "Loop", "conditional": "If", "add": "Add"
              "where": "Where", "concat": "Concat", "split": "Split", "slice": "Slice"}
 
 
+class CollectiveOperator(enum.Enum):
+    """``_ir.CollectiveOperator`` (``bindings/op/enums.cpp``)."""
+    Add = 0
+    Mean = 1
+    Mul = 2
+    Min = 3
+    Max = 4
+    LogicalAnd = 5
+    LogicalOr = 6
+    SquareAdd = 7
+    Local = 8
+
+
+#: the emulator's collective op names of each operator
+COLLECTIVE_NAMES = {CollectiveOperator.Add: "add", CollectiveOperator.Mean: "mean",
+                    CollectiveOperator.Min: "min", CollectiveOperator.Max: "max",
+                    CollectiveOperator.LogicalAnd: "and", CollectiveOperator.LogicalOr: "or",
+                    CollectiveOperator.SquareAdd: "square_add", CollectiveOperator.Local: "local"}
+
+
+class ReplicaGrouping:
+    """``popart.ReplicaGrouping`` (C++) as ``popxl.ReplicaGrouping._pb_replica_grouping``
+    gives it: replicas, stride, group size (``willow/src/replicagrouping.cpp`` checks)."""
+
+    def __init__(self, num_replicas, stride, group_size):
+        if num_replicas % (stride * group_size):
+            raise PopartError("The number of replicas in a `popart::ReplicaGrouping` must be "
+                              "divisible by the product of the stride and the group size.")
+        self._n, self._stride = num_replicas, stride if group_size > 1 else 1
+        self._size = group_size
+
+    def getNumReplicas(self):  # noqa: N802
+        return self._n
+
+    def getStride(self):  # noqa: N802
+        return self._stride
+
+    def getGroupSize(self):  # noqa: N802
+        return self._size
+
+    def getNumGroups(self):  # noqa: N802
+        return self._n // self._size
+
+
 class ExpectedConnectionType(enum.Enum):
     """``_ir.ExpectedConnectionType``."""
     Fwd = "Fwd"
@@ -262,8 +306,12 @@ class PbIr:
         self._ir._patterns = patterns
 
     def applyPreAliasPatterns(self, graph):  # noqa: N802
-        """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
+        """PopART's pre-alias patterns on ``graph`` (a graph of this Ir): the emulator's ops
+        are already in their final form except the modelled custom ops that
+        ``OpToIdentityPattern`` replaces by identities (``addons_ops``)."""
         self._check_graph(graph)
+        from .addons_ops.tensor_parallel import apply_op_to_identity
+        apply_op_to_identity(graph._graph)
 
     def applyInplacePattern(self, graph):  # noqa: N802
         """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""
@@ -401,20 +449,37 @@ _OP_CLASSES = {"call": "CallOp", "repeat": "LoopOp", "conditional": "IfOp", "ini
                **{k: "AccumulateOp" for k in ("accumulate_", "accumulate_square_",
                                               "accumulate_mean_", "accumulate_moving_average_",
                                               "accumulate_moving_average_square_")}}
+_OP_CLASSES.update({"random_uniform": "RandomUniformOp", "random_normal": "RandomNormalOp",
+                    "dropout": "DropoutOp", "modify_random_seed": "ModifyRandomSeedOp",
+                    "split": "SplitOp", "gather": "GatherOp", "gelu": "GeluOp",
+                    "gelu_": "GeluInplaceOp"})
 _EXCHANGE = ("HostLoadOp", "HostStoreOp")
+#: ``_ir.op.collectives``: PopART's ``op/collectives/`` headers, with their base classes
+_COLLECTIVE_CLASSES = {"replicated_all_gather": "ReplicatedAllGatherOp",
+                       "replicated_reduce_scatter": "ReplicatedReduceScatterOp",
+                       "replicated_all_reduce": "ReplicatedAllReduceOp",
+                       "replicated_all_reduce_": "ReplicatedAllReduceInplaceOp"}
 _classes = {name: _op_class(name) for name in sorted(set(_OP_CLASSES.values()))}
 for _name in ("IpuCopyOp", "MulLhsInplaceOp", "MulRhsInplaceOp"):
     _classes[_name] = _op_class(_name)
+_collectives = {"CollectivesBaseOp": _op_class("CollectivesBaseOp")}
+for _name in ("ReplicatedAllGatherOp", "ReplicatedReduceScatterOp", "ReplicatedAllReduceOp"):
+    _collectives[_name] = _op_class(_name, _collectives["CollectivesBaseOp"])
+_collectives["ReplicatedAllReduceInplaceOp"] = _op_class(
+    "ReplicatedAllReduceInplaceOp", _collectives["ReplicatedAllReduceOp"])
 for _name in ("CallOp", "LoopOp"):  # SubgraphOp::getCalledGraph
     _classes[_name].getCalledGraph = lambda self: PbGraph(self._op.subgraphs[0])
 _classes["LoopOp"].getTripCountValue = lambda self: self._op.attrs["count"]
 op = types.SimpleNamespace(**{n: c for n, c in _classes.items() if n not in _EXCHANGE},
                            exchange=types.SimpleNamespace(
-                               **{n: _classes[n] for n in _EXCHANGE}))
+                               **{n: _classes[n] for n in _EXCHANGE}),
+                           collectives=types.SimpleNamespace(**_collectives))
 del _name
 
 
 def make_op(record):
     """Returns: the ``_ir.Op`` wrapper of an emulator op record, of its ``_ir.op`` class."""
+    if record.kind in _COLLECTIVE_CLASSES:
+        return _collectives[_COLLECTIVE_CLASSES[record.kind]](record)
     cls = _classes.get(_OP_CLASSES.get(record.kind), PbOp)
     return cls(record)

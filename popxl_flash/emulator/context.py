@@ -181,10 +181,14 @@ class Context:
         return pop_graph()
 
     def _get_op_settings(self, name):
-        """PopXL builds PopART op settings here for ops created through the C++ bindings
-        (custom ops): not possible on the emulator."""
-        raise NotImplementedError(f"creating PopART op {name!r} through the C++ bindings "
-                                  "(a custom op) is not possible on the emulator")
+        """The settings PopXL hands to ops it creates through the C++ bindings: on the
+        emulator an opaque record (graph, name scopes, the name) that the modelled custom ops
+        (``addons_ops``) accept; PopART ops created through bindings are not available."""
+        return OpSettings(self.graph, tuple(_state["scopes"]), name)
+
+    def _op_created(self, op):
+        """PopXL's hook after a binding created ``op`` (in-sequence constraints): the
+        emulator's op creation already applied them, so nothing is left to do."""
 
     @property
     def in_sequence(self):
@@ -240,3 +244,13 @@ def _execution_context(execution_context):
     raise NotImplementedError(f"popxl.context._execution_context({execution_context!r}) is not "
                               "implemented by the emulator")
     yield  # pragma: no cover
+
+
+class OpSettings:
+    """Stand-in of ``_ir.Op.Settings`` from ``Context._get_op_settings``."""
+
+    def __init__(self, graph, scopes, name):
+        self.graph, self.scopes, self.name = graph, scopes, name
+
+    def __repr__(self):
+        return f"OpSettings({self.name!r} in {self.graph})"

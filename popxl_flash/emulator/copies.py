@@ -310,6 +310,8 @@ class CopyModel:
             if i < n:  # carried: initial value into the clone, clone back into the input
                 if read or lp.used_after(op.index, op.outputs[i]):
                     once["loop_in_out"] += s._nbytes
+                if i in op.modifies:  # by-ref: the body input copied back into the parent
+                    once["loop_in_out"] += s._nbytes
                 if read:
                     step["loop_carried"] += s._nbytes
             elif read and not self.loop_aliased(parent, op, i):

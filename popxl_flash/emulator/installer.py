@@ -24,20 +24,28 @@ _STATE = {"installed": False}
 MODULES = {}
 
 
-def install():
+def install(standins=False):
     """Make ``popxl``, its submodules, ``popart`` and ``popart._internal.ir`` the emulator's.
 
+    Args:
+        standins: also put the stand-ins for ``popdist``, ``mpi4py.MPI`` and ``cppimport``
+            into ``sys.modules`` (``standins.py``: the first two only where the real module
+            does not load; cppimport's hook then gives the emulator's models of popxl-addons'
+            custom ops), as Graphcore's PopXL code imports them. Only when the emulator is
+            (or becomes) ``popxl``.
     Returns:
         True when the emulator is (now, or already) what ``import popxl`` gives; False when a
         real PopXL is importable (then nothing is changed). Idempotent.
     """
     from . import popxl as emu_popxl
-    if _STATE["installed"] or sys.modules.get("popxl") is emu_popxl:
-        return True
-    if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
-        return False
-    sys.modules.update(MODULES)
-    _STATE["installed"] = True
+    if not (_STATE["installed"] or sys.modules.get("popxl") is emu_popxl):
+        if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
+            return False
+        sys.modules.update(MODULES)
+        _STATE["installed"] = True
+    if standins:
+        from .standins import install_standins
+        install_standins()
     return True
 
 
@@ -96,7 +104,8 @@ def _build_modules(popxl):
     from typing import Literal
 
     from . import _internal_ir, context, dtypes, errors, ir, popart, replica_grouping, session
-    from . import tensor, utils
+    from . import random_seed, tensor, utils
+    from .ops import random as _ops_random
     from .unsupported import stub_module
     ops = popxl.ops
     transforms = popxl.transforms
@@ -145,21 +154,33 @@ def _build_modules(popxl):
         for name in files:
             mods.setdefault(f"{package}.{name}", _OpModule(
                 f"{package}.{name}", package, _names.file_names(package, name), names))
+    mods["popxl.random_seed"] = _module("popxl.random_seed", {
+        n: getattr(random_seed, n) for n in ("create_seeds", "uint64_to_two_uint32",
+                                             "two_uint32_to_uint64", "MAX_UINT64")})
+    mods["popxl.ops.random_seed"].create_random_seed = _ops_random._create_random_seed
     for name in _names.STUB_SUBMODULES:
         mods.setdefault(name, stub_module(name))
     # type aliases PopXL defines in op modules
     mods["popxl.ops.negative_log_likelihood"].REDUCTION_TYPE = Literal["mean", "sum", "none"]
+    from .ops import collectives as _coll
     mods["popxl.ops.collectives.collectives"] = _module("popxl.ops.collectives.collectives", {
         "CollectiveOps": Literal["add", "mean", "mul", "min", "max", "and", "or",
-                                 "square_add"]},
-        public=("CommGroup", "CommGroupType", "to_collective_op"))
+                                 "square_add"], "to_collective_op": _coll.to_collective_op,
+        "OP_MAP": {k: _coll.to_collective_op(k) for k in _coll.OP_MAP}},
+        public=("CommGroup", "CommGroupType"))
     mods["popart"] = _module("popart", {
-        "popart_exception": errors.PopartError, "DeviceManager": popart.DeviceManager,
+        "popart_exception": errors.PopartError,
+        "popart_internal_exception": errors.PopartInternalError,
+        "popart_runtime_error": errors.PopartRuntimeError,
+        "poplibs_exception": errors.PoplibsError, "poplar_exception": errors.PoplarError,
+        "poplar_runtime_error": errors.PoplarRuntimeError,
+        "versionString": popart.version_string, "DeviceManager": popart.DeviceManager,
         "DeviceType": popart.DeviceType, "DeviceInfo": popart.DeviceInfo,
         "SessionOptions": popart.SessionOptions}, public=("PyWeightsIO", "getLogger"),
         doc="The emulator's ``popart`` (install()): the names PopXL code uses next to popxl.")
     pb_ir = _module("popart._internal.ir", {n: getattr(_internal_ir, n) for n in (
         "ExpectedConnection", "ExpectedConnectionType", "BwdGraphInfo", "Graph", "Ir", "Op",
+        "CollectiveOperator",
         "Tensor", "TensorInfo", "GraphId", "TopoCons", "op", "view", "patterns",
         "ExecutionContext")}, doc=_internal_ir.__doc__)
     mods["popart._internal"] = _module("popart._internal", {"ir": pb_ir})

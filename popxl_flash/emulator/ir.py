@@ -119,6 +119,11 @@ class Graph:
         return False
 
     # -- internal --------------------------------------------------------------------------
+    def _create_tensor_id(self, name):
+        """PopXL's id request for a tensor a binding creates: on the emulator the name itself
+        (name scopes and uniqueness are applied when the op creates the tensor)."""
+        return name
+
     def _new_tensor(self, cls, name, dtype, shape, meta_shape=()):
         self._ir._check_mutable()
         name = context.scoped(name)

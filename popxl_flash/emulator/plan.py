@@ -250,7 +250,12 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
 
 def check_ambiguity(g, al):
     """Raise PopartError for a read/modify (or modify/modify) pair of aliased storage that no
-    data dependency or ``in_sequence`` constraint orders (PopXL's inplacing ambiguity check)."""
+    data dependency or ``in_sequence`` constraint orders (PopXL's inplacing ambiguity check).
+
+    A modifier is an op input that is modified *and* aliases an output: PopART's alias model
+    (``Op::growAliasModelMulti``) adds a modifying edge only there. A call or repeat that
+    updates a by-ref input has no input-output alias (PopXL never sets the CallOp's alias
+    map), so it counts as a reader only."""
     ops = g._ops
     producer = {id(t): k for k, op in enumerate(ops) for t in op.outputs}
     anc = []
@@ -265,7 +270,7 @@ def check_ambiguity(g, al):
         for pos, t in enumerate(op.inputs):
             root = id(al.find(t))
             names[root] = al.find(t).id
-            if pos in op.modifies:
+            if pos in op.modifies and not op.subgraphs:
                 modifiers[root].add(k)
             if op.alias != "view":
                 readers[root].add(k)

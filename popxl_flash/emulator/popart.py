@@ -123,6 +123,11 @@ def ipu_hw_device(num_ipus):
     return DeviceInfo(DeviceType.Ipu, num_ipus, TILES_PER_IPU["ipu2"], "ipu2")
 
 
+def version_string():
+    """``popart.versionString()``: the PopART release the emulator follows."""
+    return "3.4.0"
+
+
 class SessionOptions:
     """The session options the library sets (``ir._pb_ir.getSessionOptions()``).
 

@@ -15,10 +15,14 @@ from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_1
                      uint32, uint64)
 from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_stream,
                  graph_input, graph_output, h2d_stream)
+from .random_seed import create_seeds
 from .replica_grouping import ReplicaGrouping
 from .session import Session
 from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable
 from .unsupported import stub as _stub, stub_module as _stub_module, surface as _surface
+
+#: what ``popxl.__version__`` gives on the emulator: the PopXL release it follows
+__version__ = "3.4.0"
 
 ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
     "var_updates": _surface("popxl.ops.var_updates", _names.VAR_UPDATES, _ops.var_updates),
@@ -26,8 +30,9 @@ ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
                             _ops.collectives),
     "CallSiteInfo": _ops.CallSiteInfo,
 })
-tensor = _surface("popxl.tensor", _names.TENSOR + ("HostTensor", "host_tensor_types"), _tensor,
-                  children={"graph_input": graph_input, "graph_output": graph_output})
+tensor = _surface("popxl.tensor", _names.TENSOR + _names.TENSOR_TYPES, _tensor,
+                  children={"graph_input": graph_input, "graph_output": graph_output,
+                            "TensorLike": _tensor.HostScalarTensor | Tensor})
 # popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
 transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)
 

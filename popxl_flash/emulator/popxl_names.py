@@ -42,6 +42,10 @@ TENSOR = ("Tensor", "Variable", "Constant", "TensorSpec", "TensorByRef", "consta
           "graph_input", "graph_output", "remote_variable", "remote_replica_sharded_variable",
           "replica_sharded_variable", "replica_sharded_buffer")
 
+#: ``popxl.tensor``'s type aliases (``python_files/tensor.py``).
+TENSOR_TYPES = ("ScalarType", "HostTensor", "host_tensor_types", "HostScalarTensor",
+                "TensorLike")
+
 OPS = (
     "CallSiteInfo", "PadType", "abs", "add", "add_", "argmax", "argmin", "average_pool",
     "batch_norm_inference", "call", "call_with_info", "cast", "ceil", "clamp", "clip",
@@ -98,7 +102,7 @@ TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "
 #: the emulator provides no implemented module of that name (any attribute raises
 #: ``NotImplementedError``). Every ``popxl.ops.<file>`` is listed in ``OP_MODULES``.
 STUB_SUBMODULES = tuple(f"popxl.{m}" for m in (
-    "fp8_utils", "random_seed", "remote_buffer", "tensorlocation", "typing_", "testing",
+    "fp8_utils", "remote_buffer", "tensorlocation", "typing_", "testing",
     "ops.collectives.collectives", "ops.var_updates.utils"))
 
 #: The files of ``popxl.ops.var_updates``, ``popxl.transforms`` and ``popxl.ops.collectives``

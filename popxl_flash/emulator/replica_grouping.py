@@ -110,8 +110,10 @@ class ReplicaGrouping:
 
     @property
     def _pb_replica_grouping(self):
-        raise NotImplementedError("ReplicaGrouping._pb_replica_grouping (the C++ grouping for "
-                                  "collectives) is not implemented by the emulator")
+        """The C++ ``popart.ReplicaGrouping`` handed to collective ops (custom ops read it).
+        Raises NotImplementedError for a non-constant grouping, as PopXL's."""
+        from ._internal_ir import ReplicaGrouping as PbReplicaGrouping
+        return PbReplicaGrouping(self._num_replicas, self.stride, self._group_size)
 
     def __repr__(self):
         if self.is_const:

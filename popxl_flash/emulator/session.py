@@ -49,6 +49,7 @@ class Session:
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
+        _check_variable_groupings(ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
         fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
         self._main, plans = build_plans(ir, fp_checks=fp_checks)
@@ -57,6 +58,7 @@ class Session:
         self._vars = list(ir.main_graph.variables)
         self._host = {v: np.array(v._data, copy=True) for v in self._vars}
         self._on_device, self._depth, self._host_in_sync = {}, 0, True
+        self._all_replicas = {}
         self.profile = None
 
     ir = property(lambda self: self._ir)
@@ -100,6 +102,8 @@ class Session:
         (the first replica of each group; one group of all replicas: replica 0's value)."""
         self._assert_attached()
         self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
+        self._all_replicas = {v: np.stack([rv[v] for rv in self._replica_vars])
+                              for v in self._on_device if _returns_all_replicas(v)}
         self._host_in_sync = True
 
     def get_tensor_data(self, tensor):
@@ -116,8 +120,18 @@ class Session:
         if any(isinstance(t, Variable) for t in tensors) and self.is_attached \
                 and not self._host_in_sync:
             self.weights_to_host()
-        return {t: _user_value(t, self._host[t]) if isinstance(t, Variable)
+        return {t: self._all_replica_values(t) if _returns_all_replicas(t)
+                else _user_value(t, self._host[t]) if isinstance(t, Variable)
                 else np.array(t._data, copy=True) for t in tensors}
+
+    def _all_replica_values(self, var):
+        """``"all_replicas"`` retrieval of a grouped variable: ``[replication_factor, ...]``,
+        row r replica r's value as the last ``weights_to_host`` read it (PopXL's
+        ``readWeights``; before any, each replica's initial value)."""
+        if var in self._all_replicas:
+            return np.array(self._all_replicas[var], copy=True)
+        return np.stack([_replica_value(var, self._host[var], r)
+                         for r in range(self._ir.replication_factor)])
 
     def write_variable_data(self, tensor, data):
         """Args: tensor: Variable. data: array of exactly ``tensor.dtype`` and shape."""
@@ -169,26 +183,26 @@ class Session:
         return outputs
 
     def run_with_outputs(self, inputs=None, outputs=None, downcast_inputs=True):
-        """Run, writing results into the given output arrays (see ``run``)."""
+        """Run, writing results into the given output arrays (see ``run``).
+
+        Each output array must have the stream's full shape (PopXL's ``_verify_io_shape``:
+        ``ValueError`` otherwise). A d2h entry the run never writes keeps the array's previous
+        contents (PopXL leaves it unspecified and raises nothing)."""
         self._assert_attached()
         h2d = self._prepare_inputs(inputs or {}, downcast_inputs)
         outputs = outputs or {}
         _check_keys(outputs, self._ir.get_all_d2h_streams(), "output")
-        nht = self._ir.num_host_transfers
+        for s, arr in outputs.items():
+            self._verify_io_shape(s, arr)
         d2h = {s: _d2h_buffer(s, outputs[s], self._full_shape(s, always=True)) for s in outputs}
         t0 = time.perf_counter()
         replicas = self._ir.replication_factor
         runtimes = run_replicas(replicas, lambda r, rdv: self._run_replica(h2d, d2h, r, rdv))
         self._host_in_sync = False
-        for rt in runtimes:
-            for s, n in rt.stores.items():
-                if n < nht:
-                    raise RuntimeError(f"d2h stream {s.tensor_id}: {nht - n} of {nht} entries "
-                                       "were never written by host_store this run (their "
-                                       "contents are unspecified on the device)")
         for s in d2h:
             if not np.may_share_memory(d2h[s], outputs[s]):
-                outputs[s][...] = d2h[s].reshape(outputs[s].shape)
+                _entries(outputs[s], self._ir.num_host_transfers)[...] = \
+                    d2h[s].reshape(_entries(outputs[s], self._ir.num_host_transfers).shape)
         seconds = time.perf_counter() - t0
         profiles = [RunProfile(rt.ops, rt.flops, rt.peak, self._const_bytes, seconds, rt.copied,
                                self._device.memory_bytes, loop_iterations=rt.iterations,
@@ -198,6 +212,38 @@ class Session:
         for p, rt in zip(profiles, runtimes):
             p.ops_by_kind, p.elements_by_kind = rt.by_kind()
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
+
+    def _full_input_shape(self, shape):
+        """PopXL's helper: ``shape`` with the ``num_host_transfers`` and replication dims in
+        front (each only when > 1)."""
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        return ((nht,) if nht > 1 else ()) + ((reps,) if reps > 1 else ()) + tuple(shape)
+
+    def _verify_io_shape(self, stream, arr):
+        """PopXL's check of one run array: at least ``num_host_transfers`` entries, the
+        replication dim, then the stream's shape (an array of ones only squeezed to ``()``
+        passes too). Raises: ValueError."""
+        kind = "input" if stream in self._ir.get_all_h2d_streams() else "output"
+        nht, reps = self._ir.num_host_transfers, self._ir.replication_factor
+        shape = np.shape(arr)
+        repl_index = data_index = int(nht > 1)
+        if nht > 1 and (not shape or shape[0] < nht):
+            raise ValueError(f"Dimension 0 ({shape[0] if shape else None}) for the array "
+                             f"provided for {kind} stream {stream.tensor_id} is not large "
+                             f"enough.\nIt should be at least of size num_host_transfers = {nht}")
+        if reps > 1:
+            data_index += 1
+            if len(shape) <= repl_index or shape[repl_index] != reps:
+                raise ValueError(f"Dimension {repl_index} for the array provided for {kind} "
+                                 f"stream {stream.tensor_id} is the wrong size.\nIt should be "
+                                 f"of size replication_factor = {reps}")
+        if np.squeeze(arr).shape[data_index:] == ():
+            return
+        if shape[data_index:] != stream.shape:
+            raise ValueError(f"Shape mismatch for {kind} stream {stream.tensor_id}:\nStream "
+                             f"shape = {stream.shape}, therefore expected full global batch "
+                             f"shape {self._full_input_shape(stream.shape)}. Got array shape = "
+                             f"{shape}")
 
     def _run_replica(self, h2d, d2h, replica, rendezvous):
         """Run the main graph as replica ``replica`` (its rows of the stream buffers, its
@@ -247,6 +293,21 @@ class Session:
         return out
 
 
+def _check_variable_groupings(ir):
+    """PopART's C++ ``ReplicaGrouping(numReplicas, stride, groupSize)``, built for each
+    variable's settings when the Session prepares the weights, requires the replicas to be
+    divisible by ``stride * group_size`` (``willow/src/replicagrouping.cpp``); PopXL's Python
+    grouping does not check it. Raises: PopartError."""
+    n = ir.replication_factor
+    for v in ir.main_graph.variables:
+        rg = v.replica_grouping.const_rg
+        if n % (rg.stride * rg.group_size):
+            raise PopartError(f"variable {v.id}: the number of replicas in a "
+                              "`popart::ReplicaGrouping` must be divisible by the product of "
+                              f"the stride and the group size ({n} replicas, stride "
+                              f"{rg.stride}, group size {rg.group_size})")
+
+
 def _replica_value(var, host, replica):
     """Replica ``replica``'s copy of ``var`` from its host value (groups of the constant-stride
     grouping PopXL stores, ``const_rg``)."""
@@ -259,15 +320,18 @@ def _replica_value(var, host, replica):
 def _host_value(var, replica_vars):
     """The host value of ``var`` from the replicas' copies ("one_per_group": the first replica
     of each group of the constant-stride grouping)."""
-    if var.retrieval_mode == "all_replicas" and var.replica_grouping.group_size > 1 and \
-            len(replica_vars) > 1:
-        raise NotImplementedError(f"variable {var.id}: retrieval_mode 'all_replicas' is not "
-                                  "implemented by the emulator")
     rg = var.replica_grouping.const_rg
     if rg.num_groups == 1:
         return np.array(replica_vars[0][var], copy=True)
     firsts = [rg.assignment.index(g) for g in range(rg.num_groups)]
     return np.stack([replica_vars[r][var] for r in firsts])
+
+
+def _returns_all_replicas(t):
+    """Whether ``get_tensor_data`` gives every replica's value of ``t`` (PopXL: a Variable
+    with ``retrieval_mode="all_replicas"`` and groups of more than one replica)."""
+    return isinstance(t, Variable) and t.retrieval_mode == "all_replicas" and \
+        t.replica_grouping.group_size > 1
 
 
 def _user_value(var, host):
@@ -287,14 +351,29 @@ def _host_array(data, downcast):
     return dtypes.to_numpy(data, downcast=downcast)
 
 
+def _entries(out, nht):
+    """The part of a (verified) output array a run writes: its first ``nht`` entries when it
+    has more (PopXL accepts a longer leading dim), else all of it."""
+    return out[:nht] if nht > 1 and out.shape[0] > nht else out
+
+
 def _d2h_buffer(stream, out, shape):
     """Where ``host_store`` writes: the caller's output array itself when it is a C-contiguous
-    array of the stream's dtype and size (no staging copy), else a new buffer.
+    array of the stream's dtype and size (no staging copy), else a new buffer holding its
+    current contents (entries a run does not write keep them).
     ``shape``: ``(num_host_transfers, [replicas,] *stream.shape)``."""
-    if isinstance(out, np.ndarray) and out.flags.c_contiguous and \
-            out.dtype == stream.dtype.as_numpy() and out.size == int(np.prod(shape)):
-        return out.reshape(shape)
-    return np.empty(shape, stream.dtype.as_numpy())
+    if not isinstance(out, np.ndarray) or out.dtype != stream.dtype.as_numpy():
+        raise TypeError(f"output array for d2h stream {stream.tensor_id}: a numpy array of "
+                        f"{stream.dtype.as_numpy()} is needed (StepIO writes the raw device "
+                        f"bytes), got {getattr(out, 'dtype', type(out))}")
+    part = _entries(out, shape[0])
+    if part.size != int(np.prod(shape)):
+        raise RuntimeError(f"output array for d2h stream {stream.tensor_id}: {part.size} "
+                           f"elements for {int(np.prod(shape))} (a shape of ones PopXL's check "
+                           "lets through; what StepIO writes then is unspecified)")
+    if part.flags.c_contiguous:
+        return part.reshape(shape)
+    return np.array(part, copy=True).reshape(shape)
 
 
 def _check_keys(given, expected, what):

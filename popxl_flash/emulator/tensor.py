@@ -8,8 +8,10 @@ from .context import gcg, gmg
 
 #: ``popxl.tensor.HostTensor``/``host_tensor_types`` (PopXL 3.4 ``python_files/tensor.py``;
 #: PopXL adds ``torch.Tensor`` when torch is installed, which ``Iterable`` already matches).
+ScalarType = int | float | bool
 HostTensor = np.ndarray | Iterable
 host_tensor_types = (np.ndarray, Iterable)
+HostScalarTensor = ScalarType | HostTensor
 
 
 class TensorSpec(Mapping):

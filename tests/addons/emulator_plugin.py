@@ -5,8 +5,9 @@ Usage (from this repository's root, with a popxl-addons sdk-release-3.4 checkout
     POPXL_ADDONS_PATH=<checkout> PYTHONPATH=tests/addons python -m pytest -p emulator_plugin \\
         -c <checkout>/pytest.ini --rootdir <checkout> <checkout>/tests/unit
 
-Loading the plugin puts the checkout on ``sys.path``, installs the ``mpi4py``/``popdist``/
-``cppimport`` stand-ins (``standins.py``) and ``popxl_flash.emulator.install()``. The tests
+Loading the plugin puts the checkout on ``sys.path`` and calls
+``popxl_flash.emulator.install(standins=True)`` (the emulator as ``popxl``, the packaged
+``mpi4py``/``popdist``/``cppimport`` stand-ins). The tests
 that need what the emulator does not model are skipped with the reason listed in
 :data:`OUT_OF_SCOPE` (mirrored in ``popxl_flash/emulator/README.md``); all others run.
 """
@@ -20,12 +21,9 @@ _PATH = os.environ.get("POPXL_ADDONS_PATH", "").strip()
 if not _PATH:
     raise pytest.UsageError("emulator_plugin: set POPXL_ADDONS_PATH to a popxl-addons checkout")
 sys.path[:0] = [_PATH, _HERE]
-from standins import install_standins  # noqa: E402
-
-install_standins()
 from popxl_flash import emulator  # noqa: E402
 
-emulator.install()
+emulator.install(standins=True)
 
 #: {test id fragment (file or file::test): why the emulator cannot run it}. Mirrored in
 #: ``popxl_flash/emulator/README.md`` ("popxl-addons' own tests").

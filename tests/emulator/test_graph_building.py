@@ -288,16 +288,14 @@ def test_empty_graph_with_explicit_inputs_and_outputs():
 @emulator_only
 def test_unimplemented_features_raise_not_implemented():
     """Collectives between the IPUs of one replica (``all_reduce``: the emulator has one IPU
-    per replica) and replicated tensor sharding are outside the emulator's subset: using them
-    raises NotImplementedError (never a silent wrong result). (Replicated collectives: see
-    test_replication.py; autodiff: test_emulator_autodiff.py.)"""
+    per replica) are outside the emulator's subset: using them raises NotImplementedError
+    (never a silent wrong result). (Replicated collectives: see test_replication.py; autodiff:
+    test_emulator_autodiff.py.)"""
     ir = popxl.Ir()
     with ir.main_graph:
         x = popxl.constant(np.ones(3, np.float32))
         with pytest.raises(NotImplementedError):
             ops.collectives.all_reduce([x])
-        with pytest.raises(NotImplementedError):
-            ops.collectives.replica_sharded_slice(x)
 
 
 # python/popxl/python_files/ops/init.py, tensor.py graph_input, streams.py: the shape becomes a

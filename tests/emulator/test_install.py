@@ -77,7 +77,7 @@ def test_install_refuses_names_popxl_lacks():
             raise SystemExit("unknown submodule imported")
         import popxl.ops.collectives.collectives as c   # a PopXL module the emulator stubs
         try:
-            c.to_collective_op("add")
+            c.CommGroup()
         except NotImplementedError:
             pass
         else:
@@ -151,7 +151,8 @@ POPXL_34_NAMES = {
     "popxl.tensor": {"Tensor", "Variable", "Constant", "TensorSpec", "TensorByRef", "constant",
                      "variable", "graph_input", "graph_output", "remote_variable",
                      "remote_replica_sharded_variable", "replica_sharded_variable",
-                     "replica_sharded_buffer", "HostTensor", "host_tensor_types"},
+                     "replica_sharded_buffer", "HostTensor", "host_tensor_types", "ScalarType",
+                     "HostScalarTensor", "TensorLike"},
     "popxl.ops.utils": {"cast_if_needed", "check_in_graph", "check_tensor_ipu_and_tile_set",
                         "handle_negative_axis", "convert_optional_float",
                         "convert_optional_int", "convert_optional_dtype",
@@ -162,7 +163,7 @@ POPXL_34_NAMES = {
     "popxl.transforms.autodiff": {"ExpectedConnection", "ExpectedConnectionType",
                                   "GradGraphInfo", "autodiff"},
     "popxl.ops.collectives.collectives": {"CollectiveOps", "CommGroup", "CommGroupType",
-                                          "to_collective_op"},
+                                          "to_collective_op", "OP_MAP"},
 }
 
 
@@ -179,3 +180,44 @@ def test_internal_ir_surface_has_no_emulator_helpers():
     names = {k for k in vars(installer.MODULES["popart._internal.ir"]) if not k.startswith("__")}
     assert not {n for n in names if n.startswith("Pb") or n.startswith("_")} | (
         names & {"make_op", "PopartError", "enum", "types"})
+
+
+def test_popart_exceptions_and_version_string():
+    """``popart_core/popart.cpp``: ``poplibs_exception`` and ``poplar_exception`` are
+    registered on their own (not ``popart_exception`` subclasses); the internal and runtime
+    errors derive from ``popart_exception``; ``versionString()`` is a function."""
+    from popxl_flash import emulator
+    emulator.install()
+    import popart
+    assert not issubclass(popart.poplibs_exception, popart.popart_exception)
+    assert not issubclass(popart.poplar_exception, popart.popart_exception)
+    assert issubclass(popart.popart_internal_exception, popart.popart_exception)
+    assert issubclass(popart.popart_runtime_error, popart.popart_exception)
+    assert issubclass(popart.poplar_runtime_error, popart.poplar_exception)
+    assert popart.versionString().startswith("3.")
+
+
+def test_internal_ir_op_classes_of_random_collective_and_shape_ops():
+    """``popart._internal.ir``'s op bindings are generated per PopART op header, in
+    ``_ir.op.collectives`` for ``op/collectives/``: ``isinstance`` checks work on them."""
+    from popxl_flash import emulator
+    emulator.install()
+    import numpy as np
+    import popart._internal.ir as _ir
+    import popxl
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        seed = popxl.constant(np.array([1, 2], np.uint32))
+        x = popxl.ops.random_uniform(seed, (4,))
+        a, b = popxl.ops.split(x, 2)
+        y = popxl.ops.gelu(popxl.ops.gather(x, popxl.constant(np.array([0], np.int32))))
+        popxl.ops.collectives.replicated_all_reduce_(a)
+        popxl.ops.collectives.replicated_reduce_scatter(b)
+    ops = list(ir.main_graph._pb_graph.getOps())
+    for cls in (_ir.op.RandomUniformOp, _ir.op.SplitOp, _ir.op.GatherOp, _ir.op.GeluOp,
+                _ir.op.collectives.ReplicatedAllReduceInplaceOp,
+                _ir.op.collectives.ReplicatedAllReduceOp,
+                _ir.op.collectives.ReplicatedReduceScatterOp,
+                _ir.op.collectives.CollectivesBaseOp):
+        assert any(isinstance(o, cls) for o in ops), cls
+    assert y.shape == (1,)

@@ -248,7 +248,6 @@ def test_wrapper_refusals():
 
 
 @pytest.mark.parametrize("build,match", [
-    (lambda x: coll.replicated_reduce_scatter(x), "split evenly"),
     (lambda x: coll.replicated_all_reduce(x, op="and"), "logical"),
     (lambda x: coll.replicated_all_reduce(ops.cast(x, i32), op="mean"), "integer"),
     (lambda x: coll.replicated_all_reduce(ops.cast(x, popxl.bool)), "dtype bool"),
@@ -258,18 +257,6 @@ def test_compile_refusals(build, match):
     ir, s, _ = _program(2, (3,), f32, lambda x: [build(x)])
     with pytest.raises(COMPILE_ERRORS, match=match):
         popxl.Session(ir, "ipu_model")
-
-
-@emulator_only
-def test_replicated_tensor_sharding_not_implemented():
-    ir = popxl.Ir(replication=2)
-    with ir.main_graph:
-        x = ops.host_load(popxl.h2d_stream((4,), f32))
-        with pytest.raises(NotImplementedError):
-            coll.replica_sharded_slice(x)
-        with pytest.raises(NotImplementedError):
-            coll.replicated_reduce_scatter(
-                x, configure_output_for_replicated_tensor_sharding=True)
 
 
 @emulator_only

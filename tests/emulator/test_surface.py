@@ -26,7 +26,7 @@ NOT_IN_POPXL = {
 
 #: PopXL names the emulator does not implement: present, raising when used.
 STUBS = {
-    popxl: ("create_seeds", "remote_variable", "replica_sharded_variable", "TileSet",
+    popxl: ("remote_replica_sharded_variable", "remote_variable", "replica_sharded_variable", "TileSet",
             "remote_buffer"),
     popxl.ops: ("conv_pow2scaled", "conv_transpose_pow2scaled", "PadType", "topk", "cumsum",
                 "remote_code_load"),
@@ -48,12 +48,10 @@ def test_unimplemented_popxl_names_raise_when_used(where, name):
 
 
 def test_unimplemented_submodules_raise_on_use():
-    """``popxl.tensorlocation`` and ``popxl.random_seed`` exist in PopXL (bound by its
-    imports); the emulator implements nothing of them."""
+    """``popxl.tensorlocation`` exists in PopXL (bound by its imports); the emulator
+    implements nothing of it."""
     with pytest.raises(NotImplementedError):
         popxl.tensorlocation.TensorLocation()
-    with pytest.raises(NotImplementedError):
-        popxl.random_seed.create_seeds()
 
 
 def test_implemented_submodules_are_popxl_modules():

@@ -36,11 +36,29 @@ _DTYPES = frozenset((dtypes.float32, dtypes.float16, dtypes.int32, dtypes.uint32
 
 
 def _to_collective_op(op):
+    """The emulator's name of collective ``op`` (ValueError for an unknown name, as PopXL)."""
     try:
         return OP_MAP[op]
-    except (KeyError, TypeError):
+    except KeyError:
         raise ValueError(f"Not a valid op: {op}. Must choose from: "
                          f"{', '.join(OP_MAP.keys())}") from None
+
+
+def to_collective_op(op):
+    """``popxl.ops.collectives.collectives.to_collective_op``: the ``_ir.CollectiveOperator``
+    of ``op`` ("mul" gives Mean, as PopXL 3.4's table). Raises: ValueError."""
+    from .._internal_ir import COLLECTIVE_NAMES
+    name = _to_collective_op(op)
+    return next(k for k, v in COLLECTIVE_NAMES.items() if v == name)
+
+
+def collective_name(operator):
+    """The emulator's collective name of an ``_ir.CollectiveOperator`` (custom ops get one
+    from PopXL code). Raises: ValueError for Mul (PopXL maps no name to it)."""
+    from .._internal_ir import COLLECTIVE_NAMES
+    if operator not in COLLECTIVE_NAMES:
+        raise ValueError(f"collective operator {operator} is not modelled by the emulator")
+    return COLLECTIVE_NAMES[operator]
 
 
 # -- groups ------------------------------------------------------------------------------------
@@ -103,21 +121,32 @@ def _all_gather(attrs, values):
     out = [None] * len(values)
     for members in groups_of(attrs["grouping"]):
         full = np.concatenate([values[r].reshape(-1) for r in members])
-        full = full.reshape(attrs["shape"])
+        # a meta-shape gather drops the reduce-scatter's zero padding
+        full = full[:int(np.prod(attrs["shape"], dtype=np.int64))].reshape(attrs["shape"])
         for r in members:
             out[r] = full.copy()
     return out
+
+
+def _padded(value, size):
+    """``value`` flattened and zero-padded to ``size`` elements (GCL pads the last chunk of a
+    reduce-scatter whose element count the group does not divide)."""
+    flat = value.reshape(-1)
+    if flat.size == size:
+        return flat
+    return np.concatenate([flat, np.zeros(size - flat.size, flat.dtype)])
 
 
 def _reduce_scatter(attrs, values):
     out = [None] * len(values)
     op = attrs["op"]
     for members in groups_of(attrs["grouping"]):
-        chunk = values[members[0]].size // len(members)
+        chunk = -(-values[members[0]].size // len(members))
+        padded = [_padded(values[r], chunk * len(members)) for r in members]
         if op != "local":
-            red = _reduce([values[r].reshape(-1) for r in members], op)
+            red = _reduce(padded, op)
         for k, r in enumerate(members):
-            src = values[r].reshape(-1) if op == "local" else red
+            src = padded[k] if op == "local" else red
             out[r] = np.array(src[k * chunk:(k + 1) * chunk], copy=True)
     return out
 
@@ -200,12 +229,9 @@ def _compile_check(op):
         raise PopartError(f"{op.kind} {t.id}: '{kind}' of an integer tensor is unspecified "
                           "(rounding of the device's mean/square is not documented)")
     if op.kind == "replicated_all_gather" and \
-            int(np.prod(op.outputs[0].shape, dtype=np.int64)) != size * t.nelms:
+            int(np.prod(op.outputs[0].shape, dtype=np.int64)) > size * t.nelms:
         raise PopartError(f"{op.kind} {t.id}: output shape {op.outputs[0].shape} does not hold "
                           f"{size} x {t.nelms} gathered elements (the lowering reshapes to it)")
-    if op.kind == "replicated_reduce_scatter" and t.nelms % size:
-        raise PopartError(f"{op.kind} {t.id}: {t.nelms} elements do not split evenly over "
-                          f"{size} replicas (GCL's padding of the last chunk is unspecified)")
 
 
 for _kind in _COMBINE:
@@ -239,7 +265,8 @@ def replicated_all_gather(t, axis=0, group=None, output_shape="auto"):
     Args:
         t: Tensor. axis: concat axis ("concat"). group: ReplicaGrouping (default: all).
         output_shape: "new_axis" ``(G, *t.shape)``, "concat" (concat on ``axis``),
-            "meta_shape" (replicated tensor sharding: not implemented), "auto".
+            "meta_shape" (a replica-sharded ``t``: the shards, in group-rank order, fill
+            ``t.meta_shape``), "auto".
     Returns:
         The gathered Tensor (identical on the replicas of a group).
     """
@@ -250,9 +277,10 @@ def replicated_all_gather(t, axis=0, group=None, output_shape="auto"):
         raise ValueError(f"Axis should be an int. Type: {type(axis)}. Value: {axis}")
     if output_shape == "auto":
         output_shape = "meta_shape" if t.meta_shape else "concat"
-    if output_shape == "meta_shape":
-        raise NotImplementedError("replicated_all_gather(output_shape='meta_shape') (replicated "
-                                  "tensor sharding) is not implemented by the emulator")
+    if output_shape == "meta_shape":  # the shard is gathered as is into the meta shape
+        return emit("replicated_all_gather", {"t": t},
+                    {"grouping": grouping, "shape": tuple(t.meta_shape)},
+                    names=[t.name + "_all_gathered"])[0]
     t_input, concat_shape = _rearrange_input(t, axis)
     concat_shape[0] *= grouping[2]
     if output_shape == "new_axis":
@@ -269,14 +297,15 @@ def replicated_all_gather(t, axis=0, group=None, output_shape="auto"):
 
 
 def _reduce_scatter(t, op, group, rts, suffix):
+    """The ReplicatedReduceScatterOp; ``rts``: its output is a replica-sharded tensor whose
+    meta shape is the input's shape (``ReplicatedReduceScatterOp::setup``)."""
     check_in_graph(gcg(), t=t)
     grouping = _grouping(group)
+    out = emit("replicated_reduce_scatter", {"t": t}, {"grouping": grouping, "op": op},
+               names=[t.name + suffix])[0]
     if rts:
-        raise NotImplementedError("replicated tensor sharding (configure_output_for_replicated_"
-                                  "tensor_sharding, replica_sharded_slice) is not implemented by "
-                                  "the emulator: its element order depends on the tile mapping")
-    return emit("replicated_reduce_scatter", {"t": t}, {"grouping": grouping, "op": op},
-                names=[t.name + suffix])[0]
+        out._meta_shape = tuple(t.shape)
+    return out
 
 
 def replicated_reduce_scatter(t, op="add", group=None,
@@ -287,7 +316,8 @@ def replicated_reduce_scatter(t, op="add", group=None,
     Args:
         t: Tensor (flattened). op: "add", "mean", "mul" (= mean in 3.4), "min", "max", "and",
             "or", "square_add". group: ReplicaGrouping (default: all replicas).
-        configure_output_for_replicated_tensor_sharding: must be False on the emulator.
+        configure_output_for_replicated_tensor_sharding: the output is a replica-sharded
+            tensor with meta shape ``t.shape`` (shards in the flattened order: see README).
     Returns:
         1-D Tensor of ``ceil(t.nelms / G)`` elements.
     """
@@ -296,7 +326,8 @@ def replicated_reduce_scatter(t, op="add", group=None,
 
 
 def replica_sharded_slice(t, group=None):
-    """PopXL's replicated-tensor-sharding slice: not implemented (element order unspecified)."""
+    """Group rank k keeps the k-th chunk of its own flattened ``t`` (zero-padded), as a
+    replica-sharded tensor with meta shape ``t.shape`` (a Local reduce-scatter with RTS)."""
     return _reduce_scatter(t, "local", group, True, "_sharded_slice")
 
 

@@ -1,4 +1,5 @@
 """Subgraph calls: call, repeat, conditional (and their ``*_with_info`` forms)."""
+import copy
 import numbers
 from collections.abc import Iterable
 
@@ -174,8 +175,21 @@ class CallSiteInfo:
         return idx
 
     def set_parent_input_modified(self, parent_tensor, infer_modified_regions=False):
-        raise NotImplementedError("CallSiteInfo.set_parent_input_modified is not implemented by "
-                                  "the emulator; use by_ref graph inputs")
+        """Mark the call's input ``parent_tensor`` modified: what the called graph writes into
+        that input in place reaches the parent tensor (CallOpx copies a modified input back).
+        ``infer_modified_regions`` (only the regions the callee's ops modify) gives the same
+        values. Raises: PopartError unless ``parent_tensor`` is an input at exactly one index
+        (``Op::inIndex``)."""
+        op = self._op
+        if op.graph.ir._prepared:
+            raise RuntimeError("the Ir was compiled by a Session; it cannot change any more")
+        indices = [i for i, t in enumerate(op.inputs) if t is parent_tensor]
+        name = getattr(parent_tensor, "id", parent_tensor)
+        if not indices:
+            raise PopartError(f"Cannot find input index of tensor {name} for {op}")
+        if len(indices) > 1:
+            raise PopartError(f"Tensor {name} is an input of {op} at more than one index")
+        op.modifies = tuple(sorted(set(op.modifies) | set(indices)))
 
 
 class _WrapperSiteInfo(CallSiteInfo):
@@ -188,6 +202,7 @@ class _WrapperSiteInfo(CallSiteInfo):
 
     inputs = property(_unsupported)
     parent_input = graph_to_parent = parent_to_graph = _unsupported
+    set_parent_input_modified = _unsupported
     graph_to_parent_input_index = parent_to_graph_input_index = _unsupported
     graph_to_parent_output_index = parent_to_graph_output_index = _unsupported
 
@@ -216,7 +231,19 @@ def _run_call(rt, plan, args):
 
 
 register("call", _call_rule, _run_call, runtime=True)
-PREPARE["call"] = lambda op, plan_of: plan_of(op.attrs["graph"])
+def _prepare_call(op, plan_of):
+    """The callee's plan; inputs the call site marks modified beyond the graph's by-ref ones
+    (``set_parent_input_modified``) are passed without a copy, so in-place writes reach the
+    parent."""
+    plan = plan_of(op.attrs["graph"])
+    extra = set(op.modifies) - set(_by_ref_positions(op.attrs["graph"]))
+    if extra:
+        plan = copy.copy(plan)
+        plan.copy_in = [c and i not in extra for i, c in enumerate(plan.copy_in)]
+    return plan
+
+
+PREPARE["call"] = _prepare_call
 
 
 def call_with_info(graph, *inputs, inputs_dict=None, check_inputs=True):
@@ -260,14 +287,33 @@ def _run_repeat(rt, plan, args):
     rt.live += plan.all_out_bytes  # LoopOpx's clones of the carried values
     rt.iterations += count
     for _ in range(count):
-        vals[:n] = rt.run_graph(plan, [a.copy() if c else a for a, c in zip(vals, plan.copy_in)])
+        ins = [a.copy() if c else a for a, c in zip(vals, plan.copy_in)]
+        vals[:n] = rt.run_graph(plan, ins)
     rt.live -= plan.all_out_bytes
-    return vals[:n]
+    return _copy_back_carried(plan, args, ins, vals[:n])
+
+
+def _copy_back_carried(plan, args, last_inputs, outputs):
+    """LoopOpx::copyModifiedBodyInputsToOpInputs for by-ref loop-carried inputs: after the
+    loop, the body input as the last iteration left it is copied into the parent tensor; the
+    op outputs stay the body output clones (own arrays). Returns: the op outputs."""
+    carried = [i for i in _by_ref_positions(plan.graph) if i < len(outputs)]
+    for i in carried:
+        if last_inputs[i] is not args[i]:
+            args[i][...] = last_inputs[i]
+    return [o.copy() if any(o is args[i] for i in carried) else o for o in outputs]
 
 
 def _check_repeat(op):
-    """Compile-time check of a repeat: each carried output matches its input (LoopOp)."""
+    """Compile-time check of a repeat: each carried output matches its input (LoopOp); a
+    by-ref carried input of a zero-trip loop is refused (LoopOpx copies back a body input
+    no iteration wrote: unspecified)."""
     body = op.attrs["graph"]
+    carried = [body.inputs[i].id for i in op.modifies if i < len(body.outputs)]
+    if carried and op.attrs["count"] == 0:
+        raise PopartError(f"repeat of {body.name} with repeat_count 0: by-ref loop-carried "
+                          f"inputs {carried} would be copied back from body inputs no "
+                          "iteration wrote (unspecified on the device)")
     for i, (o, x) in enumerate(zip(body.outputs, body.inputs)):
         if (o.shape, o.dtype) != (x.shape, x.dtype):
             raise PopartError(f"repeat of {body.name}: output {i} {o.dtype.name}"
@@ -306,10 +352,6 @@ def repeat_with_info(graph, repeat_count, *inputs, inputs_dict=None, check_input
         raise PopartError(f"repeat: graph {graph} cannot call itself")
     _check_repeat_wrapper_ids(graph, parents)
     by_ref = _by_ref_positions(graph)
-    carried = [graph.inputs[i].id for i in by_ref if i < n_out]
-    if carried:
-        raise NotImplementedError(f"repeat: by-ref loop-carried inputs {carried} are not "
-                                  "supported by the emulator")
     tensors = {f"input_{i}": t for i, t in enumerate(parents)}
     emit("repeat", tensors, {"graph": graph, "count": int(repeat_count)},
                 names=[o.name for o in graph.outputs], modifies=by_ref, subgraphs=(graph,))

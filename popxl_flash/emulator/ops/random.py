@@ -15,15 +15,15 @@ independent of the graph).
 ``split_random_seed(seed, n)`` is PopXL's: ``n`` seeds ``create_random_seed(seed, i)``, where
 PopART's ModifyRandomSeed keeps the first word and replaces the second by a random int32 drawn
 from the seed ``[L, R + i]``, cast to uint32. ``create_random_seed`` itself is not a public
-``popxl.ops`` name in 3.4 (``ops/__init__.py`` imports only ``split_random_seed``), so the
-emulator exposes no such name either.
+``popxl.ops`` name in 3.4 (``ops/__init__.py`` imports only ``split_random_seed``); it is
+reachable as ``popxl.ops.random_seed.create_random_seed``, as in PopXL.
 """
 import numpy as np
 
 from .. import dtypes
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
-from ._common import FLOATS, int_vector, require, scalar_value
+from ._common import FLOATS, int_vector, scalar_value
 
 _U32 = 1 << 32
 
@@ -54,13 +54,13 @@ def _check_seed(op):
 
 # -- random_uniform / random_normal -----------------------------------------------------------
 def _random_rule(seed, shape, a, b, dtype):
-    if dtype not in FLOATS:  # setupWithShape takes any dtype; RandomBaseOp supports float types
-        raise NotImplementedError(f"random ops with dtype {dtype.name} are not supported by the "
-                                  "emulator (float16, float32)")
-    return [(shape, dtype)]
+    return [(shape, dtype)]  # ShapeOrLikeOp::setupWithShape takes any dtype
 
 
 def _random_uniform(seed, shape, a, b, dtype):
+    if dtype == dtypes.int32:  # poprand's integer uniform: [low, high], both included
+        return _rng(seed, _SALT["random_uniform"]).integers(int(a), int(b), size=shape,
+                                                            endpoint=True).astype(np.int32)
     u = uniform_values(seed, shape)
     return (a + (b - a) * u).astype(dtype.as_numpy())
 
@@ -70,9 +70,25 @@ def _random_normal(seed, shape, a, b, dtype):
     return (a + b * z).astype(dtype.as_numpy())
 
 
+def _check_random(op):
+    """The lowering hands the output type to poprand: ``uniform`` takes float16, float32 and
+    int32 (integral bounds, ``low <= high``: other bounds are unspecified here), ``normal``
+    float16 and float32 only."""
+    _check_seed(op)
+    dtype, a, b = op.attrs["dtype"], op.attrs["a"], op.attrs["b"]
+    allowed = FLOATS | ({dtypes.int32} if op.kind == "random_uniform" else set())
+    if dtype not in allowed:
+        raise PopartError(f"{op.kind}: poprand does not generate {dtype.name} (allowed: "
+                          f"{sorted(d.name for d in allowed)})")
+    if dtype == dtypes.int32 and not (float(a).is_integer() and float(b).is_integer()
+                                      and a <= b):
+        raise PopartError(f"{op.kind}: int32 bounds must be integral with low <= high, got "
+                          f"[{a}, {b}] (unspecified otherwise)")
+
+
 register("random_uniform", _random_rule, _random_uniform)
 register("random_normal", _random_rule, _random_normal)
-COMPILE_CHECKS["random_uniform"] = COMPILE_CHECKS["random_normal"] = _check_seed
+COMPILE_CHECKS["random_uniform"] = COMPILE_CHECKS["random_normal"] = _check_random
 
 
 def _random(kind, seed_tensor, shape, a, b, dtype):
@@ -91,10 +107,12 @@ def random_uniform(seed_tensor, shape, low=0.0, high=1.0, dtype=dtypes.float32):
 
     Args:
         seed_tensor: uint32 ``[2]`` (checked when the Session compiles, as poprand does).
-        shape: output shape. low, high: floats. dtype: float16 or float32 (None: float32).
+        shape: output shape. low, high: floats. dtype: float16, float32 or int32 (None:
+            float32; others refused when the Session compiles, as poprand does).
 
     Returns:
-        Tensor of ``shape``: a deterministic function of the seed's value (module docstring).
+        Tensor of ``shape``: a deterministic function of the seed's value (module docstring);
+        int32: integers in ``[low, high]``.
     """
     return _random("random_uniform", seed_tensor, shape, low, high, dtype)
 
@@ -106,8 +124,7 @@ def random_normal(seed_tensor, shape, mean=0.0, std=1.0, dtype=dtypes.float32):
 
 # -- dropout ------------------------------------------------------------------------------------
 def _dropout_rule(t, seed, p):
-    require("dropout", t, FLOATS)
-    return [(t.shape, t.dtype)]
+    return [(t.shape, t.dtype)]  # DropoutOp::setup copies the input's info
 
 
 def keep_mask(seed, shape, p):
@@ -124,7 +141,12 @@ def _dropout(a, seed, p):
 
 
 def _check_ratio(op):
+    """Seed, input type (poprand's dropout takes float16/float32) and ratio, as the lowering
+    sees them."""
     _check_seed(op)
+    if op.inputs[0].dtype not in FLOATS:
+        raise PopartError(f"dropout of {op.inputs[0].id}: poprand::dropout takes float16 or "
+                          f"float32, got {op.inputs[0].dtype.name}")
     p = op.attrs["p"]
     if not 0.0 <= p < 1.0:  # popxl's DropoutOp bypasses validateRatioAttribute: lowering's call
         raise PopartError(f"dropout: ratio value {p} is not valid. Please use a value in the "
@@ -172,7 +194,9 @@ register("modify_random_seed", _modify_rule, _modify)
 
 
 def _create_random_seed(seed, modifier):
-    """PopXL's ``ops.random_seed.create_random_seed`` (not a public ``ops`` name in 3.4)."""
+    """PopXL's ``popxl.ops.random_seed.create_random_seed`` (not a public ``ops`` name in 3.4):
+    a ModifyRandomSeed of ``seed`` (uint32 ``[2]``, else ValueError) by ``modifier`` (uint32
+    scalar tensor, checked by the op's setup)."""
     from ..context import gcg
     from ..ir import check_in_graph
     check_in_graph(gcg(), seed=seed, modifier=modifier)  # before the shape check, as PopXL

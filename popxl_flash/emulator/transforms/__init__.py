@@ -1,12 +1,27 @@
 """``popxl.transforms`` for the emulator: ``autodiff`` and its result types.
 
-``decompose_sum``, ``merge_exchange`` and ``io_tile_exchange`` exist but raise
-``NotImplementedError``.
+``decompose_sum`` is PopART's DecomposeSum pass: it rewrites autodiff's variadic gradient
+sums into trees of two-input adds. The emulator's autodiff already builds its gradient sums
+from two-input adds, so the pass changes nothing here and returns the graph.
+``merge_exchange`` and ``io_tile_exchange`` exist but raise ``NotImplementedError``.
 """
 from ..unsupported import stub
 from .autodiff import ExpectedConnection, ExpectedConnectionType, GradGraphInfo, autodiff
 
-decompose_sum = stub("popxl.transforms.decompose_sum")
+
+
+def decompose_sum(graph):
+    """Decompose the gradient sums of ``graph`` (already two-input adds on the emulator).
+
+    Args:
+        graph: a popxl Graph (anything else: AttributeError, as PopXL reads ``_pb_graph``).
+    Returns:
+        ``graph``.
+    """
+    graph._pb_graph  # noqa: B018 - PopXL's first use of its argument
+    return graph
+
+
 merge_exchange = stub("popxl.transforms.merge_exchange")
 io_tile_exchange = stub("popxl.transforms.io_tile_exchange")
 

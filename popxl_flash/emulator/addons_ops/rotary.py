@@ -1,0 +1,68 @@
+"""popxl-addons' ``RotaryPosEmbedOp`` (``ops/rotary_pos_embed/rotary_pos_embed{,x}.cpp``).
+
+Inputs ``x [batch, seq, heads, hh]``, ``sin``, ``cos`` ``[1 or batch, seq, rotary_dim / 2]``;
+attribute ``rotary_dim`` (even: the constructor and ``setup`` refuse odd values; ``setup``
+refuses ranks other than 4 and 3). The first ``rotary_dim`` features are taken as interleaved
+(real, imaginary) pairs and rotated by the angle whose sine and cosine the tables hold for
+that sequence position: ``y_re = x_re cos - x_im sin``, ``y_im = x_im cos + x_re sin``; the
+other features pass through. The grad op (``RotaryPosEmbedGradOp``, reading the tables) rotates
+the incoming gradient by the opposite angle.
+"""
+import numpy as np
+
+from .. import grads
+from ..errors import PopartError
+from ..registry import emit, register
+from ._binding import create
+
+_KIND, _GRAD = "addons_rotary_pos_embed", "addons_rotary_pos_embed_grad"
+
+
+def _rule(x, sin, cos, rotary_dim):
+    if x.rank != 4:
+        raise PopartError("RotaryPosEmbedOp::setup x should have rank 4 (batch, heads, seq, hh)")
+    if sin.rank != 3 or cos.rank != 3:
+        raise PopartError("RotaryPosEmbedOp::setup trig functions should have rank 3 "
+                          "(1 or batch, seq, hh/2)")
+    if rotary_dim % 2:
+        raise PopartError("RotaryPosEmbedOp::setup rotary dim must be a multiple of 2")
+    return [(x.shape, x.dtype)]
+
+
+def rotate(x, sin, cos, rotary_dim, sign=1.0):
+    """The rotation on arrays (``sign`` -1: the grad op's opposite angle). Returns: array like
+    ``x``."""
+    x = np.asarray(x)
+    part = x[..., :rotary_dim]
+    pairs = part.reshape(*part.shape[:-1], rotary_dim // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    s = (sign * np.asarray(sin))[:, :, None, :]  # [b|1, seq, 1 (heads), rotary_dim / 2]
+    c = np.asarray(cos)[:, :, None, :]
+    out = np.stack([re * c - im * s, im * c + re * s], axis=-1).astype(x.dtype)
+    return np.concatenate([out.reshape(part.shape), x[..., rotary_dim:]], axis=-1)
+
+
+register(_KIND, _rule, lambda x, sin, cos, rotary_dim: rotate(x, sin, cos, rotary_dim))
+register(_GRAD, _rule, lambda dy, sin, cos, rotary_dim: rotate(dy, sin, cos, rotary_dim, -1.0))
+
+
+def _grad(ctx, i):
+    """RotaryPosEmbedGradOp: inputs the gradient and the forward's tables (``In``)."""
+    a = ctx.op.attrs
+    return emit(_GRAD, {"in0": ctx.dy(0), "in1": ctx.x(1), "in2": ctx.x(2)}, dict(a),
+                names=["t_rotated_grad"])[0]
+
+
+grads.RULES[_KIND] = (lambda op: (0,), _grad)
+
+
+class RotaryPosEmbedOp:
+    """``rotary_pos_embed_binding.RotaryPosEmbedOp``."""
+
+    @staticmethod
+    def createOpInGraph(graph, inputs, outputs, rotary_dim, settings):  # noqa: N802
+        """Returns: the created op (``outTensor(0)``: the rotated tensor)."""
+        if int(rotary_dim) % 2:
+            raise PopartError("RotaryPosEmbedOp::RotaryPosEmbedOp rotary_dim must be a multiple "
+                              "of 2")
+        return create(graph, _KIND, inputs, outputs, {"rotary_dim": int(rotary_dim)})
