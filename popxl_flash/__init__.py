@@ -33,6 +33,10 @@ from popxl_flash.api.functional import (flash_attention, flash_attention_grad,
                                         flash_attention_qkv_packed,
                                         flash_attention_qkv_packed_grad)
 from popxl_flash.api.kvcache import flash_attn_with_kvcache
+from popxl_flash.api.packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                    flash_attn_varlen_kvpacked_func,
+                                    flash_attn_varlen_qkvpacked_func)
+from popxl_flash.api.rotary import apply_rotary, rotary_tables
 from popxl_flash.api.varlen import flash_attn_varlen_func
 from popxl_flash.checks import reference
 
@@ -45,5 +49,7 @@ __all__ = [
     "enable_floating_point_checks", "autodiff", "called_graphs_grad_info",
     "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache", "reachable_graphs",
     "context_parallel", "context_parallel_attention", "context_parallel_attention_grad",
+    "apply_rotary", "rotary_tables", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
 ]
 __version__ = "0.1.0"

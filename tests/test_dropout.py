@@ -257,3 +257,25 @@ def test_flash_attn_func_grad_with_modifiers():
         pf.flash_attn_func_grad(x, x, x, x, out, lse)
     with pytest.raises(ValueError, match="score modifiers"):
         build_only(refused)
+
+
+def test_dropout_in_many_layers_needs_a_seed_per_call():
+    """Two layers' calls on the same q, k, v: one seed tensor for both gives identical keep
+    masks (the mask is a function of the seed and the block only), a seed per call from
+    ``ops.split_random_seed`` or a per-call offset (``seed + [0, i]``) gives different ones
+    (the documented recipe for dropout in many layers)."""
+    B, L, H, D = 1, 16, 2, 8
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((B, L, H, D)).astype(np.float32) for _ in range(3))
+
+    def build(q, k, v, seed):
+        def mask(s):
+            return pf.flash_attn_func(q, k, v, dropout_p=0.5, seed=s, causal=False,
+                                      return_attn_probs=True)[2]
+        s0, s1 = popxl.ops.split_random_seed(seed, 2)
+        offset = popxl.constant(np.array([0, 1], np.uint32))
+        return [mask(seed), mask(seed), mask(s0), mask(s1), mask(seed + offset)]
+    (same0, same1, split0, split1, shifted), _ = run_graph(build, [q, k, v, SEED])
+    np.testing.assert_array_equal(same0, same1)
+    assert (split0 != split1).mean() > 0.25  # independent masks at p = 0.5 differ on ~half
+    assert (shifted != same0).mean() > 0.25

@@ -400,7 +400,14 @@ BAD = [
     (dict(num_splits=1.5), TypeError, "num_splits must be an int"),
     (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
     (dict(causal="yes"), TypeError, "causal must be a bool"),
-    (dict(rotary_cos=1), TypeError, "rotary embeddings are not applied here"),
+    (dict(rotary_cos=1), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(k_cache_layout="BSDH"), ValueError,
+     "k_cache_layout must be one of ('BSHD', 'BHSD', 'BHDS'), got k_cache_layout='BSDH'"),
+    (dict(v_cache_layout="BHDS"), ValueError,
+     "v_cache_layout must be one of ('BSHD', 'BHSD'), got v_cache_layout='BHDS'"),
+    (dict(k_cache_layout="BHDS"), ValueError,
+     "k_cache must have q's batch B=2 and head dim D=8 ([B, Hkv, D, Lcache], "
+     "k_cache_layout='BHDS'), got k_cache shape (2, 16, 2, 8)"),
     (dict(block_table=1), TypeError, "paged caches are not supported"),
 ]
 

@@ -142,8 +142,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                     return_attn_probs=False, return_lse=False, layout="BLHD",
                     num_chunks_q=None, num_chunks_kv=None, seed=None, score_mod=None,
-                    score_mod_inputs=(),
-                    memory_budget=None):
+                    score_mod_inputs=(), deterministic=False, memory_budget=None):
     """flash-attn's ``flash_attn_func`` on PopXL tensors: exact attention, O(L) memory.
 
     The options are keyword-only (flash-attn's fourth positional parameter is ``dropout_p``,
@@ -174,6 +173,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
             its ``S_dmask`` there.
         score_mod, score_mod_inputs: as :func:`popxl_flash.flash_attention` (``g`` is the
             ``b * Hq + h`` group index).
+        deterministic: accepted for flash-attn compatibility (a bool); the forward and the
+            backward are always deterministic here (static loops, fixed reduction order).
 
     Returns:
         out ``[B, Lq, Hq, D]`` (``[B, Hq, Lq, D]``) in q's dtype; with ``return_lse``,
@@ -181,6 +182,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         with ``return_attn_probs``, ``(out, lse, keep_mask)``.
     """
     check_tensors(q=q, k=k, v=v)
+    check_bool("deterministic", deterministic)  # always deterministic
     dims = _check_shapes(q, k, v, layout)
     options, return_lse = core_options(
         dims, (q, k, v), num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
@@ -288,7 +290,7 @@ def group_slopes(modifiers, dims):
 def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, softmax_scale=None,
                          causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                          layout="BLHD", num_chunks_q=None, num_chunks_kv=None, seed=None,
-                         score_mod=None, score_mod_inputs=(),
+                         score_mod=None, score_mod_inputs=(), deterministic=False,
                          memory_budget=None):
     """Hand-written backward of :func:`flash_attn_func`: gradients of q, k and v.
 
@@ -312,12 +314,14 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, so
         dropout_p, seed, softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's
             score modifiers and dropout, as :func:`flash_attn_func`.
         memory_budget: the forward's, as :func:`popxl_flash.flash_attention_grad`.
+        deterministic: accepted (a bool); always deterministic.
 
     Returns:
         ``(dq, dk, dv)`` in the layout, shapes and dtype of q, k, v (grouped-query: dk and dv
         summed over the q heads that share a k/v head).
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
+    check_bool("deterministic", deterministic)  # always deterministic
     dims = _check_shapes(q, k, v, layout)
     if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "

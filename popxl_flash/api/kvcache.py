@@ -49,6 +49,7 @@ import numpy as np
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import (AttentionConfig, _check_int, check_bool, check_scale,
                                 check_window)
+from popxl_flash.api import rotary
 from popxl_flash.api.flash_attn_interface import check_alibi_slopes
 from popxl_flash.api.functional import (check_tensors, keyword_hints, modifier_inputs,
                                     segmented_attention)
@@ -62,6 +63,7 @@ ops = popxl.ops
 
 #: The public names, the structure choice's re-exported from :mod:`popxl_flash.plan.kvcache`.
 __all__ = ["flash_attn_with_kvcache", "write_rows_", "check_shapes", "check_modifiers",
+           "check_layout", "check_rotary", "K_CACHE_LAYOUTS", "V_CACHE_LAYOUTS",
            "KVCACHE_KEYWORD_HINTS", "Dims", "DecodeCandidate", "DecodeChoice", "decode_choice",
            "evaluate", "explain", "DECODE_CHUNKS", "DECODE_SPLITS", "MAX_GRANULE",
            "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
@@ -87,14 +89,20 @@ KVCACHE_KEYWORD_HINTS = {
                  "built in; pf.flash_attention takes a score_mod)",
     "score_mod_inputs": "flash_attn_with_kvcache takes no score_mod (softcap= and alibi_slopes= "
                         "are built in; pf.flash_attention takes a score_mod)",
-    "rotary_cos": "rotary embeddings are not applied here; rotate q and k before the call",
-    "rotary_sin": "rotary embeddings are not applied here; rotate q and k before the call",
-    "rotary_interleaved": "rotary embeddings are not applied here",
     "cache_batch_idx": "the caches are indexed by batch row directly (no cache_batch_idx)",
     "cache_leftpad": "left-padded caches are not supported: rows start at cache row 0",
-    "block_table": "paged caches are not supported: pass contiguous [B, Lcache, Hkv, D] caches",
-    "return_softmax_lse": "this API calls it return_lse=",
+    "block_table": "paged caches are not supported: pass contiguous caches (k_cache_layout= "
+                   "and v_cache_layout= name their axis order)",
 }
+
+#: Accepted cache layouts (axis order of the cache tensors; S = the cache rows): flash-attn's
+#: ``[B, S, H, D]``, head-major ``[B, H, S, D]`` and, for k only, the pre-transposed
+#: ``[B, H, D, S]`` Graphcore's PopXL Llama keeps.
+K_CACHE_LAYOUTS = ("BSHD", "BHSD", "BHDS")
+V_CACHE_LAYOUTS = ("BSHD", "BHSD")
+#: The cache-row axis of each layout, and the permutation taking ``[B, L, H, D]`` rows to it.
+_SEQ_AXIS = {"BSHD": 1, "BHSD": 2, "BHDS": 3}
+_FROM_BSHD = {"BSHD": None, "BHSD": (0, 2, 1, 3), "BHDS": (0, 2, 3, 1)}
 
 
 def _shape4(name, t, meaning):
@@ -105,20 +113,45 @@ def _shape4(name, t, meaning):
     return shape
 
 
-def check_shapes(q, k_cache, v_cache, k, v):
-    """Ranks, sizes and dtypes of q, the caches and the new rows.
+def check_layout(name, layout, allowed):
+    """Raise unless ``layout`` is one of ``allowed`` (a cache's axis order)."""
+    if not isinstance(layout, str) or layout not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {name}={layout!r}")
+    return layout
+
+
+def _bshd(shape, layout):
+    """``(B, S, H, D)`` of a cache shape in ``layout``."""
+    axis = dict(zip(layout, shape))
+    return axis["B"], axis["S"], axis["H"], axis["D"]
+
+
+def _order(layout):
+    return "[" + ", ".join(dict(B="B", S="Lcache", H="Hkv", D="D")[c] for c in layout) + "]"
+
+
+def check_shapes(q, k_cache, v_cache, k, v, k_layout="BSHD", v_layout="BSHD"):
+    """Ranks, sizes and dtypes of q, the caches (in their layouts) and the new rows.
 
     Returns:
         :class:`Dims`.
     """
     B, Lq, Hq, D = _shape4("q", q, "[B, Lq, Hq, D]")
-    Bc, Lc, Hkv, Dc = _shape4("k_cache", k_cache, "[B, Lcache, Hkv, D]")
+    k_order, v_order = _order(k_layout), _order(v_layout)
+    Bc, Lc, Hkv, Dc = _bshd(_shape4("k_cache", k_cache, f"{k_order} (k_cache_layout="
+                                    f"{k_layout!r})"), k_layout)
     if (Bc, Dc) != (B, D):
         raise ValueError(f"k_cache must have q's batch B={B} and head dim D={D} "
-                         f"([B, Lcache, Hkv, D]), got k_cache shape {tuple(k_cache.shape)}")
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got "
-                         f"v_cache shape {tuple(v_cache.shape)}")
+                         f"({k_order}, k_cache_layout={k_layout!r}), got k_cache shape "
+                         f"{tuple(k_cache.shape)}")
+    v_shape = _shape4("v_cache", v_cache, f"{v_order} (v_cache_layout={v_layout!r})")
+    if _bshd(v_shape, v_layout) != (Bc, Lc, Hkv, Dc):
+        want = tuple(dict(B=Bc, S=Lc, H=Hkv, D=Dc)[c] for c in v_layout)
+        same = "" if k_layout == v_layout else \
+            f" in v_cache_layout={v_layout!r} (k_cache_layout={k_layout!r})"
+        raise ValueError(f"v_cache must have the shape of k_cache{same}: B={Bc}, "
+                         f"Lcache={Lc}, Hkv={Hkv}, D={Dc} as {v_order} = {want}, got v_cache "
+                         f"shape {v_shape}")
     if Hq % Hkv:
         raise ValueError(f"q's head count Hq={Hq} must be a multiple of the caches' Hkv={Hkv} "
                          "(grouped-query attention)")
@@ -188,34 +221,94 @@ def check_modifiers(softcap, alibi_slopes, dims):
     return mods
 
 
+def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims):
+    """flash-attn's rotary arguments, validated.
+
+    Returns:
+        ``None`` (no rotary) or ``(cos, sin, interleaved)``.
+    """
+    interleaved = check_bool("rotary_interleaved", rotary_interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together, got "
+                         f"rotary_cos={'None' if rotary_cos is None else 'a tensor'}, "
+                         f"rotary_sin={'None' if rotary_sin is None else 'a tensor'}")
+    if not dims.new_len:
+        raise ValueError("rotary_cos/rotary_sin rotate the new keys: they need the new rows k "
+                         "and v (flash-attn applies rotary only with k and v), got k=None")
+    rows, _ = rotary.check_tables(rotary_cos, rotary_sin, dims.head_dim, "rotary_cos",
+                                  "rotary_sin")
+    if rows < dims.cache_len:
+        raise ValueError(f"rotary_cos must have at least Lcache={dims.cache_len} rows (one per "
+                         f"cache position), got shape {tuple(rotary_cos.shape)}")
+    return rotary_cos, rotary_sin, interleaved
+
+
 # -- graph code -------------------------------------------------------------------------------
 def _i32(values):
     return popxl.constant(np.ascontiguousarray(values, dtype=np.int32))
 
 
-def write_rows_(cache, new, seqlens):
-    """Write ``new [B, Lnew, Hkv, D]`` into ``cache [B, Lcache, Hkv, D]`` in place at rows
+def write_rows_(cache, new, seqlens, layout="BSHD"):
+    """Write ``new [B, Lnew, Hkv, D]`` into ``cache`` (in ``layout``) in place at rows
     ``seqlens[b]`` of each batch row.
+
+    Only the new rows change layout (a transpose of ``[B, Lnew, Hkv, D]``); the cache is
+    written where it is, on its own cache-row axis.
 
     Args:
         seqlens: int32 ``[B]`` tensor (one ``dynamic_update_`` per batch row, index
-            ``[b, seqlens[b]]`` on axes 0 and 1) or an int (one ``dynamic_update_`` for all
-            rows).
+            ``[b, seqlens[b]]`` on the batch and cache-row axes) or an int (one
+            ``dynamic_update_`` for all rows).
+        layout: the cache's axis order, one of :data:`K_CACHE_LAYOUTS`.
 
     Returns:
         The updated cache (a tensor aliasing ``cache``).
     """
     B, Lnew = new.shape[0], new.shape[1]
+    axis, perm = _SEQ_AXIS[layout], _FROM_BSHD[layout]
+    if perm is not None:
+        new = new.transpose(perm)  # the Lnew new rows only
     if not isinstance(seqlens, popxl.Tensor):
-        return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[1], sizes=[Lnew],
+        return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[axis], sizes=[Lnew],
                                    no_overlap=True)
     for b in range(B):
         start = ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])  # [1]
         index = ops.concat([_i32([b]), start], axis=0)  # [2]: batch row, first cache row
-        row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, Lnew, Hkv, D]
-        cache = ops.dynamic_update_(cache, index, row, axes=[0, 1], sizes=[1, Lnew],
+        row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, ...] in the layout
+        cache = ops.dynamic_update_(cache, index, row, axes=[0, axis], sizes=[1, Lnew],
                                     no_overlap=True)
     return cache
+
+
+def _positions(seqlens, batch, rows):
+    """Cache positions ``seqlens[b] + i`` of ``rows`` rows: an int offset (for an int), or
+    int32 ``[B, rows]``."""
+    if not isinstance(seqlens, popxl.Tensor):
+        return seqlens
+    return seqlens.reshape((batch, 1)) + _i32(np.arange(rows).reshape(1, rows))
+
+
+def _rotate_new(q, k, seqlens, dims, tables, q_at_positions):
+    """q and the new keys rotated at their cache positions (flash-attn's rotary semantics:
+    k at ``seqlens[b] + i``; q too if ``q_at_positions`` (causal or local), else every q row at
+    ``seqlens[b]``)."""
+    cos, sin, interleaved = tables
+    B, Lq = dims.batch, dims.q_len
+
+    def at(x, positions, rows):
+        c, s = (rotary.table_rows(t, positions, rows) for t in (cos, sin))  # [(B,) rows, R/2]
+        lead = (B, rows) if len(c.shape) == 3 else (1, rows)
+        c, s = (t.reshape(lead + (1, t.shape[-1])) for t in (c, s))
+        return rotary.rotate(x, c, s, interleaved)
+
+    k = at(k, _positions(seqlens, B, dims.new_len), dims.new_len)
+    if q_at_positions:
+        q = at(q, _positions(seqlens, B, Lq), Lq)
+    else:  # every q row at seqlens[b]: one table row per batch row, broadcast over Lq
+        q = at(q, _positions(seqlens, B, 1), 1)
+    return q, k
 
 
 def _lengths(seqlens, dims):
@@ -274,18 +367,35 @@ def _group_slopes(slopes, dims, splits):
     return g.reshape((B * Hkv * splits * r,))
 
 
-def _cache_groups(cache, dims, splits, chunk_kv, per_part):
-    """``cache [B, Lc, Hkv, D] -> [B*Hkv*S, P, D]``, part ``s`` holding chunks ``s, s+S, ...``
-    (zero rows padded to whole granules; they are padding for every batch row)."""
+def _cache_groups(cache, dims, splits, chunk_kv, per_part, layout="BSHD"):
+    """``cache`` (in ``layout``) ``-> [B*Hkv*S, P, D]``, part ``s`` holding chunks
+    ``s, s+S, ...`` (zero rows padded to whole granules; they are padding for every batch row).
+
+    ``"BHSD"`` and ``"BHDS"`` with one part are views of the cache (``transpose_``,
+    ``reshape_``): the core reads the cache where it is, no copy. ``"BSHD"`` and split-KV
+    regroup it (a transpose: one copy of the cache per call), as does padding a cache whose
+    length is not a whole number of granules.
+    """
     B, Lc, Hkv, D = dims.batch, dims.cache_len, dims.kv_heads, dims.head_dim
     padded = per_part * chunk_kv * splits
+    axis = _SEQ_AXIS[layout]
     if padded > Lc:
-        cache = ops.concat([cache, ops.init((B, padded - Lc, Hkv, D), cache.dtype,
-                                            init_type="zero")], axis=1)
+        shape = list(cache.shape)
+        shape[axis] = padded - Lc
+        cache = ops.concat([cache, ops.init(tuple(shape), cache.dtype, init_type="zero")],
+                           axis=axis)
+    if layout == "BSHD":
+        if splits == 1:
+            return cache.transpose((0, 2, 1, 3)).reshape((B * Hkv, padded, D))
+        g = cache.reshape((B, per_part, splits, chunk_kv, Hkv, D))
+        g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]
+        return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
+    if layout == "BHDS":
+        cache = cache.transpose_((0, 1, 3, 2))  # [B, Hkv, Lc, D] view
     if splits == 1:
-        return cache.transpose((0, 2, 1, 3)).reshape((B * Hkv, padded, D))
-    g = cache.reshape((B, per_part, splits, chunk_kv, Hkv, D))
-    g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]
+        return cache.reshape_((B * Hkv, padded, D))  # a view: B and Hkv are adjacent
+    g = cache.reshape((B, Hkv, per_part, splits, chunk_kv, D))
+    g = g.transpose((0, 1, 3, 2, 4, 5))  # [B, Hkv, S, M, c, D]
     return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
 
 
@@ -322,7 +432,9 @@ def _combine(out, lse, dims, splits):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, num_splits=None, return_lse=False,
-                            num_chunks_q=None, num_chunks_kv=None):
+                            return_softmax_lse=False, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=True, k_cache_layout="BSHD",
+                            v_cache_layout="BSHD", num_chunks_q=None, num_chunks_kv=None):
     """flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors: attention over a static-size
     key/value cache, prefill (``Lq > 1``) and decode (``Lq = 1``).
 
@@ -338,10 +450,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     Args:
         q: ``[B, Lq, Hq, D]`` float16 or float32.
-        k_cache, v_cache: ``[B, Lcache, Hkv, D]``, q's dtype, ``Hkv`` divides ``Hq``
-            (grouped-query / multi-query attention: q head ``h`` reads cache head
-            ``h // (Hq // Hkv)``). Modified in place when ``k``, ``v`` are given.
-        k, v: ``None`` or the new rows ``[B, Lnew, Hkv, D]``, ``Lnew <= Lcache``.
+        k_cache, v_cache: ``[B, Lcache, Hkv, D]`` (or the ``k_cache_layout`` /
+            ``v_cache_layout`` axis order), q's dtype, ``Hkv`` divides ``Hq`` (grouped-query /
+            multi-query attention: q head ``h`` reads cache head ``h // (Hq // Hkv)``).
+            Modified in place when ``k``, ``v`` are given.
+        k, v: ``None`` or the new rows ``[B, Lnew, Hkv, D]``, ``Lnew <= Lcache``, whatever the
+            caches' layouts (only the new rows are transposed into them).
+        k_cache_layout: ``"BSHD"`` (flash-attn's ``[B, Lcache, Hkv, D]``, default),
+            ``"BHSD"`` (``[B, Hkv, Lcache, D]``) or ``"BHDS"`` (``[B, Hkv, D, Lcache]``: k kept
+            pre-transposed, as Graphcore's PopXL Llama's ``prepare_cache`` does).
+        v_cache_layout: ``"BSHD"`` (default) or ``"BHSD"``. With ``"BHSD"``/``"BHDS"`` caches
+            and one kv loop the attention reads views of the caches (no copy; the automatic
+            structure is then one kv loop); ``"BSHD"`` and split-KV regroup the cache (one
+            transpose of it per call).
+        rotary_cos, rotary_sin: ``None`` or float tensors ``[Lro, R/2]`` (``R <= D`` rotated
+            dims, ``Lro >= Lcache``; needs ``k``, ``v``): flash-attn's semantics, applied
+            before the write: the new keys are rotated at their cache positions
+            ``cache_seqlens[b] + i``; q likewise with ``causal`` or a window, otherwise every q
+            row at ``cache_seqlens[b]``. ``pf.rotary_tables`` makes the standard tables.
+        rotary_interleaved: ``True`` (flash-attn's default): pairs ``(2i, 2i+1)`` (GPT-J);
+            ``False``: pairs ``(i, i + R/2)`` (GPT-NeoX, Llama). See :func:`pf.apply_rotary`.
         cache_seqlens: the rows already in the cache per batch row: an int32 ``[B]`` tensor
             (run time) or an int; ``cache_seqlens[b] + Lnew <= Lcache`` (not checked on the
             device for a tensor: an out-of-range write is unspecified on the IPU). ``None``
@@ -358,7 +486,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             with ``seqlen_k = n_b``, each row's own bottom-right alignment).
         num_splits: ``None`` or 0 (automatic, :func:`decode_choice`), or ``S >= 1`` parts of
             split-KV (1: one kv loop).
-        return_lse: also return the logsumexp.
+        return_lse, return_softmax_lse: also return the logsumexp (``return_softmax_lse`` is
+            flash-attn's name; either one).
         num_chunks_q, num_chunks_kv: chunk counts over ``Lq`` and over the whole cache
             (``None``: automatic). With splits the cache chunks are dealt to the parts, the
             count rounded up to a multiple of ``num_splits``.
@@ -370,24 +499,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache)
     tensors.update({n: t for n, t in (("k", k), ("v", v)) if t is not None})
     check_tensors(**tensors)
-    dims = check_shapes(q, k_cache, v_cache, k, v)
+    k_layout = check_layout("k_cache_layout", k_cache_layout, K_CACHE_LAYOUTS)
+    v_layout = check_layout("v_cache_layout", v_cache_layout, V_CACHE_LAYOUTS)
+    dims = check_shapes(q, k_cache, v_cache, k, v, k_layout, v_layout)
     seqlens = _check_seqlens(cache_seqlens, dims)
     mods = check_modifiers(softcap, alibi_slopes, dims)
     causal = check_bool("causal", causal)
     scale = check_scale(softmax_scale, dims.head_dim, name="softmax_scale")
     window = check_window(window_size, name="window_size")
-    return_lse = check_bool("return_lse", return_lse)
+    return_lse = check_bool("return_lse", return_lse) | \
+        check_bool("return_softmax_lse", return_softmax_lse)
+    rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims)
+    if num_splits in (None, 0) and (k_layout, v_layout) != ("BSHD", "BSHD"):
+        num_splits = 1  # the caches are read as views only with one kv loop
     splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
                                                          num_chunks_q, num_chunks_kv, mods)
     with popxl.name_scope("flash_attn_with_kvcache"):
+        if rotary is not None:
+            local = causal or any(w is not None and w >= 0 for w in window)
+            q, k = _rotate_new(q, k, seqlens, dims, rotary, q_at_positions=local)
         if k is not None:
-            k_cache = write_rows_(k_cache, k, seqlens)
-            v_cache = write_rows_(v_cache, v, seqlens)
+            k_cache = write_rows_(k_cache, k, seqlens, k_layout)
+            v_cache = write_rows_(v_cache, v, seqlens, v_layout)
         lengths = _lengths(seqlens, dims)  # [B, 1, 1]
         seg = _segments(lengths, dims, splits, chunk_kv, per_part)
         qg = _q_groups(q, dims, splits)
-        kg = _cache_groups(k_cache, dims, splits, chunk_kv, per_part)
-        vg = _cache_groups(v_cache, dims, splits, chunk_kv, per_part)
+        kg = _cache_groups(k_cache, dims, splits, chunk_kv, per_part, k_layout)
+        vg = _cache_groups(v_cache, dims, splits, chunk_kv, per_part, v_layout)
         extras = () if alibi_slopes is None else (_group_slopes(alibi_slopes, dims, splits),)
         out, lse = segmented_attention(qg, kg, vg, *seg, mods=mods, extras=extras,
                                        num_chunks_q=nq, num_chunks_kv=per_part, causal=causal,

@@ -96,7 +96,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_attn_probs=False, return_lse=False, num_chunks_q=None,
-                           num_chunks_kv=None, seed=None, score_mod=None, score_mod_inputs=()):
+                           num_chunks_kv=None, seed=None, score_mod=None, score_mod_inputs=(),
+                           deterministic=False):
     """flash-attn's ``flash_attn_varlen_func`` on PopXL tensors: packed sequences, O(L) memory.
 
     Args:
@@ -126,6 +127,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (``i - seqlen_q``, ``j - seqlen_k``), ``g`` the head.
         alibi_slopes: ``None`` or float32 ``[Hq]`` (or ``[1, Hq]``): per sequence
             ``-slope * |i + seqlen_k - seqlen_q - j|``, as flash-attn's varlen ALiBi.
+        deterministic: accepted for flash-attn compatibility (a bool); always deterministic.
 
     Returns:
         out ``[total_q, Hq, D]`` in q's dtype (0 on padding rows and rows that see no key);
@@ -133,6 +135,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         there); with ``return_attn_probs``, ``(out, lse, keep_mask)``.
     """
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    check_bool("deterministic", deterministic)  # always deterministic
     dims = _check_packed(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     max_q = _check_int("max_seqlen_q", max_seqlen_q, low=1)
