@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import popxl_flash as pf
+from popxl_flash.plan import memory
 from popxl_flash import popxl
 from popxl_flash.plan.config import AttentionConfig
 
@@ -95,8 +96,8 @@ def test_grouped_query_adds_only_reshapes(grad):
 
 def test_cost_model_and_memory_estimate_count_kv_groups():
     """The chunk-choice model and the analytic memory estimate take Gk: FLOPs and iterations
-    stay those of G q groups, while the k/v terms shrink exactly by G / Gk (k, v in the input
-    dtype, dk, dv float32 in the backward's working set; k, v in the memory estimate). Bytes
+    stay those of G q groups, while the k/v terms shrink exactly by G / Gk (dk, dv float32 and
+    the kv-row temporaries in the backward's memory bound; k, v in the memory estimate). Bytes
     copied are the loops' step counters alone (PopART's rules: k/v are read in place), equal
     for both."""
     Lq, Lkv, dtype, item = 300, 500, "float16", 2
@@ -107,9 +108,10 @@ def test_cost_model_and_memory_estimate_count_kv_groups():
     assert (a.forward_flops, a.backward_flops, a.iterations) == (
         b.forward_flops, b.backward_flops, b.iterations)
     lkv = 4 * 125  # padded Lkv
-    assert a.working_set_bytes - b.working_set_bytes == (G - 1) * 2 * lkv * D * (item + 4)
-    assert b.bytes_copied_forward == a.bytes_copied_forward
-    assert b.bytes_copied_backward == a.bytes_copied_backward
+    assert a.memory_backward - b.memory_backward == (G - 1) * (
+        2 * lkv + memory.BACKWARD_ROWS * 125) * D * 4
+    assert b.forward.bytes_copied == a.forward.bytes_copied
+    assert b.backward.bytes_copied == a.backward.bytes_copied
     sched = AttentionConfig.from_shapes((G, Lq, D), (1, Lkv, D), (1, Lkv, D), (dtype,) * 3,
                                         num_chunks_q=3, num_chunks_kv=4).schedule
     est_mha, est_mqa = (sched.memory_bytes(D, G, itemsize=item, kv_groups=gk) for gk in (G, 1))
