@@ -31,7 +31,7 @@ STUBS = {
     popxl.ops: ("conv_pow2scaled", "conv_transpose_pow2scaled", "PadType", "topk", "cumsum",
                 "remote_code_load"),
     popxl.ops.collectives: ("all_reduce", "CommGroup"),
-    popxl.ops.var_updates: ("adam_updater", "sparse_accumulate_"),
+    popxl.ops.var_updates: ("lamb_updater", "sparse_accumulate_"),
 }
 
 
