@@ -164,6 +164,7 @@ class Ir:
         self._replication = 1
         from .popart import POPXL_IR, SessionOptions
         self._session_options = SessionOptions()  # read when a Session compiles the Ir
+        self._remote_buffers = {}  # remote buffer id -> RemoteBuffer (remote.py)
         for name, value in POPXL_IR.items():  # what PopXL's Ir() sets
             setattr(self._session_options, name, value)
         self.replication_factor = replication

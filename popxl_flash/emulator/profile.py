@@ -39,6 +39,8 @@ class RunProfile:
             over the entries is ``bytes_copied``.
         collective_bytes: bytes received over the IPU links by the replicated collectives
             (ring schedule; see ``ops/collectives.py``).
+        remote_bytes_loaded, remote_bytes_stored: bytes moved from and to remote buffers
+            (``remote_load``/``remote_store``; see ``remote.py``).
         replicas: with replication (R > 1), each replica's own profile (replica r at index
             r); the fields above then sum the replicas' counters, except
             ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
@@ -56,6 +58,8 @@ class RunProfile:
     bytes_copied_by_kind: dict = field(default_factory=dict)
     copy_sites: dict = field(default_factory=dict)
     collective_bytes: int = 0
+    remote_bytes_loaded: int = 0
+    remote_bytes_stored: int = 0
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
 
     @classmethod
@@ -65,7 +69,7 @@ class RunProfile:
         first = profiles[0]
         total = {name: sum(getattr(p, name) for p in profiles)
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
-                              "collective_bytes")}
+                              "collective_bytes", "remote_bytes_loaded", "remote_bytes_stored")}
         for name in ("bytes_copied_by_kind", "copy_sites"):
             summed = {}
             for p in profiles:

@@ -19,3 +19,4 @@ from .reduce import max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
                     reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
                     transpose_)
+from ..remote import remote_load, remote_load_, remote_store  # noqa: E402
