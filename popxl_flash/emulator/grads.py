@@ -6,7 +6,7 @@ of input ``i`` from ``ctx.dy(j)`` (the gradient of output ``j``). Forward tensor
 are read through ``ctx.x(i)``/``ctx.y(j)``; every forward tensor PopART's grad op reads must be
 read here too, even if unused, because those reads decide which forward tensors become
 gradient-graph inputs (and forward outputs by stitching): mul/div/pow read both operands and the
-output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu the input, group_norm
+output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu/swish the input, gather the indices, group_norm
 x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, dropout the seed, the rest
 nothing. Like PopART's, a rule needs the gradient of every output of a multi-output op (split):
 one off the loss path raises "input is not optional".
@@ -150,6 +150,20 @@ def _identity(ctx, i):
 def _gelu(ctx, i):
     from .registry import emit
     return emit("gelu_grad", {"dy": ctx.dy(0), "t": ctx.x(0)})[0]
+
+
+def _swish(ctx, i):
+    from .registry import emit
+    return emit("swish_grad", {"dy": ctx.dy(0), "t": ctx.x(0)})[0]
+
+
+def _gather(ctx, i):
+    """GatherGradOp: the incoming gradient scattered (added) into zeros of the input's shape
+    at the gathered indices (out-of-range indices with ``zero_OOR`` contribute nothing)."""
+    from .registry import emit
+    a = ctx.op.attrs
+    return emit("gather_grad", {"dy": ctx.dy(0), "indices": ctx.x(1)},
+                {"axis": a["axis"], "shape": ctx.op.inputs[0].shape})[0]
 
 
 def _group_norm(ctx, i):
@@ -302,7 +316,8 @@ RULES = {
     "add": (_all, _add), "sub": (_all, _sub), "mul": (_all, _mul), "div": (_all, _div),
     "negate": (_all, _negate), "exp": (_all, _exp), "log": (_all, _log),
     "sqrt": (_all, _sqrt), "tanh": (_all, _tanh), "relu": (_all, _relu), "pow": (_all, _pow), "cast": (_all, _cast),
-    "identity": (_all, _identity), "gelu": (_all, _gelu),
+    "identity": (_all, _identity), "gelu": (_all, _gelu), "swish": (_all, _swish),
+    "gather": (lambda op: (0,), _gather),
     "where": (lambda op: (1, 2), _where), "group_norm": (_all, _group_norm),
     "reshape": (_all, _reshape), "transpose": (_all, _transpose), "slice": (_all, _slice),
     "concat": (_all, _concat), "split": (_all, _split), "sum": (_all, _sum), "mean": (_all, _mean),

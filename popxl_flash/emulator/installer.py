@@ -154,6 +154,9 @@ def _build_modules(popxl):
         for name in files:
             mods.setdefault(f"{package}.{name}", _OpModule(
                 f"{package}.{name}", package, _names.file_names(package, name), names))
+    from . import remote
+    mods["popxl.remote_buffer"] = _module("popxl.remote_buffer", {
+        "RemoteBuffer": remote.RemoteBuffer, "remote_buffer": remote.remote_buffer})
     mods["popxl.random_seed"] = _module("popxl.random_seed", {
         n: getattr(random_seed, n) for n in ("create_seeds", "uint64_to_two_uint32",
                                              "two_uint32_to_uint64", "MAX_UINT64")})

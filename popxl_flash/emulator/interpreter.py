@@ -34,6 +34,9 @@ class Runtime:
         # Replication (see replication.py): this replica's index, the rendezvous where the
         # replicas meet at collectives, bytes this replica received from collectives.
         self.replica, self.rendezvous, self.collective_bytes = 0, None, 0
+        # Remote buffers (remote.py): this replica's storage {(buffer id, entry): array}, kept
+        # by the Session across runs, and the bytes loaded from and stored to it.
+        self.remote, self.remote_loaded, self.remote_stored = {}, 0, 0
 
     def by_kind(self):
         """Returns: (ops_by_kind, elements_by_kind): {op kind: executions}, {op kind: output

@@ -162,13 +162,16 @@ class Ir:
         self._h2d, self._d2h = [], []
         self._num_host_transfers, self._prepared = 1, False
         self._replication = 1
+        from .popart import POPXL_IR, SessionOptions
+        self._session_options = SessionOptions()  # read when a Session compiles the Ir
+        self._remote_buffers = {}  # remote buffer id -> RemoteBuffer (remote.py)
+        for name, value in POPXL_IR.items():  # what PopXL's Ir() sets
+            setattr(self._session_options, name, value)
         self.replication_factor = replication
         Ir._count += 1
         self._id = Ir._count  # PopXL: the PopART Ir's getId(), unique per process
         self._op_counter = 100  # PopART's Ir::opsCounter starts at 100 (willow ir.hpp)
         self._main = Graph._create(self, "main")
-        from .popart import SessionOptions
-        self._session_options = SessionOptions()  # read when a Session compiles the Ir
 
     main_graph = property(lambda self: self._main)
     @property
@@ -200,6 +203,9 @@ class Ir:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"replication_factor must be an int >= 1, got {value!r}")
         self._replication = int(value)
+        if value > 1:  # PopXL's setter
+            self._session_options.enableReplicatedGraphs = True
+        self._session_options.replicatedGraphCount = int(value)
 
     instance_replication_factor = property(lambda self: self._replication)
 

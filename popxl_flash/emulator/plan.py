@@ -255,7 +255,7 @@ def check_ambiguity(g, al):
     A modifier is an op input that is modified *and* aliases an output: PopART's alias model
     (``Op::growAliasModelMulti``) adds a modifying edge only there. A call or repeat that
     updates a by-ref input has no input-output alias (PopXL never sets the CallOp's alias
-    map), so it counts as a reader only."""
+    map), nor has ``adam_updater``'s in-place step, so those count as readers only."""
     ops = g._ops
     producer = {id(t): k for k, op in enumerate(ops) for t in op.outputs}
     anc = []
@@ -270,7 +270,7 @@ def check_ambiguity(g, al):
         for pos, t in enumerate(op.inputs):
             root = id(al.find(t))
             names[root] = al.find(t).id
-            if pos in op.modifies and not op.subgraphs:
+            if pos in op.modifies and op.alias == "modify":
                 modifiers[root].add(k)
             if op.alias != "view":
                 readers[root].add(k)

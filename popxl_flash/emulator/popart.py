@@ -11,8 +11,9 @@ the option keys as PopART's ``DevicexManager::createHostDevice`` does. Each ``De
 its tile count and tile memory, which the run profile compares with the peak live bytes
 (``RunProfile.fits_device``). It is an emulator-only module: it is not part of ``popxl``.
 
-Also here: ``SessionOptions`` (the two options the library touches), reached on the SDK and on
-the emulator alike through ``ir._pb_ir.getSessionOptions()``.
+Also here: ``SessionOptions`` (PopART's fields; the emulator acts on the floating-point-check
+option only), reached on the SDK and on the emulator alike through
+``ir._pb_ir.getSessionOptions()``.
 """
 import enum
 
@@ -128,17 +129,128 @@ def version_string():
     return "3.4.0"
 
 
+class Unmodelled:
+    """A structured session option the emulator does not model (an enum or settings struct
+    such as ``executionPhaseSettings``): it can be stored back; reading its fields raises."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotImplementedError(f"SessionOptions.{self._name}.{attr} is not modelled by the "
+                                  "PopXL emulator")
+
+    def __repr__(self):
+        return f"<unmodelled SessionOptions.{self._name}>"
+
+
+#: PopART 3.4's ``SessionOptions`` fields as bound in ``popart_core/popart.cpp``, with the
+#: defaults of ``sessionoptions.hpp`` (``Unmodelled`` for enums and settings structs).
+_PLAIN = {
+    "logDir": "", "exportPoplarComputationGraph": False, "exportPoplarVertexGraph": False,
+    "instrumentWithHardwareCycleCounter": False, "disableGradAccumulationTensorStreams": False,
+    "disableOptimizerStateTensorStreams": False, "enableOutlining": True,
+    "enableOutliningCopyCostPruning": True, "outlineThreshold": 1.0,
+    "outlineSequenceBreakCost": 10000.0, "accumulationFactor": 1,
+    "enableGradientAccumulation": False, "enableNonStableSoftmax": False,
+    "enablePipelining": False, "mergeVarUpdateMemThreshold": 1000000,
+    "rearrangeAnchorsOnHost": True, "rearrangeStreamsOnHost": False, "numIOTiles": 0,
+    "explicitRecomputation": False, "aliasZeroCopy": False, "enablePrefetchDatastreams": True,
+    "defaultBufferingDepth": 1, "defaultPrefetchBufferingDepth": 1, "bufferingDepthMap": {},
+    "prefetchBufferingDepthMap": {}, "virtualGraphSplitRatios": [],
+    "enableReplicatedGraphs": False, "replicatedGraphCount": 1, "compileEngine": True,
+    "_engineOptions": {}, "_convolutionOptions": {}, "_lstmOptions": {}, "_matmulOptions": {},
+    "_reportOptions": {}, "_gclOptions": {}, "dotOpNames": False, "separateCallOpPdfs": True,
+    "finalDotOp": 10000, "firstDotOp": 0, "constantWeights": True,
+    "cachePath": "session_cache", "enableEngineCaching": False, "enableVariablesCaching": True,
+    "enableFloatingPointChecks": False, "enableStochasticRounding": False,
+    "_enableRngStateManagement": False, "enableFullyConnectedPass": True,
+    "partialsTypeMatMuls": "", "enableStableNorm": False,
+    "groupNormStridedChannelGrouping": False, "customCodelets": [], "updatableNamedBuffers": [],
+    "customCodeletCompileFlags": "", "kahnTieBreaker": "greedy", "timeLimitScheduler": 1e9,
+    "swapLimitScheduler": 1000000, "transitiveClosureOptimizationThreshold": 100000,
+    "decomposeGradSum": False, "serializedPoprithmsShiftGraphsDir": "",
+    "serializedPoprithmsAnnealGraphsDir": "", "enableDistributedReplicatedGraphs": False,
+    "globalReplicationFactor": 1, "globalReplicaOffset": 0, "groupHostSync": False,
+    "strictOpVersions": True, "opxAliasChecking": False, "opxModifyChecking": False,
+    "_tensorLocationSettingsOverride": {}, "enableLoadAndOffloadRNGState": False,
+    "useHostCopyOps": False, "enableEfficientOverlapIOTopoCons": False,
+    "enableSupportedDataTypeCasting": True, "enableExplicitMainLoops": False,
+    "enableMergeExchange": True, "ensureFp32LossScaleTensor": False, "delayVarUpdates": True,
+    "scheduleNonWeightUpdateGradientConsumersEarly": False, "dotChecks": set(),
+    "enableInplaceAmbiguityChecking": False, "createImplicitPipeliningFwdOnlyProgram": False,
+    "throwIfLog2ScaleTensorNotInRange": True, "enableConstantFoldingOfMultipleConsumers": True,
+    "useLoopCandidateCreator": False, "stashAllTensorsInferencePipeline": False,
+}
+_STRUCTURED = (
+    "syntheticDataMode", "hardwareInstrumentations", "accumulationAndReplicationReductionType",
+    "meanAccumulationAndReplicationReductionStrategy", "subgraphCopyingStrategy",
+    "autoRecomputation", "mergeVarUpdate", "executionPhaseSettings", "experimentalSettings",
+    "batchSerializationSettings", "virtualGraphMode", "activationTensorLocationSettings",
+    "weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
+    "accumulatorTensorLocationSettings", "accumulateOuterFragmentSettings",
+    "automaticLossScalingSettings", "replicatedCollectivesSettings")
+#: the Python properties PopART adds over the ``_``-prefixed dictionaries (``__init__.py.in``)
+_DICT_PROPERTIES = {"engineOptions": "_engineOptions", "convolutionOptions": "_convolutionOptions",
+                    "lstmOptions": "_lstmOptions", "matmulOptions": "_matmulOptions",
+                    "reportOptions": "_reportOptions", "gclOptions": "_gclOptions",
+                    "updatableBuffers": "_updatableNamedBuffers",
+                    "tensorLocationSettingsOverride": "_tensorLocationSettingsOverride"}
+#: the fields the emulator acts on; every other one is stored and has no effect
+MODELLED = ("enableFloatingPointChecks",)
+#: what PopXL's ``Ir()`` sets (``python_files/ir.py``)
+POPXL_IR = {"useHostCopyOps": True, "aliasZeroCopy": True, "enableExplicitMainLoops": True,
+            "explicitRecomputation": True, "enableInplaceAmbiguityChecking": True,
+            "enableVariablesCaching": False, "decomposeGradSum": True}
+
+
+class _OptionsDict(dict):
+    """PopART's ``DictWrapper``: an item set on the returned dict is written back."""
+
+    def __init__(self, update, *args):
+        self._update = update
+        super().__init__(*args)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._update(dict(self))
+
+
+def _dict_property(field):
+    def get(opts):
+        return _OptionsDict(lambda v: setattr(opts, field, v), getattr(opts, field))
+
+    def put(opts, value):
+        setattr(opts, field, dict(value))
+    return property(get, put)
+
+
 class SessionOptions:
-    """The session options the library sets (``ir._pb_ir.getSessionOptions()``).
+    """``popart.SessionOptions``: PopART 3.4's fields with their defaults (an unknown name
+    raises AttributeError, as pybind11's class does). Only ``MODELLED`` fields change what the
+    emulator does: ``enableFloatingPointChecks`` (trap on invalid, divide-by-zero and overflow:
+    ``FloatingPointError`` naming the op, on every device). The others (``numIOTiles``,
+    ``partialsTypeMatMuls``, ``engineOptions``, ``enableStochasticRounding``, ...) are stored
+    and ignored; enums and settings structs are ``Unmodelled`` placeholders."""
 
-    Attributes:
-        enableFloatingPointChecks: trap on invalid, divide-by-zero and overflow (on the
-            emulator: raise ``FloatingPointError`` naming the op, on every device).
-        enableStochasticRounding: accepted, ignored by the emulator.
-    """
-
-    __slots__ = ("enableFloatingPointChecks", "enableStochasticRounding")
+    __slots__ = tuple(_PLAIN) + _STRUCTURED
 
     def __init__(self):
-        self.enableFloatingPointChecks = False
-        self.enableStochasticRounding = False
+        for name, value in _PLAIN.items():
+            setattr(self, name, value.copy() if hasattr(value, "copy") else value)
+        for name in _STRUCTURED:
+            setattr(self, name, Unmodelled(name))
+
+    def getGlobalReplicationFactor(self):  # noqa: N802
+        """Returns: the global replication factor (``globalReplicationFactor`` when distributed
+        replicated graphs are on, else ``replicatedGraphCount``)."""
+        if self.enableDistributedReplicatedGraphs:
+            return self.globalReplicationFactor
+        return self.replicatedGraphCount if self.enableReplicatedGraphs else 1
+
+
+for _prop, _field in _DICT_PROPERTIES.items():
+    setattr(SessionOptions, _prop, _dict_property(_field))
+del _prop, _field

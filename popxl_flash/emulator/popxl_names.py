@@ -102,7 +102,7 @@ TRANSFORMS = ("ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "
 #: the emulator provides no implemented module of that name (any attribute raises
 #: ``NotImplementedError``). Every ``popxl.ops.<file>`` is listed in ``OP_MODULES``.
 STUB_SUBMODULES = tuple(f"popxl.{m}" for m in (
-    "fp8_utils", "remote_buffer", "tensorlocation", "typing_", "testing",
+    "fp8_utils", "tensorlocation", "typing_", "testing",
     "ops.collectives.collectives", "ops.var_updates.utils"))
 
 #: The files of ``popxl.ops.var_updates``, ``popxl.transforms`` and ``popxl.ops.collectives``

@@ -60,6 +60,8 @@ class RunProfile:
         elements_by_kind: ``{op kind: output elements}``: each executed op's output elements
             (all outputs; the update's for ``dynamic_update_``, ``WORK_INPUT``), summed over
             executions.
+        remote_bytes_loaded, remote_bytes_stored: bytes moved from and to remote buffers
+            (``remote_load``/``remote_store``; see ``remote.py``).
         replicas: with replication (R > 1), each replica's own profile (replica r at index
             r); the fields above then sum the replicas' counters, except
             ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
@@ -79,6 +81,8 @@ class RunProfile:
     collective_bytes: int = 0
     ops_by_kind: dict = field(default_factory=dict)
     elements_by_kind: dict = field(default_factory=dict)
+    remote_bytes_loaded: int = 0
+    remote_bytes_stored: int = 0
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
 
     @classmethod
@@ -88,7 +92,7 @@ class RunProfile:
         first = profiles[0]
         total = {name: sum(getattr(p, name) for p in profiles)
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
-                              "collective_bytes")}
+                              "collective_bytes", "remote_bytes_loaded", "remote_bytes_stored")}
         for name in ("bytes_copied_by_kind", "copy_sites", "ops_by_kind", "elements_by_kind"):
             summed = {}
             for p in profiles:

@@ -12,6 +12,7 @@ from .interpreter import Runtime
 from .plan import build_plans
 from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
+from .remote import check_remote_variables
 from .replication import run_replicas
 from .tensor import Constant, Variable
 
@@ -50,6 +51,7 @@ class Session:
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
         _check_variable_groupings(ir)
+        check_remote_variables(ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
         fp_checks = bool(ir._pb_ir.getSessionOptions().enableFloatingPointChecks)
         self._main, plans = build_plans(ir, fp_checks=fp_checks)
@@ -59,6 +61,7 @@ class Session:
         self._host = {v: np.array(v._data, copy=True) for v in self._vars}
         self._on_device, self._depth, self._host_in_sync = {}, 0, True
         self._all_replicas = {}
+        self._remote = [{} for _ in range(ir.replication_factor)]  # remote buffer storage
         self.profile = None
 
     ir = property(lambda self: self._ir)
@@ -95,12 +98,22 @@ class Session:
         self._replica_vars = [{v: _replica_value(v, a, r) for v, a in self._host.items()}
                               for r in range(self._ir.replication_factor)]
         self._on_device = self._replica_vars[0]
+        for replica, values in enumerate(self._replica_vars):  # remote variables: off chip
+            for v, value in values.items():
+                if getattr(v, "_remote", None) is not None:
+                    buffer, offset = v._remote
+                    self._remote[replica][(buffer.remote_buffer_id, offset)] = value.copy()
         self._host_in_sync = True
 
     def weights_to_host(self):
         """Copy all device variable values to the host: PopXL's "one_per_group" retrieval
         (the first replica of each group; one group of all replicas: replica 0's value)."""
         self._assert_attached()
+        for replica, values in enumerate(self._replica_vars):  # remote variables: off chip
+            for v in values:
+                if getattr(v, "_remote", None) is not None:
+                    buffer, offset = v._remote
+                    values[v] = self._remote[replica][(buffer.remote_buffer_id, offset)]
         self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
         self._all_replicas = {v: np.stack([rv[v] for rv in self._replica_vars])
                               for v in self._on_device if _returns_all_replicas(v)}
@@ -208,7 +221,9 @@ class Session:
                                self._device.memory_bytes, loop_iterations=rt.iterations,
                                bytes_copied_by_kind=dict(rt.copied_by_kind),
                                copy_sites=dict(rt.copy_sites),
-                               collective_bytes=rt.collective_bytes) for rt in runtimes]
+                               collective_bytes=rt.collective_bytes,
+                               remote_bytes_loaded=rt.remote_loaded,
+                               remote_bytes_stored=rt.remote_stored) for rt in runtimes]
         for p, rt in zip(profiles, runtimes):
             p.ops_by_kind, p.elements_by_kind = rt.by_kind()
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
@@ -252,7 +267,7 @@ class Session:
             h2d = {s: a[:, replica] for s, a in h2d.items()}
             d2h = {s: a[:, replica] for s, a in d2h.items()}
         rt = Runtime(h2d, d2h, self._const_bytes)
-        rt.replica, rt.rendezvous = replica, rendezvous
+        rt.replica, rt.rendezvous, rt.remote = replica, rendezvous, self._remote[replica]
         env = self._main.template[:]
         for slot, var in self._main.var_slots:
             env[slot] = self._replica_vars[replica][var]

@@ -88,13 +88,38 @@ def _is_cppimport_source(path):
         return "cppimport" in f.readline()
 
 
+def _no_build(name):
+    def build(*args, **kwargs):
+        raise NotImplementedError(f"cppimport stand-in: {name} would compile C++ (not possible "
+                                  "on the emulator)")
+    build.__name__ = name.rpartition(".")[2]
+    return build
+
+
 def _cppimport():
+    """cppimport's modules as code next to PopXL imports them: ``import_hook`` (installs the
+    finder), ``find._check_first_line_contains_cppimport``, ``settings``, and the build
+    functions of ``importer``/``checksum``/``imp`` raising NotImplementedError when called."""
     mod = types.ModuleType("cppimport", "Emulator stand-in: no C++ compilation.")
     mod.__path__ = []
-    mod.import_hook = types.ModuleType("cppimport.import_hook")
+    mod.settings = {"force_rebuild": False, "lock_timeout": 600, "release_mode": False}
+    subs = {"import_hook": {}, "find": {"_check_first_line_contains_cppimport":
+                                        _is_cppimport_source},
+            "importer": {n: _no_build(f"cppimport.importer.{n}") for n in (
+                "build_safely", "is_build_needed", "setup_module_data", "load_module")},
+            "checksum": {n: _no_build(f"cppimport.checksum.{n}") for n in (
+                "_calc_cur_checksum", "is_checksum_valid")}}
+    mod.imp = _no_build("cppimport.imp")
+    made = {"cppimport": mod}
+    for name, attrs in subs.items():
+        sub = types.ModuleType(f"cppimport.{name}")
+        for key, value in attrs.items():
+            setattr(sub, key, value)
+        setattr(mod, name, sub)
+        made[f"cppimport.{name}"] = sub
     if not any(isinstance(f, CppFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, CppFinder())
-    return {"cppimport": mod, "cppimport.import_hook": mod.import_hook}
+    return made
 
 
 def _loads(name):

@@ -63,6 +63,43 @@ def gelu_(t):
     return emit("gelu_", {"t": t})[0]
 
 
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _swish(a):
+    """``x * sigmoid(x)`` (PopART SwishOp, ``popops::NonLinearityType::SWISH``), in float32."""
+    x = a.astype(np.float32)
+    return (x * _sigmoid(x)).astype(a.dtype)
+
+
+def _swish_(a):
+    a[...] = _swish(a)
+    return a
+
+
+def _swish_grad(dy, t):
+    """SwishGradOp: ``dy * (s + x s (1 - s))`` with ``s = sigmoid(x)``."""
+    x = t.astype(np.float32)
+    s = _sigmoid(x)
+    return (dy.astype(np.float32) * (s + x * s * (1 - s))).astype(t.dtype)
+
+
+register("swish", _gelu_rule("swish"), _swish)
+register("swish_", _gelu_rule("swish_"), _swish_, alias="modify")
+register("swish_grad", lambda dy, t: [(t.shape, t.dtype)], _swish_grad)
+
+
+def swish(t):
+    """Swish ``x * sigmoid(x)``. Args: t: float tensor. Returns: Tensor."""
+    return emit("swish", {"t": t})[0]
+
+
+def swish_(t):
+    """In-place swish. Returns: a tensor aliasing t."""
+    return emit("swish_", {"t": t})[0]
+
+
 def _group_norm_rule(t, weight, bias, num_groups, eps):
     """``GroupNormOp::setup`` (``willow/src/op/groupnorm.cpp``) only reads ``dim(0)`` (an IR
     error for a scalar); the other requirements are the lowering's (``_check_group_norm``)."""

@@ -409,6 +409,21 @@ register("gather", _gather_rule, _gather)
 COMPILE_CHECKS["gather"] = _check_gather_indices
 
 
+def _gather_grad(dy, idx, axis, shape):
+    axis = axis + len(shape) if axis < 0 else axis
+    out = np.zeros(shape, np.float32)
+    keep = (idx >= 0) & (idx < shape[axis])
+    moved = np.moveaxis(out, axis, 0)
+    g = np.moveaxis(dy.astype(np.float32).reshape(
+        shape[:axis] + idx.shape + shape[axis + 1:]), list(range(axis, axis + idx.ndim)),
+        list(range(idx.ndim)))
+    np.add.at(moved, idx[keep], g[keep])
+    return out.astype(dy.dtype)
+
+
+register("gather_grad", lambda dy, idx, axis, shape: [(tuple(shape), dy.dtype)], _gather_grad)
+
+
 def gather(t, indices, axis=0, available_memory_proportion=None, zero_OOR=False):  # noqa: N803
     """Args: t: Tensor. indices: int tensor. axis: gather axis. zero_OOR: zero out-of-range.
     Returns: numpy ``take`` result (out of range without zero_OOR raises IndexError at run)."""
