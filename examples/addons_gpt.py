@@ -1,14 +1,17 @@
-"""Train a small GPT written with popxl-addons, its attention popxl_flash.addons.SelfAttention.
+"""Train a small GPT written with popxl-addons, its attention popxl_flash.addons.SelfAttention;
+with ``--block llama``, a Llama-style model, then decode with a KV cache.
 
 The model is ordinary popxl-addons code (``addons.Module``, ``addons.layers.Linear`` and
 ``LayerNorm``, ``call_module``, ``autodiff_with_accumulation``), as Graphcore's GPT examples
 are; only the attention layer comes from this library::
 
-    x = onehot(tokens) @ wte + wpe                      # token and position embedding [B, L, E]
+    x = onehot(tokens) @ wte (+ wpe: gpt blocks only)       # token (and position) embedding
     for each of N blocks (call_module, one graph each):
-        x = x + SelfAttention(ln1(x))                   # causal flash attention, GQA option
-        x = x + fc2(gelu(fc1(ln2(x))))                  # MLP (4E)
-    logits = ln_f(x) @ wte.T   (tied)  or  head(ln_f(x))   (untied, --untied-head)
+      gpt:    x = x + SelfAttention(ln1(x))                 # causal flash attention, GQA option
+              x = x + fc2(gelu(fc1(ln2(x))))                # MLP (4E)
+      llama:  x = x + SelfAttention(rms1(x))                # no biases, rotary (half-split), GQA
+              x = x + down(silu(gate(rms2(x))) * up(rms2(x)))    # SwiGLU MLP, no biases
+    logits = norm_f(x) @ wte.T   (tied)  or  head(norm_f(x))   (untied, --untied-head)
     loss = mean cross-entropy of the next token
 
 The gradient graph comes from ``addons.autodiff_with_accumulation`` with no
@@ -22,11 +25,22 @@ The task: every sequence follows a fixed random successor table (token ``t`` is 
 printed. ``--attention naive`` runs the same model and weights with naive attention (full score
 matrix, differentiated by autodiff), for comparison.
 
-Needs popxl-addons 3.4 and its dependencies (``POPXL_ADDONS_PATH`` naming a checkout is put on
-``sys.path``). Without the Poplar SDK the emulator stands in for PopXL
-(``popxl_flash.emulator.install()``). Run::
+``--decode N`` (llama blocks) then generates ``N`` tokens greedily after a prompt of
+``--seq-len // 2`` tokens with the trained weights and a KV cache per layer in Graphcore's
+Llama layout (k ``[B, Hkv, D, S]``, v ``[B, Hkv, S, D]``): one prefill graph
+(``SelfAttention(cache_len=...)`` writes the prompt's keys and values in place), then one
+decode-step graph run once per token (``cache_seqlens`` = the rows already in the cache,
+Graphcore's ``last_token_indices``). It prints the generated tokens and how many follow the
+successor table.
+
+Needs popxl-addons 3.4 and its dependencies (``pip install -e ".[addons]"``;
+``POPXL_ADDONS_PATH`` naming a checkout is put on ``sys.path``). Without the Poplar SDK the
+emulator stands in for PopXL (``popxl_flash.emulator.install()``); ``mpi4py``, ``popdist`` and
+``cppimport``, which popxl-addons imports, must be installed or stood in for (the tests use
+``tests/addons/standins.py``). Run::
 
     python examples/addons_gpt.py [--steps 10] [--layers 2] [--kv-heads 1] ...
+    python examples/addons_gpt.py --block llama --kv-heads 2 --steps 20 --decode 6
 """
 import argparse
 import os
@@ -58,7 +72,9 @@ ops = popxl.ops
 #: Settings used unless overridden.
 DEFAULTS = dict(vocab=16, seq_len=16, hidden=32, heads=4, kv_heads=None, layers=2, batch=2,
                 micro_batches=2, steps=10, lr=0.5, num_chunks=2, untied_head=False,
-                attention="flash", seed=0, device="ipu_model")
+                attention="flash", seed=0, device="ipu_model", block="gpt", decode=0)
+#: The KV caches' layouts of --decode: Graphcore's Llama keeps k pre-transposed.
+K_CACHE_LAYOUT, V_CACHE_LAYOUT = "BHDS", "BHSD"
 
 
 class NaiveSelfAttention(SelfAttention):
@@ -93,34 +109,127 @@ class Block(addons.Module):
         return x + h.reshape((B, L, E))
 
 
+class RMSNorm(addons.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` on ``x [N, E]`` (Llama's norm)."""
+
+    def build(self, x):
+        w = self.add_variable_input("weight", partial(np.ones, (x.shape[-1],)), x.dtype)
+        ms = ops.mean(x * x, axis=-1, keepdims=True)
+        return x / ops.sqrt(ms + 1e-5) * w
+
+
+def silu(x):
+    """``x * sigmoid(x)`` in differentiable PopXL ops."""
+    return x / (ops.exp(-x) + 1.0)
+
+
+class LlamaBlock(addons.Module):
+    """One Llama-style block on ``x [B, L, E]``: RMS norms, attention without biases with
+    half-split rotary on every head dim and grouped-query heads, a SwiGLU MLP without biases.
+
+    With ``cache_len`` it is the inference block: ``build(x, k_cache, v_cache, cache_seqlens)``
+    with the caches by reference (the same variable names as the training block).
+    """
+
+    def __init__(self, hidden, heads, kv_heads, attention, num_chunks, cache_len=None):
+        super().__init__()
+        layer = SelfAttention if attention == "flash" else NaiveSelfAttention
+        D = hidden // heads
+        self.ln1, self.ln2 = RMSNorm(), RMSNorm()
+        if cache_len is None:
+            self.attn = layer(hidden, heads, kv_heads, causal=True, bias=False, rotary_dim=D,
+                              num_chunks_q=num_chunks, num_chunks_kv=num_chunks)
+        else:
+            self.attn = SelfAttention(hidden, heads, kv_heads, causal=True, bias=False,
+                                      rotary_dim=D, cache_len=cache_len,
+                                      k_cache_layout=K_CACHE_LAYOUT,
+                                      v_cache_layout=V_CACHE_LAYOUT)
+            self.build = self.build_cached
+        self.gate, self.up = Linear(4 * hidden, bias=False), Linear(4 * hidden, bias=False)
+        self.down = Linear(hidden, bias=False)
+
+    def _mlp(self, x):
+        B, L, E = x.shape
+        h = self.ln2(x.reshape((B * L, E)))
+        return x + self.down(silu(self.gate(h)) * self.up(h)).reshape((B, L, E))
+
+    def build(self, x):
+        B, L, E = x.shape
+        x = x + self.attn(self.ln1(x.reshape((B * L, E))).reshape((B, L, E)))
+        return self._mlp(x)
+
+    def build_cached(self, x, k_cache: popxl.TensorByRef, v_cache: popxl.TensorByRef, lens):
+        B, L, E = x.shape
+        x = x + self.attn(self.ln1(x.reshape((B * L, E))).reshape((B, L, E)), k_cache,
+                          v_cache, lens)
+        return self._mlp(x)
+
+
 class GPT(addons.Module):
-    """Embedding, ``layers`` blocks, final layer norm, tied or untied head, cross-entropy.
+    """Embedding, ``layers`` blocks, final norm, tied or untied head, cross-entropy.
 
     ``build(tokens, targets)``: one-hot ``[B, L, vocab]`` float32 each; returns the mean
-    cross-entropy (a scalar).
+    cross-entropy (a scalar). ``s["block"]`` picks GPT blocks (layer norms, learned position
+    embedding ``wpe``) or Llama blocks (RMS norms, rotary positions, no ``wpe``).
     """
 
     def __init__(self, s):
         super().__init__()
         self.s = s
-        self.ln_f = LayerNorm()
+        self.ln_f = RMSNorm() if s["block"] == "llama" else LayerNorm()
         if s["untied_head"]:
             self.head = Linear(s["vocab"], bias=False)
 
-    def build(self, tokens, targets):
+    def block(self, i):
+        s = self.s
+        if s["block"] == "llama":
+            return LlamaBlock(s["hidden"], s["heads"], s["kv_heads"], s["attention"],
+                              s["num_chunks"])
+        return Block(s["hidden"], s["heads"], s["kv_heads"], s["attention"], s["num_chunks"])
+
+    def embed(self, tokens):
         s = self.s
         B, L, V = tokens.shape
         E = s["hidden"]
-        wte = self.add_variable_input("wte", partial(np.zeros, (V, E)), popxl.float32)
-        wpe = self.add_variable_input("wpe", partial(np.zeros, (L, E)), popxl.float32)
-        x = (tokens.reshape((B * L, V)) @ wte).reshape((B, L, E)) + wpe
-        for i in range(s["layers"]):
-            block = Block(E, s["heads"], s["kv_heads"], s["attention"], s["num_chunks"])
-            (x,) = self.call_module(block, name=f"layer{i}")(x)
+        self.wte = self.add_variable_input("wte", partial(np.zeros, (V, E)), popxl.float32)
+        x = (tokens.reshape((B * L, V)) @ self.wte).reshape((B, L, E))
+        if s["block"] == "gpt":
+            x = x + self.add_variable_input("wpe", partial(np.zeros, (L, E)), popxl.float32)
+        return x
+
+    def logits(self, x):
+        B, L, E = x.shape
         h = self.ln_f(x.reshape((B * L, E)))
-        logits = self.head(h) if s["untied_head"] else h @ wte.transpose()  # [B*L, V]
-        logp = ops.log(ops.softmax(logits, axis=-1))
+        return self.head(h) if self.s["untied_head"] else h @ self.wte.transpose()  # [B*L, V]
+
+    def build(self, tokens, targets):
+        B, L, V = tokens.shape
+        x = self.embed(tokens)
+        for i in range(self.s["layers"]):
+            (x,) = self.call_module(self.block(i), name=f"layer{i}")(x)
+        logp = ops.log(ops.softmax(self.logits(x), axis=-1))
         return -ops.mean(ops.sum(targets.reshape((B * L, V)) * logp, axis=-1))
+
+
+class CachedLM(GPT):
+    """The Llama-style model for inference: ``build(tokens, cache_seqlens, *caches)`` ->
+    logits ``[B, L, vocab]`` of the new tokens, the caches (``k_0, v_0, k_1, ...`` in the
+    layouts above) by reference, written in place. The same variable names as :class:`GPT`."""
+
+    def __init__(self, s, cache_len):
+        super().__init__(s)
+        self.cache_len = cache_len
+
+    def build(self, tokens, lens, *caches: popxl.TensorByRef):
+        s = self.s
+        B, L, V = tokens.shape
+        x = self.embed(tokens)
+        for i in range(s["layers"]):
+            block = LlamaBlock(s["hidden"], s["heads"], s["kv_heads"], "flash", None,
+                               cache_len=self.cache_len)
+            (x,) = self.call_module(block, name=f"layer{i}")(x, caches[2 * i],
+                                                           caches[2 * i + 1], lens)
+        return self.logits(x).reshape((B, L, V))
 
 
 @dataclass
@@ -205,13 +314,14 @@ def batches(s):
     return out
 
 
-def run(steps, *, store_grads=False, **settings):
+def run(steps, *, store_grads=False, return_trained=False, **settings):
     """Build and train ``steps`` steps (the same micro-batches every step).
 
     Returns:
         ``(losses, grads, weights)``: the mean loss of each step (before its update); with
         ``store_grads``, the first step's mean gradients and the initial weights
-        (``{name: array}``), else ``{}`` twice.
+        (``{name: array}``), else ``{}`` twice; with ``return_trained``, the weights after
+        the last step instead of the initial ones.
     """
     s = dict(DEFAULTS, **settings)
     graph = build(s)
@@ -226,7 +336,111 @@ def run(steps, *, store_grads=False, **settings):
             losses.append(float(np.mean([out[t] for t in graph.losses])))
             if step == 0 and store_grads:
                 grads = {n: session.get_tensor_data(t).copy() for n, t in graph.accums.items()}
-    return losses, grads, (weights if store_grads else {})
+        if return_trained:
+            weights = {n: session.get_tensor_data(t).copy() for n, t in graph.weights.items()}
+    return losses, grads, (weights if store_grads or return_trained else {})
+
+
+def cache_shapes(s, cache_len):
+    """``(k, v)`` cache shapes of one layer in the layouts above."""
+    B, Hkv = s["batch"], s["kv_heads"] or s["heads"]
+    D = s["hidden"] // s["heads"]
+    shapes = dict(BSHD=(B, cache_len, Hkv, D), BHSD=(B, Hkv, cache_len, D),
+                  BHDS=(B, Hkv, D, cache_len))
+    return shapes[K_CACHE_LAYOUT], shapes[V_CACHE_LAYOUT]
+
+
+def _lm_session(s, weights, tokens_shape, cache_len, caches=None):
+    """A session whose main graph is one :class:`CachedLM` call on ``tokens_shape``, the caches
+    variables (zeros, or ``caches``), ``cache_seqlens`` from a stream.
+
+    Returns:
+        ``(session, tokens stream, lens stream, logits stream, cache variables)``.
+    """
+    k_shape, v_shape = cache_shapes(s, cache_len)
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        cache_vars = []
+        for i in range(s["layers"]):
+            for name, shape in ((f"k_cache{i}", k_shape), (f"v_cache{i}", v_shape)):
+                init = np.zeros(shape, np.float32) if caches is None else caches[len(cache_vars)]
+                cache_vars.append(popxl.variable(init, popxl.float32, name=name))
+        tokens = popxl.h2d_stream(tokens_shape, popxl.float32)
+        lens = popxl.h2d_stream((s["batch"],), popxl.int32)
+        facts, graph = CachedLM(s, cache_len).create_graph(
+            popxl.TensorSpec(tokens_shape, popxl.float32),
+            popxl.TensorSpec((s["batch"],), popxl.int32), *cache_vars)
+        variables = facts.init()
+        (logits,) = graph.bind(variables).call(ops.host_load(tokens), ops.host_load(lens),
+                                               *cache_vars)
+        out = popxl.d2h_stream(logits.shape, logits.dtype)
+        ops.host_store(out, logits)
+    session = popxl.Session(ir, s["device"])
+    named = dict(variables.named_tensors)
+    session.write_variables_data({named[n]: weights[n] for n in named})
+    return session, tokens, lens, out, cache_vars
+
+
+class FullLM(GPT):
+    """The trained model without a cache: ``build(tokens) -> logits [B, L, vocab]`` (the
+    recomputation :func:`generate` is compared with)."""
+
+    def build(self, tokens):
+        B, L, V = tokens.shape
+        x = self.embed(tokens)
+        for i in range(self.s["layers"]):
+            (x,) = self.call_module(self.block(i), name=f"layer{i}")(x)
+        return self.logits(x).reshape((B, L, V))
+
+
+def full_logits(s, weights, tokens):
+    """Logits ``[B, L, vocab]`` of int ``tokens [B, L]``, recomputed without a cache."""
+    eye = np.eye(s["vocab"], dtype=np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        stream = popxl.h2d_stream(tokens.shape + (s["vocab"],), popxl.float32)
+        facts, graph = FullLM(s).create_graph(popxl.TensorSpec(stream.shape, popxl.float32))
+        variables = facts.init()
+        (logits,) = graph.bind(variables).call(ops.host_load(stream))
+        out = popxl.d2h_stream(logits.shape, logits.dtype)
+        ops.host_store(out, logits)
+    named = dict(variables.named_tensors)
+    with popxl.Session(ir, s["device"]) as session:
+        session.write_variables_data({named[n]: weights[n] for n in named})
+        return session.run({stream: eye[tokens]})[out]
+
+
+def generate(s, weights, prompts, new_tokens):
+    """Greedy generation with a KV cache: one prefill of the prompts, then one decode step per
+    token (the caches carried over from the prefill session into the decode session).
+
+    Args:
+        s: the settings (llama blocks). weights: the trained ``{name: array}``.
+        prompts: int ``[B, P]`` tokens. new_tokens: how many to generate.
+
+    Returns:
+        ``(tokens [B, new_tokens], logits)``: the generated tokens and each step's logits
+        (the prefill's last row, then every decode step's), ``[new_tokens, B, vocab]``.
+    """
+    B, P = prompts.shape
+    V, cache_len = s["vocab"], P + new_tokens
+    eye = np.eye(V, dtype=np.float32)
+    session, tokens, lens, out, cache_vars = _lm_session(s, weights, (B, P, V), cache_len)
+    with session:  # prefill: cache_seqlens 0, the prompt's keys and values written in place
+        logits = session.run({tokens: eye[prompts], lens: np.zeros(B, np.int32)})[out][:, -1]
+        caches = [session.get_tensor_data(t).copy() for t in cache_vars]
+    generated, steps = [], [logits]
+    session, tokens, lens, out, _ = _lm_session(s, weights, (B, 1, V), cache_len, caches)
+    with session:  # decode: one token per run, written at row P + t (last_token_indices)
+        for t in range(new_tokens):
+            token = np.argmax(logits, axis=-1)
+            generated.append(token)
+            if t + 1 == new_tokens:
+                break
+            logits = session.run({tokens: eye[token][:, None],
+                                  lens: np.full(B, P + t, np.int32)})[out][:, 0]
+            steps.append(logits)
+    return np.stack(generated, axis=1), np.stack(steps)
 
 
 def parse_args(argv=None):
@@ -267,7 +481,16 @@ def parse_args(argv=None):
                    help=f"seed of the weights and data (default {d['seed']})")
     p.add_argument("--device", choices=["ipu_model", "ipu_hw", "cpu"], default=d["device"],
                    help="popxl.Session device (default ipu_model)")
+    p.add_argument("--block", choices=["gpt", "llama"], default=d["block"],
+                   help="GPT blocks (layer norm, biases, learned positions) or Llama-style "
+                        "blocks (RMS norm, no biases, rotary, SwiGLU) (default gpt)")
+    p.add_argument("--decode", type=cli.int_at_least(0), default=d["decode"],
+                   help="after training, generate this many tokens with a KV cache in "
+                        "Graphcore's Llama layout (needs --block llama; default 0)")
     args = p.parse_args(argv)
+    if args.decode and args.block != "llama":
+        p.error("--decode needs --block llama (rotary positions; the gpt blocks' learned "
+                "position table is not cached)")
     if args.num_chunks > args.seq_len:
         p.error(f"--num-chunks must be at most --seq-len ({args.seq_len}), got "
                 f"{args.num_chunks}")
@@ -279,11 +502,28 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    settings = {k: v for k, v in vars(args).items() if k != "steps"}
-    losses, _, _ = run(args.steps, **settings)
+    settings = {k: v for k, v in vars(args).items() if k not in ("steps", "decode")}
+    losses, _, trained = run(args.steps, return_trained=bool(args.decode), **settings)
     for step, loss in enumerate(losses):
         print(f"step {step}: loss {loss:.6f}")
+    if args.decode:
+        s = dict(DEFAULTS, **settings)
+        prompt_len = max(1, s["seq_len"] // 2)
+        tokens, _ = batches(s)[0]
+        prompts = np.argmax(tokens[:, :prompt_len], axis=-1)
+        generated, _ = generate(s, trained, prompts, args.decode)
+        succ = successors(s)
+        previous = np.concatenate([prompts[:, -1:], generated[:, :-1]], axis=1)
+        follows = int((generated == succ[previous]).sum())
+        for b in range(s["batch"]):
+            print(f"prompt {prompts[b].tolist()} -> generated {generated[b].tolist()}")
+        print(f"{follows} of {generated.size} generated tokens follow the successor table")
     return losses
+
+
+def successors(s):
+    """The successor table :func:`batches` draws its sequences from."""
+    return np.random.default_rng(s["seed"] + 1).permutation(s["vocab"])
 
 
 if __name__ == "__main__":

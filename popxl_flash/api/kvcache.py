@@ -23,6 +23,12 @@ measures its distance between the positions the mask compares, ``q_pos - kv_pos 
 i + n_b - Lq - j``: flash-attn's ``|i + seqlen_k - seqlen_q - j|`` with each row's own
 ``seqlen_k = n_b``; the ``[Hq]``/``[B, Hq]`` slopes are laid out per core group (below).
 
+Cache layouts (``k_cache_layout``, ``v_cache_layout``): the new rows ``[B, Lnew, Hkv, D]`` are
+transposed into the cache's layout and written on its row axis; ``"BHSD"``/``"BHDS"`` caches
+are then read through views (no copy of a cache), ``"BSHD"`` through a transpose. Rotary
+(``rotary_cos``, ``rotary_sin``): q and the new keys are rotated at their cache positions
+before the write (:mod:`popxl_flash.api.rotary`).
+
 Split-KV (flash-decoding): with ``S = num_splits > 1`` the cache's chunks are dealt to ``S``
 parts round robin (part ``s`` holds chunks ``s, s + S, s + 2S, ...``), the parts become extra
 groups of one batched attention (one matmul per step serves all parts) and their outputs are
@@ -40,6 +46,8 @@ Layouts (G = B x H, the core's groups)::
 
     q [B, Lq, Hq, D]          -> [B*Hkv*S*r, Lq, D]     (r = Hq // Hkv, each q row S times)
     cache [B, Lc, Hkv, D]     -> [B*Hkv*S, Lc / S, D]   (S = 1: [B*Hkv, Lc, D])
+    cache [B, Hkv, Lc, D]     -> [B*Hkv, Lc, D]         ("BHSD", S = 1: a reshape_ view)
+    cache [B, Hkv, D, Lc]     -> [B*Hkv, Lc, D]         ("BHDS", S = 1: transpose_ + reshape_)
     out [B*Hkv*S*r, Lq, D]    -> combine over S -> [B, Lq, Hq, D]
     lse                       -> [B, Hq, Lq] float32
     alibi_slopes [Hq], [B, Hq] -> [B*Hkv*S*r] float32  (each slope S times)

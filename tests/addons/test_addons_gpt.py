@@ -134,12 +134,13 @@ def test_help_documents_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--vocab", "--seq-len", "--hidden", "--heads", "--kv-heads", "--layers",
                    "--batch", "--micro-batches", "--steps", "--lr", "--num-chunks",
-                   "--untied-head", "--attention", "--seed", "--device"):
+                   "--untied-head", "--attention", "--seed", "--device", "--block",
+                   "--decode"):
         assert option in text, option
     assert set(example.DEFAULTS) == {"vocab", "seq_len", "hidden", "heads", "kv_heads",
                                      "layers", "batch", "micro_batches", "steps", "lr",
                                      "num_chunks", "untied_head", "attention", "seed",
-                                     "device"}
+                                     "device", "block", "decode"}
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -147,9 +148,52 @@ def test_help_documents_every_option(capsys):
     (["--hidden", "10", "--heads", "4"], "must be a multiple of --heads"),
     (["--heads", "4", "--kv-heads", "3"], "a divisor of it"),
     (["--vocab", "1"], "expected an int >= 2"),
+    (["--decode", "3"], "--decode needs --block llama"),
 ])
 def test_bad_options_are_usage_errors(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exc:
         example.parse_args(argv)
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+LLAMA = dict(SIZES, block="llama", hidden=16, heads=4, kv_heads=2, seq_len=8, vocab=8)
+
+
+def test_llama_block_loss_falls_and_its_variables():
+    """Llama-style blocks (RMS norm, no biases, rotary, GQA, SwiGLU) train: the loss falls;
+    no bias and no position table among the variables."""
+    losses, _, weights = example.run(8, return_trained=True, **dict(LLAMA, lr=0.3))
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert not any(n.endswith(".bias") for n in weights) and "wpe" not in weights
+    assert weights["layer0.attn.k.weight"].shape == (16, 2 * 4)  # kv_heads * D
+
+
+def test_cached_generation_matches_recomputation():
+    """Prefill and decode with the KV cache (Graphcore's BHDS/BHSD layouts) give, at every
+    step, the logits of the no-cache model on the whole sequence so far, and the same greedy
+    tokens. Tolerance: both sides are float32 computations of the same function in a
+    different summation order (flash vs one-shot softmax, E=16 and 4E=64 projections, L <= 11,
+    two layers): a few hundred float32 roundings of values up to max|logits|, so 1e-4 relative
+    to max|logits|."""
+    s = dict(example.DEFAULTS, **LLAMA)
+    _, _, weights = example.run(3, return_trained=True, **{k: v for k, v in s.items()
+                                                           if k != "steps"})
+    prompts = np.array([[1, 2, 3, 4, 5], [6, 7, 0, 1, 2]])
+    generated, logits = example.generate(s, weights, prompts, 4)
+    seq = np.concatenate([prompts, generated], axis=1)
+    full = example.full_logits(s, weights, seq[:, :-1])  # [B, 8, V]
+    want = full[:, prompts.shape[1] - 1:].transpose(1, 0, 2)  # the rows that predict generated
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4 * scale)
+    np.testing.assert_array_equal(generated, np.argmax(want, axis=-1).T)
+
+
+def test_cli_decodes_after_training(capsys):
+    example.main(["--block", "llama", "--steps", "12", "--vocab", "8", "--seq-len", "8",
+                  "--hidden", "16", "--heads", "4", "--kv-heads", "2", "--layers", "1",
+                  "--lr", "0.3", "--decode", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].endswith("generated tokens follow the successor table"), out
+    assert sum(line.startswith("prompt ") for line in out) == 2
