@@ -36,12 +36,12 @@ def _kvcache(seqlens, new, fp_checks=False, causal=True):
 
 
 @pytest.mark.parametrize("new", [False, True], ids=["read-only", "write"])
-@pytest.mark.parametrize("bad", [-3, "high", 2 ** 31 - 1])
+@pytest.mark.parametrize("bad", [-3, -1, "high", "edge", 2 ** 31 - 1])
 def test_out_of_range_cache_seqlens_give_nan_rows(new, bad):
     """A batch row whose run-time cache_seqlens is outside [0, Lcache - Lnew] gets NaN out and
     lse; the other rows equal a call without it; a write lands inside the cache."""
     high = LC - int(new)
-    bad = high + 5 if bad == "high" else bad
+    bad = {"high": high + 5, "edge": high + 1}.get(bad, bad)
     good = [2, bad, 5]
     out, lse, k_after, kc, kn = _kvcache(good, new)
     assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
