@@ -3,6 +3,8 @@ context-parallel explain with chunk lengths that do not divide each other and in
 KV cache's ALiBi ops at two splits, and the decode structure choice as a rule (the least
 modelled time among the candidates it evaluated, each the model's own evaluation).
 """
+import math
+
 import numpy as np
 import pytest
 
@@ -70,15 +72,18 @@ def test_decode_alibi_ops_at_two_splits(fill):
 ])
 def test_decode_choice_is_the_least_modelled_time(B, Lq, Lc, Hq, Hkv, D, mods):
     """The automatic structure is a candidate the choice evaluated, each candidate's figures
-    are the model's (kvcache.evaluate), and no candidate of at most the chosen granule (rows
-    per step: finer skipping by length) has a smaller modelled time."""
+    are the model's (kvcache.evaluate), and it has the least modelled time among the
+    admissible candidates: those whose granule (rows per step) is within the plan's bound
+    ``MAX_GRANULE`` while the plan has one (all candidates when none is admissible, or when
+    the plan drops the bound)."""
     choice = kvcache.decode_choice(B, Lq, Lc, q_heads=Hq, kv_heads=Hkv, head_dim=D, **mods)
     dims = kvcache.Dims(B, Lq, Lc, Lq, Hq, Hkv, D)
     assert choice.chosen in choice.candidates and len(choice.candidates) >= 1
     for c in choice.candidates:
         again = kvcache.evaluate(dims, c.splits, c.chunk_kv, **mods)
         assert (again.seconds, again.flops, again.ops) == (c.seconds, c.flops, c.ops)
-    finer = [c.seconds for c in choice.candidates if c.granule <= choice.chosen.granule]
-    assert choice.chosen.seconds <= min(finer)
+    bound = getattr(kvcache, "MAX_GRANULE", math.inf)
+    admissible = [c for c in choice.candidates if c.granule <= bound] or choice.candidates
+    assert choice.chosen.seconds == min(c.seconds for c in admissible)
     if Lq == 1 and Lc >= 1024:  # several structures were weighed
         assert len({(c.splits, c.chunk_kv) for c in choice.candidates}) > 1
