@@ -45,9 +45,12 @@ def test_every_pair_of_distinct_blocks_draws_its_own_mask():
         assert not np.array_equal(x, y), (a, b)
 
 
-@pytest.mark.parametrize("other", [[5, 10], [6, 9], [4, 9], [5, 8]])
+@pytest.mark.parametrize("other", [[5, 10], [6, 9], [4, 9], [5, 8], [5, 9 + L // 4],
+                                   [5, 9 + L], [5, 9 + L + L // 4]])
 def test_a_nearby_seed_shares_no_block_mask(other):
-    """No block of the call at a nearby seed equals any block of the call at [5, 9]."""
+    """No block of the call at a nearby seed equals any block of the call at [5, 9]: also not
+    at the seeds one block offset away (the next kv chunk, ``+ chunk``; the next q chunk,
+    ``+ Lkv``), which a block seed added to the user's seed itself would share."""
     first, second = (_blocks(m) for m in _flash_masks([[5, 9], other]))
     for x in first.values():
         for y in second.values():
