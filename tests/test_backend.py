@@ -1,12 +1,21 @@
 """Backend selection by POPXL_FLASH_BACKEND (checked in fresh interpreters: it runs at import)."""
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-HAVE_POPXL = importlib.util.find_spec("popxl") is not None
+def _real_popxl_importable():
+    """Whether a fresh interpreter (the one the tests below start) finds a ``popxl``: asked
+    there, because in this process the emulator may stand in for it (``tests/addons``'
+    conftest installs it as ``popxl`` when ``POPXL_ADDONS_PATH`` is set)."""
+    result = subprocess.run([sys.executable, "-c", "import importlib.util; "
+                             "print(importlib.util.find_spec('popxl') is not None)"],
+                            capture_output=True, text=True, check=True)
+    return result.stdout.strip() == "True"
+
+
+HAVE_POPXL = _real_popxl_importable()
 
 
 def _import_with(value):

@@ -316,7 +316,7 @@ def test_decode_model_counts_match_emulator(splits, fill):
 
 
 @emulator_only
-@pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
+@pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (2, 300), (2, 2047), (4, 2047)])
 def test_decode_model_counts_modifier_ops_exactly(splits, fill):
     """softcap and ALiBi ([Hq] slopes) add exactly the model's ops to a decode step (the
     harness's one more host load for the slopes aside), and no FLOPs."""

@@ -53,6 +53,7 @@ from popxl_flash.plan.context_parallel import (CHUNK_TARGET, DEFAULT_KV_BUDGET, 
                                                choose_gather_steps, explain, positions, shard,
                                                unshard)
 from popxl_flash.graph.forward import FlashAttention
+from popxl_flash.api.flash_attn_interface import user_inputs
 from popxl_flash.api.functional import _check_rank3, check_tensors, keyword_hints
 
 ops = popxl.ops
@@ -105,7 +106,7 @@ def _plan(q, k, v, options, modifiers, backward=False):
                          f"chunks each), got q shape {tuple(q.shape)}")
     plan = Plan(q.shape, k.shape, q.dtype.name, replicas=replicas, layout=layout, mods=mods,
                 **options)
-    score_mods.prebuild(_round_config(q, k, plan, extras), backward=backward)
+    functional.prebuild_score_mod(_round_config(q, k, plan, extras), backward=backward)
     return plan, group, extras
 
 
@@ -175,7 +176,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             same tensors on every replica.
         dropout, seed: as :func:`popxl_flash.flash_attention` (``seed`` the same uint32
             ``[2]`` tensor on every replica). The keep masks are drawn per block of each
-            replica's rounds, from the seed ``seed + [rank * S + round, 0]``
+            replica's rounds, from a seed hashed from ``seed`` per (replica, round)
             (:func:`popxl_flash.api.context_parallel_graphs.round_seed`): deterministic, and
             regenerated exactly by the backward given the same ``kv_gather_steps`` and chunk
             counts (checked for stashed outputs), but not single-replica flash's masks.
@@ -205,7 +206,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
         graph = _cached_graph(module, inputs, group)
         out, lse = ops.call(graph, *inputs)
     _record(graph, plan, group, _round_config(q, k, plan, extras))
-    _record_outputs(plan, out, lse)
+    _record_outputs(plan, user_inputs(modifiers), out, lse)
     result = (out, lse) if return_lse else (out,)
     if return_mask:
         with popxl.name_scope("context_parallel_attention_dropout_mask"):
@@ -232,18 +233,23 @@ def _dropout_mask(q, k, plan, group, extras):
 _OUTPUTS = weakref.WeakKeyDictionary()
 
 
-def _record_outputs(plan, *tensors):
+def _record_outputs(plan, inputs, *tensors):
+    """Record the forward's plan and run-time modifier inputs ``{name: tensor}`` for the
+    tensors it returned."""
     known = _OUTPUTS.setdefault(tensors[0].ir, {})
-    known.update({t.id: plan for t in tensors})
+    known.update({t.id: (plan, provenance.tensor_ids(inputs)) for t in tensors})
 
 
-def _check_stash(plan, **stash):
+def _check_stash(plan, inputs, **stash):
     """Refuse an ``out``/``lse`` that a forward with another result key returned (with
-    dropout: other rounds or chunk counts draw other masks). Only the very tensors
-    :func:`context_parallel_attention` returned are known."""
+    dropout: other rounds or chunk counts draw other masks), or with other run-time modifier
+    tensors than ``inputs`` (``{name: tensor}``: the slopes, seed and score_mod inputs, by
+    identity). Only the very tensors :func:`context_parallel_attention` returned are known."""
     for name, t in stash.items():
-        fwd = _OUTPUTS.get(t.ir, {}).get(t.id)
-        if fwd is not None and fwd.result_key() != plan.result_key():
+        fwd, fwd_inputs = _OUTPUTS.get(t.ir, {}).get(t.id, (None, None))
+        if fwd is None:
+            continue
+        if fwd.result_key() != plan.result_key():
             raise ValueError(
                 f"{name} was produced by context_parallel_attention with other options than "
                 "this context_parallel_attention_grad call; pass the forward's causal, layout, "
@@ -251,6 +257,10 @@ def _check_stash(plan, **stash):
                 f"kv_gather_steps and chunk counts: forward rounds {fwd.steps}, chunks "
                 f"{fwd.num_chunks_q}x{fwd.num_chunks_kv}; here {plan.steps}, "
                 f"{plan.num_chunks_q}x{plan.num_chunks_kv})")
+        record = provenance.ForwardRecord({}, None, api="context_parallel_attention",
+                                          inputs=fwd_inputs)
+        functional.check_stash_inputs(name, record, "context_parallel_attention_grad",
+                                       provenance.tensor_ids(inputs))
 
 
 def _record(graph, plan, group, round_config):
@@ -271,7 +281,11 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
     """Gradients of :func:`context_parallel_attention` on this replica's rows and shard.
 
     Stash mode (``out`` and ``lse`` from the forward with ``return_lse=True``) or recompute
-    mode (both ``None``: the forward runs first). Every round's dk/dv of the gathered columns
+    mode (both ``None``: the forward runs first). A stash the forward returned in this Ir is
+    checked: other options or other run-time tensors (``alibi_slopes``, ``seed``,
+    ``score_mod_inputs``, by identity) than the forward's raise ``ValueError`` naming the
+    argument; for an ``out``/``lse`` from elsewhere (another op, a graph boundary, the host)
+    that cannot be known. Every round's dk/dv of the gathered columns
     is summed back to the replica owning them with ``replicated_reduce_scatter``.
 
     Args:
@@ -308,7 +322,7 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
     if out is None:
         out, lse = context_parallel_attention(q, k, v, return_lse=True, **options, **modifiers)
     check_tensors(out=out, lse=lse)
-    _check_stash(plan, out=out, lse=lse)
+    _check_stash(plan, user_inputs(modifiers), out=out, lse=lse)
     module = ContextParallelAttentionGrad(plan, group)
     inputs = (dout, q, k, v, out, lse, *extras)
     with popxl.name_scope("context_parallel_attention_grad"):

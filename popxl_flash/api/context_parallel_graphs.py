@@ -35,24 +35,30 @@ def _gather_piece(t, plan, step, group):
 
 
 def round_seed(seed, plan, step, rank):
-    """The dropout seed of one replica's round: uint32 ``[2]`` ``seed + [rank * S + step, 0]``
-    (wrapping). Each round's flash call draws its per-block keep masks from it
-    (:mod:`popxl_flash.graph.score_mods`), so a (replica, round, block) triple, i.e. a block of the
-    whole sequence under this plan, has its own mask, and the backward, walking the same
-    rounds and blocks, regenerates the forward's. Replica 0's first round uses ``seed``
-    itself (one replica, one round, no causal or window mask: flash_attention's masks at
-    equal chunk counts; with a mask flash splits partly visible blocks into sub-blocks,
-    which draw other masks). Seeds ``seed`` and ``seed + [n, 0]`` share round masks (as
-    flash's block seeds add to the second word).
+    """The dropout seed of one replica's round, uint32 ``[2]``.
+
+    With one replica and one round it is ``seed`` itself (the flash call's own block seeds:
+    flash_attention's masks at equal chunk counts when no causal or window mask splits
+    blocks). Otherwise it is ``ops.split_random_seed(seed, 1)[0] + [0, rank * S + step]``: the
+    user's seed is hashed first (PopART's ModifyRandomSeed draws the second word from the
+    seed), then the (replica, round) index is added to that random word, and the round's
+    flash call hashes again before adding its block offsets
+    (:mod:`popxl_flash.graph.score_mods`). So every (replica, round, block) of one call has
+    its own stream, and a nearby user seed (``seed + [0, 1]``, ``seed + [1, 0]``) shares none
+    of them (only a hash collision could: odds about ``R S`` blocks in ``2**32``). The
+    backward, walking the same rounds and blocks, regenerates the forward's masks.
 
     Args:
         seed: the user's uint32 ``[2]`` seed. plan: the :class:`Plan`. step: the round.
         rank: int32 scalar, the replica's rank (:func:`replica_index`).
     """
+    if plan.replicas * plan.steps == 1:
+        return seed
     u32 = popxl.uint32
     word = ops.cast(rank, u32) * popxl.constant(np.uint32(plan.steps)) + \
         popxl.constant(np.uint32(step))
-    return seed + ops.concat([word.reshape((1,)), popxl.constant(np.zeros(1, np.uint32))],
+    base = ops.split_random_seed(seed, 1)[0]
+    return base + ops.concat([popxl.constant(np.zeros(1, np.uint32)), word.reshape((1,))],
                              axis=0)
 
 

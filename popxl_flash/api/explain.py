@@ -1,4 +1,5 @@
 """``pf.explain``: the cost model's figures behind the automatic chunk choice of one call."""
+from popxl_flash.api.functional import score_mod_traced
 from popxl_flash.graph import score_mods
 from popxl_flash.plan import costmodel
 from popxl_flash.plan import schedule as _schedule
@@ -50,8 +51,8 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     chosen = choice.chosen
     sched = _schedule.plan(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, causal=causal,
                            window=cfg.window)
-    mod_cost = score_mods.cost(score_mod, groups=groups, chunk_q=chosen.chunk_q,
-                               chunk_kv=chosen.chunk_kv, steps=chosen.iterations,
-                               cells=sched.executed_elements,
-                               input_specs=tuple(score_mod_inputs))
+    mod_cost = score_mod_traced(score_mods.cost, score_mod, groups=groups,
+                                chunk_q=chosen.chunk_q, chunk_kv=chosen.chunk_kv,
+                                steps=chosen.iterations, cells=sched.executed_elements,
+                                input_specs=tuple(score_mod_inputs))
     return score_mods.with_score_mod_cost(choice, mod_cost)

@@ -22,11 +22,11 @@ from dataclasses import replace
 
 from popxl_flash.api import provenance
 
-from popxl_flash.graph import score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import AttentionConfig, check_bool, check_scale, check_window
 from popxl_flash.api.functional import (check_stash_options, check_tensors, flash_attention,
-                                    flash_attention_grad, keyword_hints, modifier_inputs)
+                                    flash_attention_grad, keyword_hints, modifier_inputs,
+                                    prebuild_score_mod)
 
 ops = popxl.ops
 
@@ -194,6 +194,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                                  score_mod=score_mod, score_mod_inputs=score_mod_inputs,
                                  dropout_p=dropout_p, seed=seed,
                                  return_attn_probs=return_probs)
+    modifiers_in = modifiers
     with popxl.name_scope("flash_attn_func"):
         groups = [_to_groups(t, layout) for t in (q, k, v)]  # [B*H, L, D]
         modifiers = group_slopes(modifiers, dims)
@@ -204,11 +205,27 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         lse_l = lse.reshape((dims.batch, dims.q_heads, dims.q_len))  # [B, Hq, Lq]
         if return_probs:  # [B*H, Lq, Lkv] -> [B, H, Lq, Lkv]
             mask = result[2].reshape((dims.batch, dims.q_heads, dims.q_len, dims.kv_len))
-    provenance.record_alias(out_l, out)
-    provenance.record_alias(lse_l, lse)
+    named = user_inputs(modifiers_in)
+    provenance.record_alias(out_l, out, api="flash_attn_func", inputs=named)
+    provenance.record_alias(lse_l, lse, api="flash_attn_func", inputs=named)
     if return_probs:
         return out_l, lse_l, mask
     return (out_l, lse_l) if return_lse else out_l
+
+
+#: The core options' names in flash-attn's functions (for messages).
+FLASH_ATTN_NAMES = {"scale": "softmax_scale", "window": "window_size", "dropout": "dropout_p"}
+
+
+def user_inputs(modifiers):
+    """``{argument name: tensor}`` of a flash-attn call's run-time modifier inputs, the tensors
+    the user passed (``alibi_slopes`` before its layout change), by flash-attn's names."""
+    named = {n: modifiers.get(n) for n in ("alibi_slopes", "seed")}
+    if modifiers.get("dropout") in (None, 0, 0.0):
+        named.pop("seed")
+    named.update({f"score_mod_inputs[{i}]": t
+                  for i, t in enumerate(mods_inputs(modifiers.get("score_mod_inputs", ())))})
+    return {n: t for n, t in named.items() if t is not None}
 
 
 def check_alibi_slopes(alibi_slopes, dims):
@@ -250,7 +267,7 @@ def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, sc
     modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
                      score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed)
     if mods is not None and mods.score_mod is not None:
-        score_mods.prebuild(grouped_config(dims, qkv, options, modifiers), backward)
+        prebuild_score_mod(grouped_config(dims, qkv, options, modifiers), backward)
     return modifiers
 
 
@@ -300,7 +317,11 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, so
     same keywords always match. Stash mode (``out`` and ``lse`` from
     ``flash_attn_func(..., return_lse=True)``) or recompute mode (both ``None``); an
     ``out``/``lse`` pair that ``flash_attn_func`` returned with other ``causal``,
-    ``softmax_scale`` or ``window_size`` is refused (``ValueError``).
+    ``softmax_scale`` or ``window_size``, other score modifiers, or other run-time tensors
+    (``alibi_slopes``, ``seed``, ``score_mod_inputs``, by identity: the very tensors given to
+    the forward) is refused (``ValueError`` naming the argument). For an ``out``/``lse`` that
+    went through another op, crossed a graph boundary or came from the host this cannot be
+    known, and keeping them equal is the caller's job.
 
     Args:
         dout: gradient of out, q's shape and dtype (``[B, Lq, Hq, D]``, ``[B, Hq, Lq, D]`` with
@@ -364,5 +385,6 @@ def _check_stash(out, lse, dims, q, layout, options, modifiers):
     cfg = grouped_config(dims, (q, q, q), options, modifiers)
     check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale, window_size and "
                         "score modifiers (with dropout_p, also the chunk counts)",
+                        inputs=user_inputs(modifiers), renames=FLASH_ATTN_NAMES,
                         out=out, lse=lse)
     return True

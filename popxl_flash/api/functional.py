@@ -233,6 +233,32 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
     return result if len(result) > 1 else out
 
 
+def prebuild_score_mod(cfg, backward=False):
+    """Build a ``score_mod``'s graphs now (:func:`popxl_flash.graph.score_mods.prebuild`),
+    turning any failure while its function is traced into a ``ValueError`` that says how
+    tensors reach it (``score_mod_inputs``), the original error chained."""
+    score_mod_traced(score_mods.prebuild, cfg, backward)
+
+
+def score_mod_traced(build, *args, **kwargs):
+    """``build(*args, **kwargs)``, which traces a ``score_mod``: its own errors are re-raised
+    as ``ValueError`` naming ``score_mod_inputs`` (the library's checks of the result, whose
+    messages begin "score_mod ", pass unchanged)."""
+    try:
+        return build(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever the user's function raised
+        if isinstance(err, (TypeError, ValueError)) and str(err).startswith("score_mod "):
+            raise
+        raise ValueError(
+            f"score_mod failed while its graph was traced: {type(err).__name__}: "
+            f"{str(err).rstrip('.')}. A "
+            "score_mod runs in its own PopXL subgraph and sees only its arguments (score, g, "
+            "q_idx, kv_idx, *score_mod_inputs): pass every tensor it uses through "
+            "score_mod_inputs=(t, ...) and take it as an extra parameter, instead of capturing "
+            "it from an enclosing scope (PopXL subgraphs cannot capture parent tensors)") \
+            from err
+
+
 def modifier_inputs(*, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(),
                     dropout=0.0, seed=None, dropout_name="dropout"):
     """Validate the score-modifier and dropout arguments.
@@ -284,13 +310,30 @@ def _forward(q, k, v, segments, options, extras=()):
     """Validate and call the forward module: ``(out, lse)``, recorded for autodiff and grad."""
     module = FlashAttention(**options)
     cfg = module.config(q, k, v, *segments, *extras)  # validate before any graph is created
-    score_mods.prebuild(cfg)  # a score_mod's errors too
+    prebuild_score_mod(cfg)  # a score_mod's errors too
     inputs = (q, k, v, *segments, *extras)
     with popxl.name_scope("flash_attention"):
         graph = _cached_graph(module, inputs)
         out, lse = ops.call(graph, *inputs)
-    provenance.record_forward(graph, module.options, cfg, (out, lse))
+    provenance.record_forward(graph, module.options, cfg, (out, lse),
+                              runtime_inputs(segments, options.get("mods"), extras))
     return out, lse
+
+
+#: The segment inputs of the modules, in order.
+SEGMENT_NAMES = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+
+
+def runtime_inputs(segments, mods, extras):
+    """``{argument name: tensor}`` of a core call's run-time inputs: its segment ids and
+    positions, ALiBi slopes, dropout seed and ``score_mod_inputs[i]`` (what a stash-mode
+    backward must be given again, :func:`check_stash_options`)."""
+    named = {name: t for name, t in zip(SEGMENT_NAMES, segments) if t is not None}
+    if mods is not None:
+        unpacked = score_mods.unpack_names(mods, extras)
+        named.update({n: unpacked[n] for n in ("alibi_slopes", "seed") if n in unpacked})
+        named.update({f"score_mod_inputs[{i}]": t for i, t in enumerate(unpacked["inputs"])})
+    return named
 
 
 def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
@@ -346,9 +389,14 @@ def flash_attention_qkv_packed(qkv, *, num_chunks_q=None, num_chunks_kv=None, ca
                    scale=scale, window=window, memory_budget=memory_budget)
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     modifier_inputs(**modifiers)
-    return flash_attention(*_unpack(qkv, options, tuple(segments.values())),
-                           return_lse=return_lse, return_dropout_mask=return_dropout_mask,
-                           **options, **segments, **modifiers)
+    result = flash_attention(*_unpack(qkv, options, tuple(segments.values())),
+                             return_lse=True, return_dropout_mask=return_dropout_mask,
+                             **options, **segments, **modifiers)
+    for t in result[:2]:
+        provenance.record_alias(t, t, api="flash_attention_qkv_packed")
+    if return_lse:
+        return result
+    return (result[0],) + tuple(result[2:]) if return_dropout_mask else result[0]
 
 
 #: The score-modifier keywords of the core functions.
@@ -373,6 +421,13 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
     recomputes only the block probabilities: 5 block matmuls per visited block. Recompute mode
     (both ``None``) first reruns the forward, like the PopART op.
 
+    A stashed ``out``/``lse`` that a forward call returned in this Ir is checked against this
+    call: other options, or other run-time tensors (``alibi_slopes``, ``seed``,
+    ``score_mod_inputs``, segment ids: compared by identity) than the forward's raise
+    ``ValueError`` naming the argument. That provenance cannot be known for an ``out``/``lse``
+    that went through another op, crossed a graph boundary or came from the host: then keeping
+    options and tensors equal is the caller's job (``pf.autodiff`` always does).
+
     Args:
         dout: ``[G, Lq, D]`` gradient of the output, q's dtype.
         q, k, v: the forward's inputs (q ``[G, Lq, D]``, k and v ``[Gk, Lkv, D]``).
@@ -389,18 +444,29 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         ``[Gk, Lkv, D]``, each summed over the ``G // Gk`` q groups that share it); 0 for
         padding rows and for keys no query sees.
     """
+    return _grad("flash_attention_grad", dout, q, k, v, out, lse, num_chunks_q=num_chunks_q,
+                 num_chunks_kv=num_chunks_kv, causal=causal, scale=scale, window=window,
+                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap,
+                 alibi_slopes=alibi_slopes, score_mod=score_mod,
+                 score_mod_inputs=score_mod_inputs, dropout=dropout, seed=seed,
+                 memory_budget=memory_budget)
+
+
+def _grad(who, dout, q, k, v, out, lse, *, q_segment_ids=None, kv_segment_ids=None,
+          softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(), dropout=0.0,
+          seed=None, **options):
+    """:func:`flash_attention_grad` on behalf of the public function ``who`` (messages)."""
     check_tensors(dout=dout, q=q, k=k, v=v)
     _check_rank3(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids)
     mods, extras = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes,
                                    score_mod=score_mod, score_mod_inputs=score_mod_inputs,
                                    dropout=dropout, seed=seed)
-    return _backward(dout, q, k, v, out, lse, segments, dict(
-        num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal, scale=scale,
-        window=window, mods=mods, memory_budget=memory_budget), extras)
+    return _backward(dout, q, k, v, out, lse, segments, dict(options, mods=mods), extras, who)
 
 
-def _backward(dout, q, k, v, out, lse, segments, options, extras=()):
+def _backward(dout, q, k, v, out, lse, segments, options, extras=(), who="flash_attention_grad",
+              check_inputs=True):
     """Validate and call the backward module (running the forward first in recompute mode)."""
     if (out is None) != (lse is None):
         raise ValueError("out and lse must be given together (stash mode) or both be None "
@@ -412,8 +478,9 @@ def _backward(dout, q, k, v, out, lse, segments, options, extras=()):
         out, lse = _forward(q, k, v, segments, options, extras)
     check_tensors(out=out, lse=lse)
     cfg = module.config(dout, q, k, v, out, lse, *segments, *extras)
-    check_stash_options(cfg, out=out, lse=lse)
-    score_mods.prebuild(cfg, backward=True)
+    inputs = runtime_inputs(segments, options.get("mods"), extras) if check_inputs else None
+    check_stash_options(cfg, who, inputs=inputs, out=out, lse=lse)
+    prebuild_score_mod(cfg, backward=True)
     return _call_module("flash_attention_grad", module, dout, q, k, v, out, lse, *segments,
                         *extras)
 
@@ -422,45 +489,105 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
                              q_positions, kv_positions, mods=None, extras=(), **options):
     """Gradients of :func:`segmented_attention` (stash mode, or recompute with out/lse None).
 
+    An internal entry point (context parallelism's rounds, tests): the options of a stashed
+    ``out``/``lse`` are checked, its run-time tensors are not (callers rebuild equal segment
+    ids and positions from the same offsets; the public ``_grad`` functions check them).
+
     Returns:
         ``(dq, dk, dv)``.
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-    return _backward(dout, q, k, v, out, lse, segments, dict(options, mods=mods), extras)
+    return _backward(dout, q, k, v, out, lse, segments, dict(options, mods=mods), extras,
+                     check_inputs=False)
 
 
 def check_stash_options(cfg, who="flash_attention_grad",
                         names="causal, scale, window and score modifiers (with dropout, also its "
-                        "chunk counts)", **stash):
-    """Refuse an ``out``/``lse`` that a ``flash_attention`` call with other causal, scale or
-    window options (or with segment ids where the backward has none, or the reverse) returned
-    (its gradients would be silently wrong), or a pair from two calls.
+                        "chunk counts)", inputs=None, renames=None, **stash):
+    """Refuse an ``out``/``lse`` that a forward call with other causal, scale or window options,
+    other score modifiers, or other run-time tensors (ALiBi slopes, dropout seed,
+    ``score_mod_inputs``, segment ids and positions) returned: its gradients would be silently
+    wrong; or a pair from two calls.
 
-    Only the very tensors ``flash_attention`` returned in this Ir are known (see
-    :mod:`popxl_flash.api.provenance`); chunk counts may differ, they do not change the result.
+    Only the very tensors a forward returned in this Ir are known (see
+    :mod:`popxl_flash.api.provenance`); chunk counts may differ, they do not change the result
+    (except with dropout). Run-time tensors are compared by identity: the backward must be given
+    the forward's very tensors.
 
     Args:
         cfg: the backward's :class:`AttentionConfig`. who, names: the calling function and its
-            option names (for the message). stash: ``out=``, ``lse=`` tensors.
+            option names (for the message). inputs: ``{argument name: tensor}``, the
+            backward's run-time inputs by ``who``'s names (``None``: not checked). renames:
+            ``{core option name: who's name}`` for the messages (e.g. ``scale`` ->
+            ``softmax_scale``). stash: ``out=``, ``lse=`` tensors.
     """
     wanted = provenance.attention_options(cfg)
     records = {name: provenance.output_record(t) for name, t in stash.items()}
     for name, rec in records.items():
-        if rec is not None and rec.attention_options() != wanted:
-            raise ValueError(f"{name} was produced by flash_attention with options "
-                             f"{rec.attention_options()}, but {who} was given {wanted}; pass the "
+        if rec is None:
+            continue
+        if rec.attention_options() != wanted:
+            raise ValueError(f"{name} was produced by {rec.api} with options "
+                             f"{describe_options(rec.attention_options(), renames)}, but {who} "
+                             f"was given {describe_options(wanted, renames)}; pass the "
                              f"forward's {names}")
-        if rec is not None and (rec.config.segments is None) != (cfg.segments is None):
+        if (rec.config.segments is None) != (cfg.segments is None):
             given = "without" if cfg.segments is None else "with"
-            raise ValueError(f"{name} was produced by flash_attention "
+            raise ValueError(f"{name} was produced by {rec.api} "
                              f"{'without' if given == 'with' else 'with'} segment ids, but "
-                             f"flash_attention_grad was called {given} them; pass the "
+                             f"{who} was called {given} them; pass the "
                              "forward's q_segment_ids and kv_segment_ids")
+        if inputs is not None:
+            check_stash_inputs(name, rec, who, provenance.tensor_ids(inputs))
     calls = {rec.call for rec in records.values() if rec is not None}
     if len(calls) > 1:
-        raise ValueError("out and lse come from two different flash_attention calls; pass the "
+        api = next(rec.api for rec in records.values() if rec is not None)
+        raise ValueError(f"out and lse come from two different {api} calls; pass the "
                          "pair one call returned")
+
+
+def check_stash_inputs(name, rec, who, given):
+    """The run-time tensors of the backward must be the forward's (by tensor id)."""
+    for arg in list(rec.inputs) + [a for a in given if a not in rec.inputs]:
+        before, now = rec.inputs.get(arg), given.get(arg)
+        if before == now:
+            continue
+        if now is None:
+            raise ValueError(f"{name} was computed by {rec.api} with {arg}={before}, but {who} "
+                             f"was given no {arg}; pass the forward's {arg}")
+        if before is None:
+            raise ValueError(f"{name} was computed by {rec.api} without {arg}, but {who} was "
+                             f"given {arg}={now}; pass the forward's run-time tensors")
+        raise ValueError(f"{arg}={now} is not the tensor {name} was computed with: {rec.api} "
+                         f"was given {arg}={before}; pass {who} the forward's {arg} (a "
+                         "different tensor, even with equal values, gives wrong gradients "
+                         "when its values differ)")
+
+
+def describe_options(options, renames=None):
+    """The options of :func:`popxl_flash.api.provenance.attention_options` as a string in the
+    caller's names (``renames``: ``{core name: caller's name}``, e.g. ``scale`` ->
+    ``softmax_scale``, ``dropout`` -> ``dropout_p``)."""
+    renames = renames or {}
+
+    def n(key):
+        return renames.get(key, key)
+    parts = [f"{n(k)}={options[k]!r}" for k in ("causal", "scale", "window")]
+    mods = options.get("mods")
+    if mods is not None:
+        if mods.softcap:
+            parts.append(f"{n('softcap')}={mods.softcap!r}")
+        if mods.alibi:
+            parts.append(f"{n('alibi_slopes')}=<tensor>")
+        if mods.score_mod is not None:
+            parts.append(f"{n('score_mod')}={getattr(mods.score_mod, '__name__', mods.score_mod)}"
+                         f" with {mods.num_mod_inputs} {n('score_mod_inputs')}")
+        if mods.dropout:
+            parts.append(f"{n('dropout')}={mods.dropout!r}")
+    if "chunks" in options:
+        parts.append(f"chunk lengths {options['chunks']}")
+    return "(" + ", ".join(parts) + ")"
 
 
 @keyword_hints(CORE_KEYWORD_HINTS)
@@ -479,6 +606,9 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
 
     Returns:
         dqkv ``[3, G, L, D]`` in qkv's dtype.
+
+    The stash checks are :func:`flash_attention_grad`'s (options and run-time tensors of the
+    forward that returned ``out``/``lse``, when that is known).
     """
     _check_modifier_names("flash_attention_qkv_packed_grad", modifiers)
     options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal,
@@ -486,6 +616,7 @@ def flash_attention_qkv_packed_grad(dout, qkv, out=None, lse=None, *, num_chunks
     segments = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     modifier_inputs(**modifiers)
     q, k, v = _unpack(qkv, options, tuple(segments.values()))
-    grads = flash_attention_grad(dout, q, k, v, out, lse, **options, **segments, **modifiers)
+    grads = _grad("flash_attention_qkv_packed_grad", dout, q, k, v, out, lse, **options,
+                  **segments, **modifiers)
     with popxl.name_scope("flash_attention_qkv_packed_grad"):
         return ops.concat([g.reshape((1,) + tuple(g.shape)) for g in grads], axis=0)

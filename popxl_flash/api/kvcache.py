@@ -189,6 +189,28 @@ def check_shapes(q, k_cache, v_cache, k, v, k_layout="BSHD", v_layout="BSHD"):
     return Dims(B, Lq, Lc, Lnew, Hq, Hkv, D)
 
 
+def check_aliasing(q, k_cache, v_cache, k, v):
+    """Refuse one tensor in two roles that the in-place write would confuse: the same tensor
+    as ``k_cache`` and ``v_cache`` (the v rows would overwrite the k rows just written), or a
+    cache that is also ``q``, ``k`` or ``v`` (with new rows, the write changes what the call
+    reads; a cache is only ever written through ``k_cache``/``v_cache``).
+
+    Only tensor identity is visible when the graph is built: two different view tensors of
+    one storage (in-place ``slice_``/``reshape_`` of one variable) are not detected.
+    """
+    if k_cache.id == v_cache.id:
+        raise ValueError(f"k_cache and v_cache are the same tensor ({k_cache.id}); pass two "
+                         "caches: with new rows the v rows would overwrite the k rows just "
+                         "written, and without them v would equal k")
+    others = dict(q=q, k=k, v=v)
+    for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, t in others.items():
+            if t is not None and t.id == cache.id:
+                raise ValueError(f"{name} and {cache_name} are the same tensor ({t.id}); the "
+                                 f"cache is written in place, so {name} must be another tensor "
+                                 "(copy it first if you mean its values)")
+
+
 def _check_seqlens(cache_seqlens, dims):
     """``cache_seqlens``: an int32 ``[B]`` tensor, a Python int, or ``None`` (no new rows:
     the whole cache).
@@ -202,9 +224,12 @@ def _check_seqlens(cache_seqlens, dims):
             raise ValueError("cache_seqlens is required with new rows k, v (where to write "
                              "them); got cache_seqlens=None")
         return dims.cache_len
-    if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim:
+    if isinstance(cache_seqlens, (list, tuple)) or (isinstance(cache_seqlens, np.ndarray)
+                                                     and cache_seqlens.ndim):
+        kind = "a numpy array" if isinstance(cache_seqlens, np.ndarray) else \
+            f"a {type(cache_seqlens).__name__} {list(cache_seqlens)!r}"
         raise TypeError(f"cache_seqlens must be an int32 [B={dims.batch}] popxl.Tensor or an "
-                        "int, got a numpy array (load it with ops.host_load, or make it a "
+                        f"int, got {kind} (load it with ops.host_load, or make it a "
                         "popxl.constant or variable)")
     if not isinstance(cache_seqlens, popxl.Tensor):
         return _check_int("cache_seqlens", cache_seqlens, low=0, high=high)
@@ -317,6 +342,40 @@ def _rotate_new(q, k, seqlens, dims, tables, q_at_positions):
     else:  # every q row at seqlens[b]: one table row per batch row, broadcast over Lq
         q = at(q, _positions(seqlens, B, 1), 1)
     return q, k
+
+def _guard_seqlens(seqlens, dims):
+    """Run-time ``cache_seqlens`` outside ``[0, Lcache - Lnew]`` (the IPU checks nothing).
+
+    Returns:
+        ``(bad, clamped)``: bool ``[B]``, the batch rows whose length is out of range, and the
+        lengths clamped into range, so a write stays inside the cache (it lands at the
+        clamped row) and a read reads at most the whole cache; :func:`_poison` then makes
+        those rows' results NaN.
+    """
+    high = _i32(dims.cache_len - dims.new_len)
+    zero = _i32(0)
+    low_bad, high_bad = ops.greater(zero, seqlens), ops.greater(seqlens, high)
+    clamped = ops.where(low_bad, zero, ops.where(high_bad, high, seqlens))
+    return ops.logical_or(low_bad, high_bad), clamped
+
+
+def _poison(out, lse, bad, dims):
+    """``out`` and ``lse`` NaN in the batch rows ``bad`` (bool ``[B]``), unchanged elsewhere.
+
+    The NaN comes from ``sqrt(-1)``, an invalid operation, so with floating-point checks on
+    (:func:`popxl_flash.enable_floating_point_checks`) the run stops there; without, the rows
+    read NaN, never a plausible number. ``lse`` (``-inf`` where a row sees no key) is selected,
+    not added to, so no arithmetic meets an infinity.
+    """
+    f32 = popxl.float32
+    with popxl.name_scope("cache_seqlens_out_of_range"):  # what a trap's message names
+        nan = ops.sqrt(ops.where(bad, popxl.constant(np.float32(-1.0)),
+                                 popxl.constant(np.float32(0.0))))  # [B]: NaN where bad
+    B = dims.batch
+    add = nan if out.dtype == f32 else ops.cast(nan, out.dtype)
+    out = out + add.reshape((B, 1, 1, 1))
+    lse = ops.where(bad.reshape((B, 1, 1)), nan.reshape((B, 1, 1)), lse)
+    return out, lse
 
 
 def _lengths(seqlens, dims):
@@ -510,6 +569,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     k_layout = check_layout("k_cache_layout", k_cache_layout, K_CACHE_LAYOUTS)
     v_layout = check_layout("v_cache_layout", v_cache_layout, V_CACHE_LAYOUTS)
     dims = check_shapes(q, k_cache, v_cache, k, v, k_layout, v_layout)
+    check_aliasing(q, k_cache, v_cache, k, v)
     seqlens = _check_seqlens(cache_seqlens, dims)
     mods = check_modifiers(softcap, alibi_slopes, dims)
     causal = check_bool("causal", causal)
@@ -523,6 +583,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
                                                          num_chunks_q, num_chunks_kv, mods)
     with popxl.name_scope("flash_attn_with_kvcache"):
+        bad = None
+        if isinstance(seqlens, popxl.Tensor):
+            bad, seqlens = _guard_seqlens(seqlens, dims)
         if rotary is not None:
             local = causal or any(w is not None and w >= 0 for w in window)
             q, k = _rotate_new(q, k, seqlens, dims, rotary, q_at_positions=local)
@@ -539,4 +602,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                        num_chunks_q=nq, num_chunks_kv=per_part, causal=causal,
                                        scale=scale, window=window)
         out, lse = _combine(out, lse, dims, splits)
+        if bad is not None:
+            out, lse = _poison(out, lse, bad, dims)
     return (out, lse) if return_lse else out

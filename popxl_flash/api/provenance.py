@@ -5,13 +5,18 @@ never by its name; :func:`popxl_flash.flash_attention_grad` uses the output reco
 ``out``/``lse`` produced with other options. Records are keyed by the Ir (weakly: they go away
 with it) and by graph / tensor id, which works the same on the SDK and on the emulator.
 
+A call's record also holds its run-time inputs (ALiBi slopes, dropout seed, ``score_mod_inputs``,
+segment ids and positions, or the tensors they came from) by the names of the API the user
+called, so a stash-mode backward refuses other run-time tensors than the forward's, naming the
+argument (:func:`popxl_flash.api.functional.check_stash_options`).
+
 What cannot be recorded: a tensor is only known as the very tensor ``flash_attention``
 returned, in the graph that called it. A tensor that went through another op, a graph boundary
 (e.g. passed as an input to a separately built backward graph) or came from the host or another
 Ir is unknown here, and no option check happens for it.
 """
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 from popxl_flash.plan.config import AttentionConfig
@@ -28,11 +33,16 @@ class ForwardRecord:
         grad_module: for graphs of other attention forwards (context parallelism): a
             callable returning the backward module whose graph autodiff uses, with
             ``build(dout, *graph inputs, *graph outputs)``; ``None`` for flash graphs.
+        api: the public function the user called (for messages).
+        inputs: ``{argument name: tensor id}`` of the call's run-time inputs, by the names of
+            ``api`` (slopes, seed, ``score_mod_inputs[i]``, segment ids, positions).
     """
     options: dict
     config: Optional[AttentionConfig]
     call: int = -1
     grad_module: object = None
+    api: str = "flash_attention"
+    inputs: dict = field(default_factory=dict)
 
     def attention_options(self):
         """The options that change the result (:func:`attention_options`)."""
@@ -73,27 +83,43 @@ def ir_record(ir) -> _IrRecord:
     return rec
 
 
-def record_forward(graph, options, config, outputs):
+def tensor_ids(tensors):
+    """``{name: tensor id}`` of ``{name: tensor}`` (``None`` values left out)."""
+    return {name: t.id for name, t in tensors.items() if t is not None}
+
+
+def record_forward(graph, options, config, outputs, inputs=None):
     """Record a call of the flash forward graph ``graph`` and the tensors it returned.
 
     Args:
         graph: the ``FlashAttention`` module graph. options: its constructor options.
         config: the call's ``AttentionConfig``. outputs: the call's ``(out, lse)``.
+        inputs: ``{name: tensor}``, the call's run-time inputs (:class:`ForwardRecord`).
     """
     rec = ir_record(graph.ir)
     rec.calls += 1
-    call = ForwardRecord(dict(options), config, rec.calls)
+    call = ForwardRecord(dict(options), config, rec.calls, inputs=tensor_ids(inputs or {}))
     rec.graphs.setdefault(graph.id, ForwardRecord(dict(options), config))
     for t in outputs:
         rec.outputs[t.id] = call
 
 
-def record_alias(tensor, source):
+def record_alias(tensor, source, api=None, inputs=None):
     """Record ``tensor`` (a layout change of ``source``, e.g. ``flash_attn_func``'s ``[B, L, H,
-    D]`` out) as produced by the call that produced ``source`` (no-op if that is unknown)."""
+    D]`` out) as produced by the call that produced ``source`` (no-op if that is unknown).
+
+    Args:
+        api, inputs: the calling function's name and its run-time inputs ``{name: tensor}``
+            by its own names (they replace the core call's), or ``None`` to keep the core's.
+    """
     rec = ir_record(tensor.ir)
     if source.id in rec.outputs:
-        rec.outputs[tensor.id] = rec.outputs[source.id]
+        call = rec.outputs[source.id]
+        if api is not None:
+            call = replace(call, api=api)
+        if inputs is not None:
+            call = replace(call, inputs=tensor_ids(inputs))
+        rec.outputs[tensor.id] = call
 
 
 def record_graph(graph, grad_module, config=None):

@@ -25,10 +25,11 @@ Layouts::
     out [Hq, total_q, D] --transpose--> [total_q, Hq, D]
     lse [Hq, total_q]                                     (flash-attn's varlen softmax_lse)
 """
+from popxl_flash.api import provenance
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import _check_int, check_bool
 from popxl_flash.api.flash_attn_interface import (KEYWORD_HINTS, Dims, check_kv_heads, core_options,
-                                              group_slopes, modifier_options)
+                                              group_slopes, modifier_options, user_inputs)
 from popxl_flash.api.functional import (check_tensors, dropout_mask, keyword_hints, modifier_inputs,
                                     segmented_attention)
 from popxl_flash.graph.segments import varlen_segments
@@ -159,8 +160,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mods, extras = modifier_inputs(**group_slopes(modifiers, dims),
                                        dropout_name="dropout_p")
         segments = (q_ids, kv_ids, q_pos, kv_pos)
-        out, lse = segmented_attention(*groups, *segments, mods=mods, extras=extras, **options)
-        out = out.transpose((1, 0, 2))  # [total_q, Hq, D]
+        out_g, lse = segmented_attention(*groups, *segments, mods=mods, extras=extras,
+                                         **options)
+        out = out_g.transpose((1, 0, 2))  # [total_q, Hq, D]
+        named = dict(user_inputs(modifiers), cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k)
+        for t, source in ((out, out_g), (lse, lse)):
+            provenance.record_alias(t, source, api="flash_attn_varlen_func", inputs=named)
         if return_probs:
             mask = dropout_mask(*groups, segments, mods, extras, seed=seed, **options)
             return out, lse, mask
