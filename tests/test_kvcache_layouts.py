@@ -249,11 +249,12 @@ def test_rotary_bad_input_is_a_build_time_error(override, exc, fragment):
     new = override.pop("new", True)
 
     def fn():
-        q, c = zeros_variable((2, 1, 4, 8)), zeros_variable((2, 16, 2, 8))
-        kn = vn = zeros_variable((2, 1, 2, 8)) if new else None
+        q = zeros_variable((2, 1, 4, 8))
+        kc, vc = zeros_variable((2, 16, 2, 8)), zeros_variable((2, 16, 2, 8))
+        kn, vn = (zeros_variable((2, 1, 2, 8)) if new else None for _ in range(2))
         tables = {n: zeros_variable(override.pop(n), dtype) for n in ("rotary_cos", "rotary_sin")
                   if n in override}
-        return pf.flash_attn_with_kvcache(q, c, c, kn, vn, 0 if new else None, **tables,
+        return pf.flash_attn_with_kvcache(q, kc, vc, kn, vn, 0 if new else None, **tables,
                                           **override)
     with pytest.raises(exc, match=re_escape(fragment)):
         build_only(fn)

@@ -98,7 +98,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_attn_probs=False, return_lse=False, num_chunks_q=None,
                            num_chunks_kv=None, seed=None, score_mod=None, score_mod_inputs=(),
-                           deterministic=False):
+                           deterministic=False, memory_budget=None):
     """flash-attn's ``flash_attn_varlen_func`` on PopXL tensors: packed sequences, O(L) memory.
 
     Args:
@@ -129,6 +129,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         alibi_slopes: ``None`` or float32 ``[Hq]`` (or ``[1, Hq]``): per sequence
             ``-slope * |i + seqlen_k - seqlen_q - j|``, as flash-attn's varlen ALiBi.
         deterministic: accepted for flash-attn compatibility (a bool); always deterministic.
+        memory_budget: bytes the call may hold beyond its inputs and outputs, as
+            :func:`popxl_flash.flash_attention`; the chunks here follow ``max_seqlen_*`` (or
+            the given counts), and an explicit budget they exceed raises ``ValueError``.
 
     Returns:
         out ``[total_q, Hq, D]`` in q's dtype (0 on padding rows and rows that see no key);
@@ -147,7 +150,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         num_chunks_kv=(_auto_chunks(dims.kv_len, max_k) if num_chunks_kv is None
                        else num_chunks_kv),
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        return_lse=return_lse)
+        return_lse=return_lse, memory_budget=memory_budget)
     return_probs = check_bool("return_attn_probs", return_attn_probs)
     modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
                                  alibi_slopes=alibi_slopes,
