@@ -453,6 +453,35 @@ _OP_CLASSES.update({"random_uniform": "RandomUniformOp", "random_normal": "Rando
                     "dropout": "DropoutOp", "modify_random_seed": "ModifyRandomSeedOp",
                     "split": "SplitOp", "gather": "GatherOp", "gelu": "GeluOp",
                     "gelu_": "GeluInplaceOp"})
+_OP_CLASSES.update({
+    "reshape": "ReshapeOp", "reshape_": "ReshapeInplaceOp", "transpose": "TransposeOp",
+    "transpose_": "TransposeInplaceOp", "group_norm": "GroupNormOp",
+    "group_norm_grad": "GroupNormGradOp", "softmax": "SoftmaxOp", "cast": "CastOp",
+    "concat": "ConcatOp", "slice": "SliceOp", "slice_": "SliceInplaceOp",
+    "identity": "IdentityOp", "where": "WhereOp", "exp": "ExpOp", "exp_": "ExpInplaceOp",
+    "log": "LogOp", "sqrt": "SqrtOp", "tanh": "TanhOp", "relu": "ReluOp",
+    "relu_": "ReluInplaceOp", "negate": "NegateOp", "abs": "AbsOp", "sin": "SinOp",
+    "cos": "CosOp", "pow": "PowOp", "sum": "ReduceSumOp", "mean": "ReduceMeanOp",
+    "max": "ReduceMaxOp", "min": "ReduceMinOp", "prod": "ReduceProdOp", "maximum": "MaxOp",
+    "greater": "GreaterOp", "equal": "EqualOp", "logical_and": "AndOp", "logical_or": "OrOp",
+    "logical_not": "NotOp", "scaled_add": "ScaledAddOp", "scaled_add_": "ScaledAddLhsInplaceOp",
+    "nll_loss": "NllOp", "nll_grad": "NllGradOp",
+    "nll_loss_with_softmax_grad": "NlllWithSoftmaxGradDirectOp", "swish": "SwishOp",
+    "swish_": "SwishInplaceOp", "gelu_grad": "GeluGradOp", "swish_grad": "SwishGradOp",
+    "gather_grad": "GatherGradOp", "accumulator_scale_": "AccumulatorScaleOp",
+    "accumulator_zero_": "AccumulatorZeroOp", "copy_var_update_": "CopyVarUpdateOp",
+    "adam_updater": "AdamUpdaterOp", "increment_mod": "IncrementModOp",
+    "increment_mod_": "IncrementModInplaceOp", "subsample": "SubsampleOp",
+    "fmod": "FmodOp", "floor": "FloorOp", "ceil": "CeilOp", "sign": "SignOp",
+    "isnan": "IsNaN", "isinf": "IsInf", "matmul": "MatMulOp", "detach": "DetachOp",
+    "dropout": "DropoutOp"})
+#: ``_ir.op.<namespace>``: the op headers in ``op/dynamic/`` and ``op/exchange/``
+_NAMESPACED = {"dynamic_slice": ("dynamic", "DynamicSliceOp"),
+               "dynamic_update": ("dynamic", "DynamicUpdateOp"),
+               "dynamic_update_": ("dynamic", "DynamicUpdateInplaceOp"),
+               "remote_load": ("exchange", "RemoteLoadOp"),
+               "remote_load_": ("exchange", "RemoteLoadInplaceOp"),
+               "remote_store": ("exchange", "RemoteStoreOp")}
 _EXCHANGE = ("HostLoadOp", "HostStoreOp")
 #: ``_ir.op.collectives``: PopART's ``op/collectives/`` headers, with their base classes
 _COLLECTIVE_CLASSES = {"replicated_all_gather": "ReplicatedAllGatherOp",
@@ -470,16 +499,22 @@ _collectives["ReplicatedAllReduceInplaceOp"] = _op_class(
 for _name in ("CallOp", "LoopOp"):  # SubgraphOp::getCalledGraph
     _classes[_name].getCalledGraph = lambda self: PbGraph(self._op.subgraphs[0])
 _classes["LoopOp"].getTripCountValue = lambda self: self._op.attrs["count"]
+_spaces = {"dynamic": {}, "exchange": {n: _classes[n] for n in _EXCHANGE}}
+for _space, _name in _NAMESPACED.values():
+    _spaces[_space][_name] = _op_class(_name)
 op = types.SimpleNamespace(**{n: c for n, c in _classes.items() if n not in _EXCHANGE},
-                           exchange=types.SimpleNamespace(
-                               **{n: _classes[n] for n in _EXCHANGE}),
+                           exchange=types.SimpleNamespace(**_spaces["exchange"]),
+                           dynamic=types.SimpleNamespace(**_spaces["dynamic"]),
                            collectives=types.SimpleNamespace(**_collectives))
-del _name
+del _name, _space
 
 
 def make_op(record):
     """Returns: the ``_ir.Op`` wrapper of an emulator op record, of its ``_ir.op`` class."""
     if record.kind in _COLLECTIVE_CLASSES:
         return _collectives[_COLLECTIVE_CLASSES[record.kind]](record)
+    if record.kind in _NAMESPACED:
+        space, name = _NAMESPACED[record.kind]
+        return _spaces[space][name](record)
     cls = _classes.get(_OP_CLASSES.get(record.kind), PbOp)
     return cls(record)

@@ -49,6 +49,22 @@ def install(standins=False):
     return True
 
 
+def inherit():
+    """Make Python processes started from now on (``subprocess``) install the emulator and
+    the stand-ins too: sets ``POPXL_FLASH_EMULATOR=1`` and puts ``_children`` (a
+    ``sitecustomize`` that installs them) first on ``PYTHONPATH`` and last on ``sys.path``
+    (Graphcore's tests hand ``":".join(sys.path)`` to their child processes as PYTHONPATH);
+    the child must import ``popxl_flash`` as this process does (same environment)."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = [os.path.join(here, "_children")]
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in parts]
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts + rest)
+    os.environ["POPXL_FLASH_EMULATOR"] = "1"
+    if parts[0] not in sys.path:  # last: code that passes its sys.path on as PYTHONPATH
+        sys.path.append(parts[0])
+
+
 class _OpModule(types.ModuleType):
     """A file of a PopXL package (``popxl.ops.add``, ``popxl.ops.var_updates.accumulate``,
     ``popxl.transforms.merge_exchange``): its names are the package names the PopXL 3.4 file

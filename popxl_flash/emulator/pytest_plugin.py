@@ -5,12 +5,15 @@
 Loading the plugin (before pytest collects anything) calls
 ``popxl_flash.emulator.install(standins=True)``: ``import popxl``/``import popart`` give the
 emulator, and ``popdist``, ``mpi4py.MPI`` and ``cppimport`` get their stand-ins where needed
-(``standins.py``). When a real PopXL is importable nothing is changed and the suite runs on the
-SDK.
+(``standins.py``); Python processes the tests start (``subprocess``) install them too. When a
+real PopXL is importable nothing is changed and the suite runs on the SDK.
 """
 from . import install
+from .installer import inherit
 
 INSTALLED = install(standins=True)
+if INSTALLED:
+    inherit()  # Python processes the tests start run on the emulator too
 
 
 def pytest_report_header(config):

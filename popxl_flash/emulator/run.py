@@ -7,7 +7,8 @@
 First ``popxl_flash.emulator.install(standins=True)`` (the emulator as ``popxl``/``popart``,
 stand-ins for ``popdist``, ``mpi4py.MPI`` and ``cppimport``), then the script runs as
 ``__main__`` with ``sys.argv`` set as Python would (its folder first on ``sys.path``), or the
-module as ``python -m`` runs it (the current folder first on ``sys.path``). Exit status: the
+module as ``python -m`` runs it (the current folder first on ``sys.path``). Python processes
+the script starts install the emulator too (``installer.inherit``). Exit status: the
 script's.
 """
 import os
@@ -15,6 +16,7 @@ import runpy
 import sys
 
 from . import install
+from .installer import inherit
 
 USAGE = "usage: python -m popxl_flash.emulator.run (script.py | -m module) [args...]"
 
@@ -26,6 +28,7 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
     install(standins=True)
+    inherit()
     if argv[0] == "-m":
         module, args = argv[1], argv[2:]
         sys.argv = [module] + args

@@ -72,7 +72,7 @@ class CppFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        model = addons_ops.binding(spec.name.rpartition(".")[2])
+        model = addons_ops.binding(spec.name)
         return model if model is not None else _CppBinding(spec.name)
 
     def exec_module(self, module):

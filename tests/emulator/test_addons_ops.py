@@ -28,7 +28,7 @@ def _build(name, *args):
     ctx = popxl.context.get_current_context()
     g = ctx.graph
     leaf, cls = name.split(".")
-    binding = getattr(addons_ops.binding(leaf), cls)
+    binding = getattr(addons_ops.binding(f"popxl_addons.ops.x.{leaf}"), cls)
     ins = {i: t.id for i, t in args[0].items()}
     outs = {i: g._create_tensor_id(n) for i, n in enumerate(args[1])}
     op = binding.createOpInGraph(g._pb_graph, ins, outs, *args[2:],
@@ -233,7 +233,9 @@ def test_unmodelled_cpp_source_raises_when_used():
     import importlib
     import sys
     from popxl_flash.emulator import standins
-    assert addons_ops.binding("sparse_matmul_binding") is None
+    assert addons_ops.binding("popxl_addons.ops.x.sparse_matmul_binding") is None
+    # another package's C++ op of a modelled file name is not taken for popxl-addons' op
+    assert addons_ops.binding("modelling.rotary_pos_embed.rotary_pos_embed_binding") is None
     finder = standins.CppFinder()
     spec = importlib.machinery.ModuleSpec("pkg.unknown_binding", finder)
     mod = finder.create_module(spec)

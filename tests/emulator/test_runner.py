@@ -84,3 +84,31 @@ def test_stand_in_replaces_an_mpi4py_that_cannot_load(tmp_path):
     res = _python(["-c", code], tmp_path, extra_path=str(tmp_path / "site"))
     assert res.returncode == 0, res.stderr
     assert "stand-in: True" in res.stdout and "popdist 7" in res.stdout
+
+
+def test_processes_a_script_starts_run_on_the_emulator_too(tmp_path):
+    """Graphcore's execution tests start ``python3 train.py``: with the runner, that child
+    imports the emulator as popxl as well."""
+    (tmp_path / "child.py").write_text("import popxl, popdist\nprint('child', popxl.__name__)\n")
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        "print(subprocess.run([sys.executable, 'child.py'], capture_output=True, text=True,"
+        " check=True).stdout)\n")
+    res = _python(["-m", "popxl_flash.emulator.run", "parent.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "child popxl_flash.emulator.popxl" in res.stdout
+
+
+def test_children_given_the_parents_sys_path_as_pythonpath_run_on_the_emulator(tmp_path):
+    """Graphcore's execution tests start children with ``PYTHONPATH=":".join(sys.path)``."""
+    (tmp_path / "child.py").write_text("import popxl\nprint('child', popxl.__name__)\n")
+    (tmp_path / "test_parent.py").write_text(
+        "import os, subprocess, sys\n"
+        "def test_child():\n"
+        "    env = dict(os.environ, PYTHONPATH=':'.join(sys.path))\n"
+        "    out = subprocess.run([sys.executable, 'child.py'], env=env, capture_output=True,"
+        " text=True, check=True).stdout\n"
+        "    assert 'child popxl_flash.emulator.popxl' in out\n")
+    res = _python(["-m", "pytest", "-q", "-p", "popxl_flash.emulator.pytest_plugin",
+                   "-p", "no:cacheprovider", "test_parent.py"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr

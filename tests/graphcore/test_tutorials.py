@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from conftest import SHIMS, require_paths, run_emulated
+from graphcore_run import SHIMS, require_paths, run_emulated
 
 TUTORIALS = "tutorials/tutorials/popxl"
 SCRIPTS = [("1_basic_concepts", "mnist_template.py"), ("1_basic_concepts", "mnist.py"),
@@ -24,7 +24,7 @@ def test_tutorial_trains_to_completion(folder, script):
     examples, addons = require_paths("GRAPHCORE_EXAMPLES_PATH", "POPXL_ADDONS_PATH")
     pytest.importorskip("torch")
     cwd = os.path.join(examples, TUTORIALS, folder)
-    res = run_emulated([script], cwd, [SHIMS, addons], timeout=1800)
+    res = run_emulated([script], cwd, [SHIMS, addons], timeout=3600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     found = re.findall(r"Accuracy on test set: ([\d.]+)", res.stdout)
     assert found, res.stdout[-3000:]

@@ -37,11 +37,15 @@ _BINDINGS = {
 }
 
 
-def binding(leaf):
-    """Args: leaf: the binding module's name (``rotary_pos_embed_binding``). Returns: a new
-    module holding the modelled op classes, or None when the emulator does not model it."""
+def binding(fullname):
+    """Args: fullname: the binding module's full name
+    (``popxl_addons.ops.rotary_pos_embed.rotary_pos_embed_binding``). Returns: a new module
+    holding the modelled op classes, or None when the emulator does not model it. Only
+    popxl-addons' own bindings are modelled: another package's C++ op of the same file name
+    (Graphcore's Dolly ships a ``rotary_pos_embed_binding`` of other semantics) is not."""
+    package, _, leaf = fullname.rpartition(".")
     classes = _BINDINGS.get(leaf)
-    if classes is None:
+    if classes is None or not package.startswith("popxl_addons.ops."):
         return None
     mod = types.ModuleType(leaf, f"Emulator model of popxl-addons' {leaf}.cpp")
     for name, cls in classes.items():

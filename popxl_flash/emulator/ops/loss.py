@@ -167,9 +167,17 @@ def _direct(probs, labels, loss_grad, ignore_index, reduction):
 
 
 def _check_direct(op):
-    """NlllWithSoftmaxGradDirectOp::setup does not check the labels; the lowering's one-hot
-    encoding needs them shaped and typed as for NllOp."""
-    _check_labels("NlllWithSoftmaxGradDirect", op.inputs[0], op.inputs[1])
+    """NlllWithSoftmaxGradDirectOp::setup does not check the labels; the lowering flattens
+    them (``label.flatten()``) for the one-hot encoding of the flattened probs rows, so they
+    need one integer per row, in any shape."""
+    probs, labels = op.inputs[0], op.inputs[1]
+    rows = probs.nelms // probs.shape[-1] if probs.rank and probs.shape[-1] else 0
+    if probs.rank == 0 or labels.nelms != rows:
+        raise PopartError(f"NlllWithSoftmaxGradDirect: {labels.nelms} labels {labels.shape} for "
+                          f"{rows} rows of probs {probs.shape}")
+    if labels.dtype not in (dtypes.int32, dtypes.uint32):
+        raise PopartError(f"NlllWithSoftmaxGradDirect: labels must be integers, not "
+                          f"{labels.dtype.name}")
 
 
 register("nll_loss_with_softmax_grad", _direct_rule, _direct, multi=True)

@@ -1,5 +1,6 @@
-"""Graphcore's public PopXL code as a test suite, run unmodified on the emulator through
-``python -m popxl_flash.emulator.run`` (tutorials) and the pytest plugin (model tests).
+"""Helpers of ``tests/graphcore``: Graphcore's public PopXL code as a test suite, run
+unmodified on the emulator through ``python -m popxl_flash.emulator.run`` (tutorials) and the
+pytest plugin (model tests).
 
 Needs, as environment variables (like ``POPXL_ADDONS_PATH`` for ``tests/addons``):
 
@@ -21,8 +22,6 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHIMS = os.path.join(HERE, "shims")
-
-collect_ignore = ["shims"]
 
 
 def env_path(name):
