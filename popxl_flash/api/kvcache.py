@@ -520,7 +520,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         k_cache, v_cache: ``[B, Lcache, Hkv, D]`` (or the ``k_cache_layout`` /
             ``v_cache_layout`` axis order), q's dtype, ``Hkv`` divides ``Hq`` (grouped-query /
             multi-query attention: q head ``h`` reads cache head ``h // (Hq // Hkv)``).
-            Modified in place when ``k``, ``v`` are given.
+            Modified in place when ``k``, ``v`` are given. Two different tensors, neither of
+            them ``q``, ``k`` or ``v`` (``ValueError``; views of one storage are not detected).
         k, v: ``None`` or the new rows ``[B, Lnew, Hkv, D]``, ``Lnew <= Lcache``, whatever the
             caches' layouts (only the new rows are transposed into them).
         k_cache_layout: ``"BSHD"`` (flash-attn's ``[B, Lcache, Hkv, D]``, default),
@@ -538,9 +539,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         rotary_interleaved: ``True`` (flash-attn's default): pairs ``(2i, 2i+1)`` (GPT-J);
             ``False``: pairs ``(i, i + R/2)`` (GPT-NeoX, Llama). See :func:`pf.apply_rotary`.
         cache_seqlens: the rows already in the cache per batch row: an int32 ``[B]`` tensor
-            (run time) or an int; ``cache_seqlens[b] + Lnew <= Lcache`` (not checked on the
-            device for a tensor: an out-of-range write is unspecified on the IPU). ``None``
-            (only without ``k``, ``v``): the whole cache is valid.
+            (run time) or an int; ``0 <= cache_seqlens[b] <= Lcache - Lnew`` (an int is
+            checked when the graph is built; for a tensor, a batch row outside it gets NaN
+            ``out`` and ``lse``, an invalid operation that floating-point checks trap, and
+            its new rows land at the clamped row, never outside the cache). ``None`` (only
+            without ``k``, ``v``): the whole cache is valid.
         softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
         causal: causal mask aligned bottom-right per batch row. Default ``False``.
         window_size: ``(left, right)`` around each row's bottom-right diagonal, ``-1`` for an
