@@ -247,9 +247,13 @@ def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims):
                          "and v (flash-attn applies rotary only with k and v), got k=None")
     rows, _ = rotary.check_tables(rotary_cos, rotary_sin, dims.head_dim, "rotary_cos",
                                   "rotary_sin")
-    if rows < dims.cache_len:
-        raise ValueError(f"rotary_cos must have at least Lcache={dims.cache_len} rows (one per "
-                         f"cache position), got shape {tuple(rotary_cos.shape)}")
+    need = max(dims.cache_len, dims.cache_len - dims.new_len + dims.q_len)
+    if rows < need:
+        extra = "" if need == dims.cache_len else \
+            f" + Lq - Lnew = {need} rows (q row i sits at cache_seqlens[b] + i)"
+        raise ValueError(f"rotary_cos must have at least Lcache={dims.cache_len}"
+                         f"{extra or ' rows (one per cache position)'}, got shape "
+                         f"{tuple(rotary_cos.shape)}")
     return rotary_cos, rotary_sin, interleaved
 
 
