@@ -233,6 +233,8 @@ ROTARY_BAD = [
      "rotary_cos has 5 columns: rotary_dim = 10 must be at most the head dim D=8"),
     (dict(rotary_cos=(8, 4), rotary_sin=(8, 4)), ValueError,
      "rotary_cos must have at least Lcache=16 rows"),
+    (dict(rotary_cos=(16, 4), rotary_sin=(16, 4), q_len=3), ValueError,
+     "rotary_cos must have at least Lcache=16 + Lq - Lnew = 18 rows"),
     (dict(rotary_cos=(16, 4), rotary_sin=(16, 4), new=False), ValueError,
      "they need the new rows k and v"),
     (dict(rotary_cos=(16, 4), rotary_sin=(16, 4), rotary_interleaved=1), TypeError,
@@ -247,9 +249,10 @@ def test_rotary_bad_input_is_a_build_time_error(override, exc, fragment):
     override = dict(override)
     dtype = override.pop("table_dtype", np.float32)
     new = override.pop("new", True)
+    q_len = override.pop("q_len", 1)
 
     def fn():
-        q = zeros_variable((2, 1, 4, 8))
+        q = zeros_variable((2, q_len, 4, 8))
         kc, vc = zeros_variable((2, 16, 2, 8)), zeros_variable((2, 16, 2, 8))
         kn, vn = (zeros_variable((2, 1, 2, 8)) if new else None for _ in range(2))
         tables = {n: zeros_variable(override.pop(n), dtype) for n in ("rotary_cos", "rotary_sin")

@@ -272,9 +272,13 @@ def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims):
                          "and v (flash-attn applies rotary only with k and v), got k=None")
     rows, _ = rotary.check_tables(rotary_cos, rotary_sin, dims.head_dim, "rotary_cos",
                                   "rotary_sin")
-    if rows < dims.cache_len:
-        raise ValueError(f"rotary_cos must have at least Lcache={dims.cache_len} rows (one per "
-                         f"cache position), got shape {tuple(rotary_cos.shape)}")
+    need = max(dims.cache_len, dims.cache_len - dims.new_len + dims.q_len)
+    if rows < need:
+        extra = "" if need == dims.cache_len else \
+            f" + Lq - Lnew = {need} rows (q row i sits at cache_seqlens[b] + i)"
+        raise ValueError(f"rotary_cos must have at least Lcache={dims.cache_len}"
+                         f"{extra or ' rows (one per cache position)'}, got shape "
+                         f"{tuple(rotary_cos.shape)}")
     return rotary_cos, rotary_sin, interleaved
 
 
@@ -532,10 +536,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             structure is then one kv loop); ``"BSHD"`` and split-KV regroup the cache (one
             transpose of it per call).
         rotary_cos, rotary_sin: ``None`` or float tensors ``[Lro, R/2]`` (``R <= D`` rotated
-            dims, ``Lro >= Lcache``; needs ``k``, ``v``): flash-attn's semantics, applied
-            before the write: the new keys are rotated at their cache positions
-            ``cache_seqlens[b] + i``; q likewise with ``causal`` or a window, otherwise every q
-            row at ``cache_seqlens[b]``. ``pf.rotary_tables`` makes the standard tables.
+            dims, ``Lro >= Lcache``, ``+ Lq - Lnew`` if ``Lq > Lnew``; needs ``k``, ``v``):
+            flash-attn's semantics, applied before the write: the new keys are rotated at
+            their cache positions ``cache_seqlens[b] + i``; q likewise with ``causal`` or a
+            window, otherwise every q row at ``cache_seqlens[b]``. ``pf.rotary_tables`` makes the standard tables.
         rotary_interleaved: ``True`` (flash-attn's default): pairs ``(2i, 2i+1)`` (GPT-J);
             ``False``: pairs ``(i, i + R/2)`` (GPT-NeoX, Llama). See :func:`pf.apply_rotary`.
         cache_seqlens: the rows already in the cache per batch row: an int32 ``[B]`` tensor

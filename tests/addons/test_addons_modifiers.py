@@ -80,3 +80,43 @@ def test_wrong_number_of_extra_inputs_is_a_build_time_error():
                 "FlashAttention.build takes 2 extra input(s) after its tensors with these "
                 "options: ['alibi_slopes', 'seed']; got 0")):
             layer.create_graph(*(t.spec for t in ts))
+
+
+def test_self_attention_dropout_gradient_is_the_derivative_of_its_forward():
+    """SelfAttention(dropout=0.3) differentiated by addons.autodiff with ``grads_required=[x]``
+    (the uint32 seed input has no gradient; with the default, every input, PopART's autodiff
+    refuses it): the directional derivative ``<dx, u>`` equals the central difference of
+    ``sum(y * dy)`` along ``u``, the mask fixed by the seed. float32 central difference with
+    h = 1e-2: rounding ~ eps32 * |f| / h ~ 1e-4 relative, truncation O(h^2) ~ 1e-4; 1e-2
+    relative is a safe bound that a wrong mask or a missing 1/(1-p) scale (30% off) fails."""
+    from popxl_flash.addons import SelfAttention
+    rng = np.random.default_rng(5)
+    B, L, E = 2, 8, 16
+    x = rng.standard_normal((B, L, E)).astype(np.float32)
+    u = rng.standard_normal((B, L, E)).astype(np.float32)
+    dy = rng.standard_normal((B, L, E)).astype(np.float32)
+    h = 1e-2
+    np.random.seed(5)  # addons' Linear draws its initial weights there
+    ir = popxl.Ir()
+    with ir.main_graph:
+        seed = popxl.variable(np.array([8, 9], np.uint32), popxl.uint32)
+        xs = [popxl.variable(a) for a in (x, x + h * u, x - h * u)]
+        layer = SelfAttention(E, 4, 2, dropout=0.3, rotary_dim=4, bias=False, num_chunks_q=2,
+                              num_chunks_kv=2)
+        facts, graph = layer.create_graph(xs[0].spec, seed.spec)
+        with pytest.raises(Exception, match="Unable to provide required gradient"):
+            addons.autodiff(graph)
+        dgraph = addons.autodiff(graph, grads_required=graph.graph.inputs[:1])
+        variables = facts.init()
+        info = graph.bind(variables).call_with_info(xs[0], seed)
+        (dx,) = dgraph.bind().call(popxl.variable(dy),
+                                   args=dgraph.grad_graph_info.inputs_dict(info))
+        ys = [info.outputs[0]] + [graph.bind(variables).call(t, seed)[0] for t in xs[1:]]
+        streams = [addons.host_store(t) for t in [dx, *ys]]
+    with popxl.Session(ir, "ipu_model") as session:
+        out = session.run()
+    dx, y0, yp, ym = (out[s].astype(np.float64) for s in streams)
+    directional = float((dx * u).sum())
+    central = float(((yp - ym) * dy).sum() / (2 * h))
+    assert abs(directional - central) <= 1e-2 * abs(directional), (directional, central)
+    assert abs(directional) > 1e-3

@@ -60,22 +60,33 @@ def llama_module(seed):
     return module, modeling_llama.LlamaRotaryEmbedding(config)
 
 
-def run_llama(module, rope, x, dy, dtype):
-    """LlamaAttention on ``x [B, L, E]`` at positions ``0 .. L-1``, causal:
-    ``(y, {name: grad})`` (no gradients for ``dy=None``)."""
+LLAMA_NAMES = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))
+GPTJ_NAMES = (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj"))
+
+
+def run_hf(module, x, dy, dtype, forward, names):
+    """``forward(module, x tensor, positions) -> y`` on ``x [B, L, E]`` at positions
+    ``0 .. L-1`` in ``dtype``: ``(y, {our name: grad})`` by autograd (``{}`` for ``dy=None``)."""
     m = module.to(dtype)
     m.zero_grad()
     xt = torch.tensor(x, dtype=dtype, requires_grad=True)
     positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    cos, sin = rope.to(dtype)(xt, positions)
-    y, _ = m(xt, (cos, sin), causal_mask(x.shape[1], dtype))
+    y = forward(m, xt, positions)
     if dy is None:
         return y.detach().numpy(), {}
     y.backward(torch.tensor(dy, dtype=dtype))
     grads = {"x": xt.grad.numpy()}
-    for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+    for ours, theirs in names:
         grads[f"{ours}.weight"] = getattr(m, theirs).weight.grad.numpy().T
     return y.detach().numpy(), grads
+
+
+def run_llama(module, rope, x, dy, dtype):
+    """LlamaAttention, causal (explicit 4D mask, eager attention)."""
+    def forward(m, xt, positions):
+        cos, sin = rope.to(dtype)(xt, positions)
+        return m(xt, (cos, sin), causal_mask(xt.shape[1], dtype))[0]
+    return run_hf(module, x, dy, dtype, forward, LLAMA_NAMES)
 
 
 def gptj_module(seed, rotary_dim):
@@ -86,16 +97,10 @@ def gptj_module(seed, rotary_dim):
 
 
 def run_gptj(module, x, dy, dtype):
-    m = module.to(dtype)
-    m.zero_grad()
-    xt = torch.tensor(x, dtype=dtype, requires_grad=True)
-    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    y = m(xt, attention_mask=causal_mask(x.shape[1], dtype), position_ids=positions)[0]
-    y.backward(torch.tensor(dy, dtype=dtype))
-    grads = {"x": xt.grad.numpy()}
-    for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
-        grads[f"{ours}.weight"] = getattr(m, theirs).weight.grad.numpy().T
-    return y.detach().numpy(), grads
+    """GPTJAttention, causal (explicit 4D mask)."""
+    def forward(m, xt, positions):
+        return m(xt, attention_mask=causal_mask(xt.shape[1], dtype), position_ids=positions)[0]
+    return run_hf(module, x, dy, dtype, forward, GPTJ_NAMES)
 
 
 def hf_weights(module, names):
@@ -145,8 +150,7 @@ def test_llama_layer_matches_hugging_face_llama_attention():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, L, E)).astype(np.float32)
     dy = rng.standard_normal((B, L, E)).astype(np.float32)
-    weights = hf_weights(module, (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"),
-                                  ("o", "o_proj")))
+    weights = hf_weights(module, LLAMA_NAMES)
     layer = SelfAttention(E, H, HKV, causal=True, bias=False, rotary_dim=D,
                           rotary_interleaved=False, **CHUNKS)
     got = run_layer(layer, x, dy, weights)
@@ -163,8 +167,7 @@ def test_gptj_layer_matches_hugging_face_gptj_attention(rotary_dim):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((B, L, E)).astype(np.float32)
     dy = rng.standard_normal((B, L, E)).astype(np.float32)
-    weights = hf_weights(module, (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"),
-                                  ("o", "out_proj")))
+    weights = hf_weights(module, GPTJ_NAMES)
     layer = SelfAttention(E, H, causal=True, bias=False, rotary_dim=rotary_dim,
                           rotary_interleaved=True, **CHUNKS)
     got = run_layer(layer, x, dy, weights)
@@ -214,8 +217,7 @@ def test_kv_cache_prefill_and_decode_match_hugging_face_llama(k_layout, v_layout
     rng = np.random.default_rng(2)
     total, prompt, lc = 9, 7, 16
     x = rng.standard_normal((B, total, E)).astype(np.float32)
-    weights = hf_weights(module, (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"),
-                                  ("o", "o_proj")))
+    weights = hf_weights(module, LLAMA_NAMES)
     steps = [(x[:, :prompt], np.zeros(B, np.int32))]
     steps += [(x[:, t:t + 1], np.full(B, t, np.int32)) for t in range(prompt, total)]
     outs, kc, vc = run_cached(weights, steps, lc, k_layout, v_layout)
