@@ -62,8 +62,7 @@ def probabilities(cfg, q_i, k_j, lse_i, visible=None, s=None):
 def scores(cfg, q_i, k_j):
     """``scale * q_i k_j^T`` float32 ``[G, rows, cols]`` (k_j times the scale where it folds,
     :func:`blocks.scale_folds`)."""
-    s = _unfold(cfg, _mm(_fold(cfg, q_i), k_j.transpose((0, 2, 1))))
-    return blocks.scaled_scores(cfg, s)
+    return blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))
 
 
 def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), visible=None):

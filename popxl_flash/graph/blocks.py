@@ -461,17 +461,18 @@ def matmul_f32(a, b):
 
 def scores(cfg, q_i, k_t):
     """``scale * q_i k_j^T`` in float32 (grouped-query: one matmul per kv group over the folded
-    rows of its q groups, :func:`fold_heads`). The place for score modifications.
+    rows of its q groups, :func:`fold_heads`; the scale folded into k once per call where that
+    is exact, :func:`scale_folds`, else multiplied here). The place for score modifications.
 
     Args:
-        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (input dtype; the forward slices a
-            pre-transposed k, the backward transposes its ``k_j``).
+        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (input dtype; a view of the step's
+            ``k_j``).
 
     Returns:
         float32 ``[G, rows, cols]``.
     """
     s = matmul_f32(fold_heads(cfg, q_i), k_t)  # [Gk, r*rows, cols]
-    return unfold_heads(cfg, s) * cfg.scale
+    return scaled_scores(cfg, unfold_heads(cfg, s))
 
 
 def to_input_dtype(cfg, t):

@@ -62,8 +62,7 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
         ``(m_new, acc_l_new)`` with a running state; without, ``(m, l, acc)``.
     """
     f32 = blocks.float32()
-    s = blocks.unfold_heads(cfg, blocks.matmul_f32(blocks.fold_heads(cfg, q_i), k_t))
-    s = blocks.scaled_scores(cfg, s)  # [G, rows, cols]
+    s = blocks.scores(cfg, q_i, k_t)  # [G, rows, cols]
     if cfg.mods is not None:  # softcap, ALiBi, score_mod
         s = score_mods.modify(cfg, s, extra)
     masked = blocks.scalar(blocks.MASKED_SCORE, f32)
