@@ -90,7 +90,7 @@ def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), vi
     if cfg.mods is not None:  # softcap, ALiBi, score_mod; chain: dS of the modified scores -> dS
         s, chain = score_mods.modify(cfg, scores(cfg, q_i, k_j), extra, backward=True)
     p = probabilities(cfg, q_i, k_j, lse_i, visible, s)  # [G, rows, cols]
-    do_f = _fold(cfg, do_i)  # [Gk, r*rows, D]
+    do_f = _fold(cfg, do_i, alias=False)  # [Gk, r*rows, D]
     p_drop = p if cfg.mods is None else score_mods.drop(cfg, p, extra)  # P * keep / (1 - p)
     dp = _unfold(cfg, _mm(do_f, v_t))  # [G, rows, cols]
     if cfg.mods is None:
@@ -101,21 +101,23 @@ def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), vi
         p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))
         ds_in = _fold(cfg, blocks.to_input_dtype(cfg, ds))  # [Gk, r*rows, cols]
         dv_j = _mm(p_t, do_f)  # [Gk, cols, D]
-        dk_j = _mm(ds_in.transpose((0, 2, 1)), _fold(cfg, q_i))  # [Gk, cols, D]
+        dk_j = _mm(ds_in.transpose((0, 2, 1)), _fold(cfg, q_i, alias=False))  # [Gk, cols, D]
         return _unfold(cfg, _mm(ds_in, k_j)), dk_j, dv_j
     pds = blocks.to_input_dtype(cfg, blocks.stack([p_drop, ds]))  # [2, G, rows, cols]
     ds_in = _fold(cfg, blocks.part(pds, 1))
-    dkdv = _mm(_fold4(cfg, pds).transpose((0, 1, 3, 2)), _fold4(cfg, qdo_i))  # [dv; dk]
+    dkdv = _mm(_fold4(cfg, pds).transpose((0, 1, 3, 2)), _fold4(cfg, qdo_i, alias=False))  # [dv; dk]
     return _unfold(cfg, _mm(ds_in, k_j)), dkdv
 
 
-def _fold4(cfg, t):
-    """:func:`blocks.fold_heads` of a stacked ``[2, G, rows, X]`` (a view)."""
+def _fold4(cfg, t, alias=True):
+    """:func:`blocks.fold_heads` of a stacked ``[2, G, rows, X]`` (a view; ``alias``: as
+    there, ``False`` for the slices of ``[do; q]``)."""
     r = cfg.group_size
     if r == 1:
         return t
     n, _, rows, x = t.shape
-    return t.reshape_((n, cfg.kv_groups, r * rows, x))
+    shape = (n, cfg.kv_groups, r * rows, x)
+    return t.reshape_(shape) if alias else t.reshape(shape)
 
 
 def grad_block_update(cfg, dq_i, dkdv_j, qdo_i, stats_i, kv_j, *extra, visible=None):

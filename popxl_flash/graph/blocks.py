@@ -427,11 +427,13 @@ def inline(group, seg=()):
     return steps.runs_inline(group, bool(seg))
 
 
-def fold_heads(cfg, t):
+def fold_heads(cfg, t, alias=True):
     """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
     groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
     per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
-    attention, r = 1).
+    attention, r = 1). ``alias=False``: ``reshape`` (PopART's inplace pattern makes it the
+    same view) for q and do and their static slices, whose layout the caller chooses (the
+    emulator's ``reshape_`` refuses a source it cannot alias, such as a transposed copy).
 
     q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
     is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
@@ -441,7 +443,8 @@ def fold_heads(cfg, t):
     if r == 1:
         return t
     _, rows, x = t.shape
-    return t.reshape_((cfg.kv_groups, r * rows, x))
+    shape = (cfg.kv_groups, r * rows, x)
+    return t.reshape_(shape) if alias else t.reshape(shape)
 
 
 def unfold_heads(cfg, t):
@@ -471,7 +474,7 @@ def scores(cfg, q_i, k_t):
     Returns:
         float32 ``[G, rows, cols]``.
     """
-    s = matmul_f32(fold_heads(cfg, q_i), k_t)  # [Gk, r*rows, cols]
+    s = matmul_f32(fold_heads(cfg, q_i, alias=False), k_t)  # [Gk, r*rows, cols]
     return scaled_scores(cfg, unfold_heads(cfg, s))
 
 
