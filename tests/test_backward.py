@@ -5,6 +5,7 @@ from hypothesis import given
 
 import popxl_flash as pf
 from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan import counts, steps
 from popxl_flash.plan.steps import loop_steps
 from popxl_flash.checks.tolerance import gradient_accum_steps
 
@@ -54,14 +55,20 @@ def test_tiny_float16_case_within_the_rule():
 @given(attention_cases(max_len=60, max_dim=8))
 def test_iterations_and_flops_equal_planner_count(case):
     """The backward loops run one iteration per visited block and one more per split block (no
-    skip iterations) and exactly the planner's executed FLOPs, 2.5x the forward's. The run
-    holds the forward (for out and lse) and the backward: the same steps twice."""
+    skip iterations; groups of one step inline, a pass of one block a straight line) and
+    exactly the planner's executed FLOPs (the whole block for a pass of one block), 2.5x the
+    forward's. The run holds the forward (for out and lse) and the backward: the same steps
+    twice."""
     _, session, cfg = check_backward(case)
     schedule = cfg.schedule
     assert session.profile.loop_iterations == 2 * loop_steps(schedule)
     assert len(schedule.block_list("kv_major")) == schedule.visited_blocks
-    forward = schedule.forward_flops(cfg.head_dim, cfg.groups).executed
-    backward = schedule.backward_flops(cfg.head_dim, cfg.groups, mode="stash").executed
+    forward = counts.pass_flops(schedule, cfg.head_dim, cfg.groups)
+    backward = counts.pass_flops(schedule, cfg.head_dim, cfg.groups, backward=True)
+    if not steps.single_block(schedule):
+        assert forward == schedule.forward_flops(cfg.head_dim, cfg.groups).executed
+        assert backward == schedule.backward_flops(cfg.head_dim, cfg.groups,
+                                                   mode="stash").executed
     assert session.profile.matmul_flops == forward + backward
     assert 2 * backward == 5 * forward
 

@@ -12,12 +12,13 @@ pytestmark = pytest.mark.skipif(pf.BACKEND != "emulator", reason="emulator run p
 
 def test_per_block_figures_are_the_profile_over_the_visited_blocks():
     """Causal 2 x 2 chunks: 3 visited blocks, the two diagonal ones split into two steps each
-    (5 loop iterations). The figures are per visited block (the schedule's), not per step."""
+    (4 loop iterations; the one full block is a group of one step, inline). The figures are per
+    visited block (the schedule's), not per step."""
     case = Case("fwd", 256, 32, 2, "float16", "causal", (2, 2))
     blocks, total, kinds, iters = copies.per_block(case)
     schedule = case.config().schedule
     assert blocks == schedule.visited_blocks == 3
-    assert iters == steps.loop_steps(schedule) == 5
+    assert iters == steps.loop_steps(schedule) == 4
     assert total == pytest.approx(sum(kinds.values())) and total > 0
 
 

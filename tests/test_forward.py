@@ -8,6 +8,7 @@ import popxl_flash as pf
 from popxl_flash import popxl
 from popxl_flash.plan.config import AttentionConfig
 from popxl_flash.plan.schedule import SKIP, WHOLE
+from popxl_flash.plan import counts, steps
 from popxl_flash.plan.steps import loop_steps
 from popxl_flash.checks.tolerance import probability_rounding_floor
 from popxl_flash.checks.naive import naive_attention as naive_attention_graph
@@ -176,13 +177,23 @@ def test_executed_flops_and_iterations_equal_planner_count(case):
     """No hidden work: the profile's matmul FLOPs are exactly the planner's executed count for G
     q groups (so no block marked skip runs a matmul, a split block skips its invisible quadrant,
     and grouped-query attention, Gk < G, executes exactly the FLOPs of multi-head attention on
-    the same q), and the loops run exactly one iteration per visited block and one more per
-    split block (its second sub-block): no skip iterations, whatever the mask."""
+    the same q; a pass of one block runs it whole, unsplit), and the steps are exactly one per
+    visited block and one more per split block (its second sub-block): loop iterations, and
+    one inline step per group of one step (no loop); none for a pass of one block, a
+    straight line. No skip iterations, whatever the mask."""
     session, cfg = check_forward(case)
     schedule = cfg.schedule
-    assert session.profile.matmul_flops == schedule.forward_flops(cfg.head_dim, cfg.groups).executed
+    flops = counts.pass_flops(schedule, cfg.head_dim, cfg.groups)
+    assert session.profile.matmul_flops == flops
     split = int((schedule.split[schedule.kind != SKIP] != WHOLE).sum())
-    assert session.profile.loop_iterations == schedule.visited_blocks + split == loop_steps(schedule)
+    assert session.profile.loop_iterations == loop_steps(schedule)
+    if steps.single_block(schedule):
+        assert loop_steps(schedule) == 0
+        assert flops == 4 * cfg.head_dim * cfg.groups * cfg.q_len * cfg.kv_len
+    else:
+        inline = sum(steps.runs_inline(g) for g in steps.step_groups(schedule))
+        assert loop_steps(schedule) + inline == schedule.visited_blocks + split
+        assert flops == schedule.forward_flops(cfg.head_dim, cfg.groups).executed
     assert len(schedule.block_list("q_major")) == schedule.visited_blocks
 
 

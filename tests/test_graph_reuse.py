@@ -13,6 +13,9 @@ from test_forward import emulator_only
 
 ops = popxl.ops
 G, L, D = 2, 12, 8
+#: Chunks with loops (groups of more than one step): a pass of one block is a straight line in
+#: the module graph alone, and a group of one step runs inline.
+CHUNKS = dict(num_chunks_q=4, num_chunks_kv=4)
 
 
 def count_graphs(build, n_calls):
@@ -26,16 +29,16 @@ def count_graphs(build, n_calls):
 
 
 def forward(q, k, v, layer):
-    pf.flash_attention(q, k, v, num_chunks_q=2)
+    pf.flash_attention(q, k, v, **CHUNKS)
 
 
 def forward_backward(q, k, v, layer):
-    out, lse = pf.flash_attention(q, k, v, num_chunks_q=2, return_lse=True)
-    pf.flash_attention_grad(out, q, k, v, out, lse, num_chunks_q=2)
+    out, lse = pf.flash_attention(q, k, v, **CHUNKS, return_lse=True)
+    pf.flash_attention_grad(out, q, k, v, out, lse, **CHUNKS)
 
 
 def recompute_backward(q, k, v, layer):
-    pf.flash_attention_grad(q, q, k, v, num_chunks_q=2)
+    pf.flash_attention_grad(q, q, k, v, **CHUNKS)
 
 
 def packed(q, k, v, layer):
@@ -46,7 +49,7 @@ def packed(q, k, v, layer):
 
 def blhd(q, k, v, layer):
     x = q.reshape((1, L, G, D))
-    pf.flash_attn_func(x, x, x, causal=True)
+    pf.flash_attn_func(x, x, x, causal=True, **CHUNKS)
 
 
 def grouped_query(q, k, v, layer):
@@ -245,13 +248,13 @@ def test_reachable_graphs_counts_what_a_call_added():
     with ir.main_graph:
         q = popxl.variable(np.zeros((G, L, D), np.float32))
         assert pf.reachable_graphs(ir.main_graph) == []
-        pf.flash_attention(q, q, q, num_chunks_q=2)
+        pf.flash_attention(q, q, q, **CHUNKS)
         first = pf.reachable_graphs(ir.main_graph)
         (flash,) = ir.main_graph.called_graphs
         assert first[0] == flash and ir.main_graph not in first
         assert len({g.id for g in first}) == len(first) > 1
         assert pf.reachable_graphs(flash) == first[1:]
-        pf.flash_attention(q, q, q, num_chunks_q=2)  # same configuration: nothing new
+        pf.flash_attention(q, q, q, **CHUNKS)  # same configuration: nothing new
         assert len(pf.reachable_graphs(ir.main_graph)) == len(first)
-        pf.flash_attention(q, q, q, num_chunks_q=3)
+        pf.flash_attention(q, q, q, num_chunks_q=3, num_chunks_kv=4)
         assert len(pf.reachable_graphs(ir.main_graph)) > len(first)

@@ -7,25 +7,27 @@ Graph structure::
 
     build(dout, q, k, v, out, lse)
       Dvec = rowsum(dout * out)                   [G, Lq, 1]  float32, once
-      lse_safe = where(lse > MASKED_SCORE, lse, 0)             once (rows that see nothing)
-      pad everything to whole chunks; v_t = v^T [Gk, D, Lkv_pad]
-      dq, dk, dv = 0                               float32 accumulators, full length
+      lse = where(lse > MASKED_SCORE, lse, 0)     once, where rows may see nothing
+      k = k * scale where the scale folds (blocks.scale_folds), once
+      one block (steps.single_block): grad_block on the whole tensors, then the results
+      else:
+      stack and pad [do; q], lse | Dvec, [k; v] to whole chunks
+      dq, [dv; dk] = 0                             float32 accumulators, full length
       in order:
-        for each step group (steps.step_groups, kv-major step order):
+        for each step group (steps.step_groups, kv-major step order; one step: inline):
           repeat V_g x group_body                  # no conditional (segment ids: one)
-            i0, j0 = q_row[t], kv_row[t]           # masked groups: pattern[id[t]]
-            q_i, do_i, lse_i, Dvec_i, k_j, v_t_j; dq_i, dk_j, dv_j = slices
-            dq_i, dk_j, dv_j = grad_block_update(...)
-            write dq_i, dk_j, dv_j back in place   # by reference: aliased, not copied
-        then: dq = scale * dq, dk = scale * dk (once), cast, drop padding rows
+            i0, j0 = table[t]                      # one lookup; masked groups: the pattern
+            qdo_i, stats_i, kv_j; dq_i, dkdv_j = slices
+            dq_i, dkdv_j = grad_block_update(...)
+            write dq_i, dkdv_j back in place       # by reference: aliased, not copied
+        then: dk = scale * dk (and dq unless the scale folded), cast, drop padding rows
 
 Per visited block (5 matmuls; statistics and accumulators float32)::
 
-    P    = exp(scale * q_i k_j^T - lse_i)          (masked to 0 in partial blocks)
-    dv_j += P^T do_i
-    dS   = P * (do_i v_j^T - Dvec_i)
-    dq_i += dS k_j                                 (times scale once, after the loops)
-    dk_j += dS^T q_i                               (times scale once, after the loops)
+    P             = exp(q_i k_j^T (* scale) - lse_i)   (masked to 0 in partial blocks)
+    dS            = P * (do_i v_j^T - Dvec_i)
+    [dv_j; dk_j] += [P; dS]^T [do_i; q_i]             (one batched matmul; dk's scale after)
+    dq_i         += dS k_j                            (k scaled once, or scale after)
 """
 from popxl_flash.graph import blocks, score_mods
 from popxl_flash.backend import popxl
@@ -49,65 +51,109 @@ def probabilities(cfg, q_i, k_j, lse_i, visible=None, s=None):
         float32 ``P [G, rows, cols]``, exactly 0 on masked cells (``exp(MASKED_SCORE)``).
     """
     if s is None:
-        s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
+        s = scores(cfg, q_i, k_j)
+    arg = s - lse_i
     if visible is None:
-        return ops.exp(s - lse_i)  # every row of a full block sees something: lse_i finite
+        return ops.exp(arg)  # every row of a full block sees something: lse_i finite
     masked = blocks.scalar(blocks.MASKED_SCORE, blocks.float32())
-    return ops.exp(ops.where(visible, s - lse_i, masked))
+    return ops.exp(ops.where(visible, arg, masked))
 
 
-def grad_block_update(cfg, dq_i, dk_j, dv_j, q_i, do_i, lse_i, dvec_i, k_j, v_t, *extra,
-                      visible=None):
-    """One block of the backward (dq and dk without the factor ``scale``: applied once after
-    the loops).
+def scores(cfg, q_i, k_j):
+    """``scale * q_i k_j^T`` float32 ``[G, rows, cols]`` (k_j times the scale where it folds,
+    :func:`blocks.scale_folds`)."""
+    return blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))
+
+
+def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), visible=None):
+    """The gradient contributions of one block (dq and dk without the factor ``scale``:
+    applied once after the loops).
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        dq_i: float32 ``[G, rows, D]``; dk_j, dv_j: float32 ``[Gk, cols, D]`` accumulators.
         q_i, do_i: ``[G, rows, D]``; k_j: ``[Gk, cols, D]``; v_t: ``v_j^T [Gk, D, cols]`` in the
             input dtype (``Gk < G``: grouped-query attention; the matmuls fold q's groups,
             :func:`blocks.fold_heads`, so dk_j and dv_j sum over the q groups sharing a kv
             group inside the matmul).
         lse_i, dvec_i: float32 ``[G, rows, 1]``.
+        qdo_i: ``None``, or ``[do_i; q_i]`` stacked ``[2, G, rows, D]``: then dv and dk come
+            from one batched matmul of ``[P; dS]`` (cast once) with it.
         extra: with score modifiers, the step's modifier operands
             (:func:`popxl_flash.graph.score_mods.step_operands`).
         visible: ``None`` (full block) or bool ``[1 or G, rows, cols]``.
 
     Returns:
-        Updated ``(dq_i, dk_j, dv_j)``.
+        ``(dq_i, [dv_j; dk_j] [2, Gk, cols, D])`` with ``qdo_i``, else ``(dq_i, dk_j, dv_j)``;
+        float32.
     """
     s = None
     if cfg.mods is not None:  # softcap, ALiBi, score_mod; chain: dS of the modified scores -> dS
-        s = blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))  # [G, rows, cols]
-        s, chain = score_mods.modify(cfg, s, extra, backward=True)
+        s, chain = score_mods.modify(cfg, scores(cfg, q_i, k_j), extra, backward=True)
     p = probabilities(cfg, q_i, k_j, lse_i, visible, s)  # [G, rows, cols]
-    do_f = _fold(cfg, do_i)  # [Gk, r*rows, D]
+    do_f = _fold(cfg, do_i, alias=False)  # [Gk, r*rows, D]
     p_drop = p if cfg.mods is None else score_mods.drop(cfg, p, extra)  # P * keep / (1 - p)
-    p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))  # [Gk, cols, r*rows]
-    dv_j = dv_j + _mm(p_t, do_f)  # [Gk, cols, D]
     dp = _unfold(cfg, _mm(do_f, v_t))  # [G, rows, cols]
     if cfg.mods is None:
-        ds = _fold(cfg, blocks.to_input_dtype(cfg, p * (dp - dvec_i)))  # [Gk, r*rows, cols]
+        ds = p * (dp - dvec_i)  # [G, rows, cols]
     else:  # dP = dP_dropped * keep / (1 - p); dS through the score modifiers
         ds = chain(p * (score_mods.drop(cfg, dp, extra) - dvec_i))
-        ds = _fold(cfg, blocks.to_input_dtype(cfg, ds))
-    dq_i = dq_i + _unfold(cfg, _mm(ds, k_j))  # [G, rows, D]
-    dk_j = dk_j + _mm(ds.transpose((0, 2, 1)), _fold(cfg, q_i))  # [Gk, cols, D]
-    return dq_i, dk_j, dv_j
+    if qdo_i is None:
+        p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))
+        ds_in = _fold(cfg, blocks.to_input_dtype(cfg, ds))  # [Gk, r*rows, cols]
+        dv_j = _mm(p_t, do_f)  # [Gk, cols, D]
+        dk_j = _mm(ds_in.transpose((0, 2, 1)), _fold(cfg, q_i, alias=False))  # [Gk, cols, D]
+        return _unfold(cfg, _mm(ds_in, k_j)), dk_j, dv_j
+    pds = blocks.to_input_dtype(cfg, blocks.stack([p_drop, ds]))  # [2, G, rows, cols]
+    ds_in = _fold(cfg, blocks.part(pds, 1))
+    dkdv = _mm(_fold4(cfg, pds).transpose((0, 1, 3, 2)), _fold4(cfg, qdo_i, alias=False))  # [dv; dk]
+    return _unfold(cfg, _mm(ds_in, k_j)), dkdv
+
+
+def _fold4(cfg, t, alias=True):
+    """:func:`blocks.fold_heads` of a stacked ``[2, G, rows, X]`` (a view; ``alias``: as
+    there, ``False`` for the slices of ``[do; q]``)."""
+    r = cfg.group_size
+    if r == 1:
+        return t
+    n, _, rows, x = t.shape
+    shape = (n, cfg.kv_groups, r * rows, x)
+    return t.reshape_(shape) if alias else t.reshape(shape)
+
+
+def grad_block_update(cfg, dq_i, dkdv_j, qdo_i, stats_i, kv_j, *extra, visible=None):
+    """One step of the backward loops: :func:`grad_block` on the step's slices, accumulated.
+
+    Args:
+        dq_i: float32 ``[G, rows, D]``; dkdv_j: float32 ``[dv_j; dk_j]`` ``[2, Gk, cols, D]``.
+        qdo_i: ``[do_i; q_i]`` ``[2, G, rows, D]``; stats_i: float32 ``lse_i | Dvec_i``
+            ``[G, rows, 2]``; kv_j: ``[k_j; v_j]`` ``[2, Gk, cols, D]`` (input dtype).
+        extra, visible: as :func:`grad_block`.
+
+    Returns:
+        Updated ``(dq_i, dkdv_j)``.
+    """
+    k_j, v_j = blocks.part(kv_j, 0), blocks.part(kv_j, 1)
+    dq, dkdv = grad_block(cfg, blocks.part(qdo_i, 1), blocks.part(qdo_i, 0),
+                          blocks.columns(stats_i, 0, 1), blocks.columns(stats_i, 1, 2), k_j,
+                          v_j.transpose((0, 2, 1)), qdo_i, extra, visible)
+    return dq_i + dq, dkdv_j + dkdv
 
 
 def loop_spec():
-    """The backward's :class:`blocks.LoopSpec`: state ``dq`` (q rows), ``dk, dv`` (kv rows);
-    operands ``q, do, lse, Dvec`` (q rows), ``k`` (kv rows), ``v^T`` (kv rows on axis 2)."""
-    return blocks.LoopSpec(update=grad_block_update, state_sides=("q", "kv", "kv"),
-                           operand_axes=(("q", 1),) * 4 + (("kv", 1), ("kv", 2)),
-                           backward=True)
+    """The backward's :class:`blocks.LoopSpec`: state ``dq`` (q rows) and ``[dv; dk]`` (kv
+    rows on axis 2); operands ``[do; q]`` (q rows on axis 2), ``lse | Dvec`` (q rows), ``[k;
+    v]`` (kv rows on axis 2)."""
+    return blocks.LoopSpec(update=grad_block_update, state_axes=(("q", 1), ("kv", 2)),
+                           operand_axes=(("q", 2), ("q", 1), ("kv", 2)), backward=True)
 
 
 def _finish(cfg, dq, dk, dv):
-    """The gradients from the accumulators: ``scale`` applied to dq and dk once, cast to the
+    """The gradients from the accumulators: ``scale`` applied to dk once (and to dq, unless
+    it folded into k, :func:`blocks.scale_folds`: then ``dS (scale k)`` is dq), cast to the
     input dtype, padding dropped."""
-    dq, dk = dq * cfg.scale, dk * cfg.scale
+    if not blocks.scale_folds(cfg):
+        dq = dq * cfg.scale
+    dk = dk * cfg.scale
     return tuple(blocks.to_input_dtype(cfg, blocks.unpad_rows(t, n))
                  for t, n in zip((dq, dk, dv), (cfg.q_len, cfg.kv_len, cfg.kv_len)))
 
@@ -148,12 +194,20 @@ class FlashAttentionGrad(AttentionModule):
         dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
                        keepdims=True)  # [G, Lq, 1]
         lse = lse.reshape((G, Lq, 1))
-        seen = ops.greater(lse, blocks.scalar(blocks.MASKED_SCORE, f32))
-        lse_safe = ops.where(seen, lse, blocks.scalar(0.0, f32))  # -inf -> 0, once
-        operands = [blocks.pad_rows(t, Lq_pad) for t in (q, dout, lse_safe, dvec)]
-        operands.append(blocks.pad_rows(k, Lkv_pad))
-        operands.append(blocks.pad_rows(v, Lkv_pad).transpose_((0, 2, 1)))  # [Gk, D, Lkv_pad] view
-        state = [ops.init(shape, f32, init_type="zero")  # dq, dk, dv
-                 for shape in ((G, Lq_pad, D), (Gk, Lkv_pad, D), (Gk, Lkv_pad, D))]
-        return self.run_pass(cfg, loop_spec(), "kv_major", operands, state, segment_inputs,
-                             lambda *acc: _finish(cfg, *acc), extras)
+        if blocks.rows_may_see_nothing(cfg):
+            seen = ops.greater(lse, blocks.scalar(blocks.MASKED_SCORE, f32))
+            lse = ops.where(seen, lse, blocks.scalar(0.0, f32))  # -inf -> 0, once
+        k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
+        if self.single_block(cfg):
+            return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
+                                   _finish(cfg, *grad_block(cfg, q, dout, lse, dvec, k,
+                                                            v.transpose((0, 2, 1)),
+                                                            extra=extra, visible=visible)))
+        qdo = blocks.pad_rows(blocks.stack([dout, q]), Lq_pad, axis=2)  # [2, G, Lq_pad, D]
+        stats = blocks.pad_rows(ops.concat([lse, dvec], axis=2), Lq_pad)  # [G, Lq_pad, 2]
+        kv = blocks.pad_rows(blocks.stack([k, v]), Lkv_pad, axis=2)  # [2, Gk, Lkv_pad, D]
+        state = [ops.init((G, Lq_pad, D), f32, init_type="zero"),  # dq
+                 ops.init((2, Gk, Lkv_pad, D), f32, init_type="zero")]  # [dv; dk]
+        return self.run_pass(cfg, loop_spec(), "kv_major", (qdo, stats, kv), state,
+                             segment_inputs, lambda dq, dkdv: _finish(
+                                 cfg, dq, blocks.part(dkdv, 1), blocks.part(dkdv, 0)), extras)

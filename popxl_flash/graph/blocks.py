@@ -1,15 +1,18 @@
 """PopXL graph helpers shared by the forward and backward modules, and their loops.
 
 A pass runs one ``repeat`` loop per :class:`~popxl_flash.plan.steps.StepGroup` (steps of one
-sub-block shape, masked or not): the body looks its step up in int32 tables, slices the
-block's operands and its part of the running state, applies the pass's block update and
-writes the state back in place. The state tensors enter every loop by reference and nothing
-else reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy):
-a step copies only its loop counter. There is no conditional unless segment ids are given
-(then: skip the block, or run it, with a second level for runtime-full blocks where the cost
-model keeps one; see :func:`_dispatch`). Everything here is graph
-code: it runs inside the graph context of the module being built and uses only the documented
-PopXL API.
+sub-block shape, masked or not): the body looks its step's offsets up in one int32 table (one
+``dynamic_slice``: q row, kv row and, where a group has several distinct patterns, the pattern
+id), slices the block's operands and its part of the running state, applies the pass's block
+update and writes the state back in place. A group of one step runs inline, with static
+offsets (no loop, no table). The state tensors enter every loop by reference and nothing else
+reads them while a loop runs, so the lowering can alias them (PopART's AliasZeroCopy): a step
+copies only its loop counter. There is no conditional unless segment ids are given (then: skip
+the block, or run it, with a second level for runtime-full blocks where the cost model keeps
+one; see :func:`_dispatch`). A pass of one block needs none of this: the modules build it as
+a straight line (:meth:`popxl_flash.graph.module.AttentionModule.run_pass`). Everything here
+is graph code: it runs inside the graph context of the module being built and uses only the
+documented PopXL API.
 """
 import contextlib
 from dataclasses import dataclass
@@ -24,12 +27,14 @@ from popxl_flash.backend import popxl
 
 ops = popxl.ops
 
-#: Score given to masked elements when taking the running max, and the initial running max
-#: ``m_i``: the lowest float32, so every finite score of a visible element ranks above it.
-#: Finite on purpose: ``exp(m_old - m_new)`` is 1 or 0, never ``exp(-inf + inf) = NaN``, while a
-#: row has seen nothing, and masked probabilities are then zeroed with ``where`` rather than
-#: relying on it.
+#: Score given to masked elements when taking the running max, and the exponent of masked
+#: probabilities (``exp`` of it is exactly 0): the lowest float32, so every finite score of a
+#: visible element ranks above it. Finite on purpose: no ``exp(-inf + inf) = NaN``.
 MASKED_SCORE = float(np.finfo(np.float32).min)
+#: The initial running max ``m_i`` of the forward loops: half the lowest float32, so that
+#: ``exp(m_old - m_new)`` is one ``sub`` and one ``exp`` without overflow (``m_old - m_new >=
+#: MASKED_SCORE`` while the scores stay below ``2^127``): 0, or 1 while a row has seen nothing.
+INITIAL_MAX = MASKED_SCORE / 2
 
 #: dtype of the loop counters and table entries.
 INDEX_DTYPE = np.int32
@@ -45,27 +50,40 @@ def counter(value=0):
     return popxl.constant(np.array([value], dtype=INDEX_DTYPE))
 
 
-def fill(t, value):
-    """``t`` with every element replaced by the constant ``value`` (a ``where`` select, so a
-    constant ``-inf`` never enters arithmetic)."""
-    true = popxl.constant(np.array(True))
-    return ops.where(true, popxl.constant(value, dtype=t.dtype), t)
-
-
-def pad_rows(t, padded_len):
-    """Pad axis 1 of ``t [G, L, D]`` with zeros to ``[G, padded_len, D]`` (no-op if equal)."""
-    G, L, D = t.shape
-    if padded_len == L:
+def pad_rows(t, padded_len, axis=1):
+    """Pad ``axis`` of ``t`` (axis 1 of ``[G, L, D]``) with zeros to ``padded_len`` (no-op if
+    equal)."""
+    length = t.shape[axis]
+    if padded_len == length:
         return t
-    zeros = ops.init((G, padded_len - L, D), t.dtype, init_type="zero")
-    return ops.concat([t, zeros], axis=1)
+    shape = list(t.shape)
+    shape[axis] = padded_len - length
+    zeros = ops.init(tuple(shape), t.dtype, init_type="zero")
+    return ops.concat([t, zeros], axis=axis)
 
 
-def unpad_rows(t, length):
-    """Keep the first ``length`` entries of axis 1 of ``t`` (no-op if already that long)."""
-    if t.shape[1] == length:
+def unpad_rows(t, length, axis=1):
+    """Keep the first ``length`` entries of ``axis`` of ``t`` (no-op if already that long; a
+    static slice: a view)."""
+    if t.shape[axis] == length:
         return t
-    return ops.slice(t, start=[0], stop=[length], axis=[1])
+    return ops.slice(t, start=[0], stop=[length], axis=[axis])
+
+
+def stack(ts):
+    """``[X, ...]`` tensors of one shape stacked on a new axis 0 (one ``concat``): operands
+    (and state) that every step slices at the same rows, so that one slice serves them all."""
+    return ops.concat([t.reshape((1,) + tuple(t.shape)) for t in ts], axis=0)
+
+
+def part(t, n):
+    """Entry ``n`` of axis 0 of a :func:`stack` (a static slice and a reshape: views)."""
+    return ops.slice(t, start=[n], stop=[n + 1], axis=[0]).reshape(tuple(t.shape[1:]))
+
+
+def columns(t, start, stop):
+    """``t[..., start:stop]`` (a static slice of the last axis: a view)."""
+    return ops.slice(t, start=[start], stop=[stop], axis=[t.rank - 1])
 
 
 def entry(table, t):
@@ -73,29 +91,31 @@ def entry(table, t):
     return ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
 
 
-def rows(t, offset, length):
-    """``t[:, offset : offset + length]`` for an int32 ``[1]`` row offset (axis 1)."""
-    return ops.dynamic_slice(t, offset, axes=[1], sizes=[length], no_overlap=True)
+def rows_may_see_nothing(cfg):
+    """Whether some q row may see no key: the schedule's empty rows, or anything decided at
+    run time (segment ids; a score modifier may mask scores to -inf). Otherwise every row's
+    ``l >= 1`` and its lse is finite, and the passes select nothing for empty rows."""
+    return bool(cfg.schedule.empty_rows.size) or cfg.segments is not None \
+        or cfg.mods is not None
 
 
-def write_rows_(t, offset, value):
-    """Write ``value`` into ``t[:, offset : offset + value.shape[1]]`` in place; returns the alias.
+def scale_folds(cfg):
+    """Whether the softmax scale folds into k once per call (``k * scale``, so the block
+    matmul gives the scaled scores and no step multiplies them): when that product is exact,
+    a power of two of magnitude at most 1 (``1/sqrt(D)`` for D = 1, 4, 16, 64, 256; the sign
+    is exact too). Other scales multiply each block's scores in float32."""
+    mantissa, _ = np.frexp(abs(cfg.scale))
+    return mantissa == 0.5 and abs(cfg.scale) <= 1.0
 
-    Only for the library's own state (``m, l, acc``; ``dq, dk, dv``), which enters the loops
-    by reference and is read after them (:func:`in_order`).
-    """
-    return ops.dynamic_update_(t, offset, value, axes=[1], sizes=[value.shape[1]],
-                               no_overlap=True)
+
+def scaled_k(cfg, k):
+    """``k * scale`` in k's dtype where the scale folds (:func:`scale_folds`), else ``k``."""
+    return k * cfg.scale if scale_folds(cfg) else k
 
 
-def exp_diff(a, b):
-    """``exp(a - b)`` for ``a <= b`` of one shape, without overflow: ``exp(a/2 - b/2)^2``.
-
-    ``a - b`` overflows float32 when ``a`` is :data:`MASKED_SCORE` and ``b`` is beyond
-    ``2^103``; the halves never do (one ``scaled_add``, one ``exp``, one ``mul``).
-    """
-    half = ops.exp(ops.scaled_add(a, b, a=0.5, b=-0.5))
-    return half * half
+def scaled_scores(cfg, s):
+    """Block scores ``q_i k_j^T`` (float32) times the scale unless it was folded into k."""
+    return s if scale_folds(cfg) else s * cfg.scale
 
 
 @contextlib.contextmanager
@@ -126,15 +146,15 @@ class LoopSpec:
             visible=None) -> new state slices``, the per-block math
             (``online_softmax_update``, ``grad_block_update``; the modifier operands only with
             score modifiers, :mod:`popxl_flash.graph.score_mods`).
-        state_sides: per state tensor (by reference, updated in place), whether axis 1 runs
-            over q rows (``"q"``) or kv rows (``"kv"``).
+        state_axes: per state tensor (by reference, updated in place), ``(side, axis)``: the
+            axis that runs over q rows (``"q"``) or kv rows (``"kv"``).
         operand_axes: per read-only operand, ``(side, axis)``: the axis sliced to the step's
-            q rows or kv rows (2 for a pre-transposed operand such as ``k^T [Gk, D, Lkv]``).
+            q rows or kv rows (2 for a stacked operand such as ``[k; v] [2, Gk, Lkv, D]``).
         backward: the backward pass (the cost model's dispatch choice weighs it).
     """
 
     update: Callable
-    state_sides: Tuple[str, ...]
+    state_axes: Tuple[Tuple[str, int], ...]
     operand_axes: Tuple[Tuple[str, int], ...]
     backward: bool = False
 
@@ -148,14 +168,41 @@ def _slice(t, offset, axis, length):
     return ops.dynamic_slice(t, offset, axes=[axis], sizes=[length], no_overlap=True)
 
 
-def _pattern(group, t):
-    """The step's static pattern, bool ``[1, rows, cols]`` (``None`` for unmasked groups):
-    one gather from the group's table of distinct patterns, a constant of the loop body."""
+def _gathers_pattern(group):
+    """Whether the steps of ``group`` look their pattern up (a masked group with more than one
+    distinct pattern; one pattern is a constant of the body)."""
+    return group.masked and group.patterns.shape[0] > 1
+
+
+def _step_table(group):
+    """int32 ``[V, 2 or 3]``: per step its first q row, first kv row and (where the group
+    gathers its pattern) its pattern id; one ``dynamic_slice`` reads a step's row."""
+    columns_ = [group.q_row, group.kv_row]
+    if _gathers_pattern(group):
+        columns_.append(group.pattern_id)
+    return np.stack(columns_, axis=1)
+
+
+def _step_entries(group, t):
+    """The step's ``(q offset, kv offset, pattern id or None)``, int32 ``[1]`` each: one
+    lookup of the step table's row ``t`` (the entries are views of it)."""
+    row = ops.dynamic_slice(_table(_step_table(group)), t, axes=[0], sizes=[1],
+                            no_overlap=True)
+    n = row.shape[1]
+    row = row.reshape((n,))
+    entries = [ops.slice(row, start=[c], stop=[c + 1], axis=[0]) for c in range(n)]
+    return entries[0], entries[1], (entries[2] if n == 3 else None)
+
+
+def _pattern(group, pattern_id):
+    """The step's static pattern, bool ``[1, rows, cols]`` (``None`` for unmasked groups): the
+    group's one pattern (a constant), else one gather from its table of distinct patterns."""
     if not group.masked:
         return None
     patterns = popxl.constant(np.ascontiguousarray(group.patterns))  # [P, rows, cols]
-    return ops.dynamic_slice(patterns, entry(_table(group.pattern_id), t), axes=[0], sizes=[1],
-                             no_overlap=True)
+    if pattern_id is None:
+        return patterns
+    return ops.dynamic_slice(patterns, pattern_id, axes=[0], sizes=[1], no_overlap=True)
 
 
 def _masked_step(spec, cfg, n_state, n_seg, has_pattern, *inputs):
@@ -197,18 +244,48 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
            for n, (shape, dtype) in enumerate(seg_specs)]
     extras = [popxl.graph_input(shape, dtype, f"modifier{n}")
               for n, (shape, dtype) in enumerate(extra_specs)]
-    offsets = {"q": entry(_table(group.q_row), t), "kv": entry(_table(group.kv_row), t)}
-    lengths = {"q": group.rows, "kv": group.cols}
-    operand_slices = [_slice(x, offsets[side], axis, lengths[side])
-                      for x, (side, axis) in zip(operands, spec.operand_axes)]
-    state_slices = [rows(x, offsets[side], lengths[side])
-                    for x, side in zip(state, spec.state_sides)]
-    visible = _pattern(group, t)
-    seg_operands = []
+    q_offset, kv_offset, pattern_id = _step_entries(group, t)
     tables = []
     if seg:
         n_tables = 2 if second_level(spec, cfg, group) else 1
         seg, tables = seg[:-n_tables], [entry(x, t) for x in seg[-n_tables:]]
+    block_step(spec, cfg, group, operands, state, q_offset, kv_offset,
+               _pattern(group, pattern_id), seg, tables, extras)
+    return t + 1
+
+
+def _cut(t, offset, axis, length):
+    """``length`` entries of ``axis`` from ``offset``: a static slice (a view) for an int
+    offset, else a ``dynamic_slice`` at the int32 ``[1]`` tensor."""
+    if isinstance(offset, int):
+        return ops.slice(t, start=[offset], stop=[offset + length], axis=[axis])
+    return _slice(t, offset, axis, length)
+
+
+def block_step(spec, cfg, group, operands, state, q_offset, kv_offset, visible, seg=(),
+               tables=(), extras=()):
+    """One step of ``group``: the block's operand and state slices, its update, the state
+    written back in place.
+
+    Args:
+        operands, state: the pass's operands and state tensors (in a loop body: its inputs).
+        q_offset, kv_offset: the step's first q row and kv row, int32 ``[1]`` tensors (a
+            loop step) or ints (a group of one step, run inline: static slices).
+        visible: the step's static pattern or ``None``.
+        seg, tables: with segment ids, the loop's segment tensors and the step's class
+            entries (tensor offsets only).
+        extras: with score modifiers, their prepared tensors.
+    """
+    lengths = {"q": group.rows, "kv": group.cols}
+    offsets = {"q": q_offset, "kv": kv_offset}
+    operand_slices = [_cut(x, offsets[side], axis, lengths[side])
+                      for x, (side, axis) in zip(operands, spec.operand_axes)]
+    state_slices = [_cut(x, offsets[side], axis, lengths[side])
+                    for x, (side, axis) in zip(state, spec.state_axes)]
+    if isinstance(q_offset, int):
+        offsets = {"q": counter(q_offset), "kv": counter(kv_offset)}
+    seg_operands = []
+    if seg:
         seg_operands = segments.step_operands(cfg, seg, offsets["q"], offsets["kv"],
                                               (group.rows, group.cols))
     if cfg.mods is not None:  # ALiBi, score_mod, dropout: operands after the update's own
@@ -220,9 +297,9 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
         new = _dispatch(spec, cfg, tables[0], tables[1] if len(tables) == 2 else None,
                         state_slices, [*operand_slices, *seg_operands], len(seg_operands),
                         visible)
-    for x, side, value in zip(state, spec.state_sides, new):
-        write_rows_(x, offsets[side], value)
-    return t + 1
+    for x, (side, axis), value in zip(state, spec.state_axes, new):
+        ops.dynamic_update_(x, offsets[side], value, axes=[axis], sizes=[value.shape[axis]],
+                            no_overlap=True)
 
 
 def _unmasked_step(spec, cfg, *inputs):
@@ -241,7 +318,7 @@ def _run_step(spec, cfg, n_seg, *inputs):
     ir = popxl.gcg().ir
     plain = inputs[:len(inputs) - n_seg]
     full = ir.create_graph(_unmasked_step, spec, cfg, *[x.spec for x in plain])
-    n_state = len(spec.state_sides)
+    n_state = len(spec.state_axes)
     masked = ir.create_graph(_masked_step, spec, cfg, n_state, n_seg, False,
                              *[x.spec for x in inputs])
     return ops.conditional(is_full, full, masked, then_inputs=plain, else_inputs=inputs)
@@ -277,7 +354,8 @@ def second_level(spec, cfg, group):
 
 
 class PassLoops:
-    """The loop bodies of one pass: one graph per :class:`~popxl_flash.plan.steps.StepGroup`.
+    """The loop bodies of one pass: one graph per :class:`~popxl_flash.plan.steps.StepGroup`
+    of more than one step (a group of one step runs inline, :func:`inline`).
 
     Create them before the ops that need ordering (graph creation must not run inside
     :func:`in_order`, which would chain the bodies' ops too), then :meth:`run` them inside it.
@@ -302,6 +380,9 @@ class PassLoops:
         extra_specs = tuple((t.shape, t.dtype) for t in extras)
         self.graphs = []
         for group in self.groups:
+            if inline(group, seg_specs):
+                self.graphs.append(None)
+                continue
             extra = ()
             if seg_specs:
                 n_tables = 2 if second_level(spec, cfg, group) else 1
@@ -332,15 +413,27 @@ class PassLoops:
         :func:`in_order`)."""
         step_classes = step_classes or [None] * len(self.groups)
         for group, graph, tables in zip(self.groups, self.graphs, step_classes):
+            if graph is None:  # one step: inline, static offsets
+                block_step(self.spec, self.cfg, group, operands, state, int(group.q_row[0]),
+                           int(group.kv_row[0]), _pattern(group, None), extras=extras)
+                continue
             extra = list(seg) + list(tables or [])
             ops.repeat(graph, group.steps, counter(0), *operands, *state, *extra, *extras)
 
 
-def fold_heads(cfg, t):
+def inline(group, seg=()):
+    """Whether ``group`` runs inline, without a loop (:func:`popxl_flash.plan.steps.
+    runs_inline`: one step and no segment ids)."""
+    return steps.runs_inline(group, bool(seg))
+
+
+def fold_heads(cfg, t, alias=True):
     """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
     groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
     per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
-    attention, r = 1).
+    attention, r = 1). ``alias=False``: ``reshape`` (PopART's inplace pattern makes it the
+    same view) for q and do and their static slices, whose layout the caller chooses (the
+    emulator's ``reshape_`` refuses a source it cannot alias, such as a transposed copy).
 
     q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
     is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
@@ -350,7 +443,8 @@ def fold_heads(cfg, t):
     if r == 1:
         return t
     _, rows, x = t.shape
-    return t.reshape_((cfg.kv_groups, r * rows, x))
+    shape = (cfg.kv_groups, r * rows, x)
+    return t.reshape_(shape) if alias else t.reshape(shape)
 
 
 def unfold_heads(cfg, t):
@@ -370,17 +464,18 @@ def matmul_f32(a, b):
 
 def scores(cfg, q_i, k_t):
     """``scale * q_i k_j^T`` in float32 (grouped-query: one matmul per kv group over the folded
-    rows of its q groups, :func:`fold_heads`). The place for score modifications.
+    rows of its q groups, :func:`fold_heads`; the scale folded into k once per call where that
+    is exact, :func:`scale_folds`, else multiplied here). The place for score modifications.
 
     Args:
-        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (input dtype; the forward slices a
-            pre-transposed k, the backward transposes its ``k_j``).
+        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (input dtype; a view of the step's
+            ``k_j``).
 
     Returns:
         float32 ``[G, rows, cols]``.
     """
-    s = matmul_f32(fold_heads(cfg, q_i), k_t)  # [Gk, r*rows, cols]
-    return unfold_heads(cfg, s) * cfg.scale
+    s = matmul_f32(fold_heads(cfg, q_i, alias=False), k_t)  # [Gk, r*rows, cols]
+    return scaled_scores(cfg, unfold_heads(cfg, s))
 
 
 def to_input_dtype(cfg, t):

@@ -3,30 +3,33 @@
 Graph structure (all static; the op count does not grow with L or the chunk counts)::
 
     build(q, k, v)                          # module graph
-      pad q, k, v to whole chunks; k_t = k^T [Gk, D, Lkv_pad]
-      m = MASKED_SCORE, l = 0, acc = 0      # running state [G, Lq_pad, 1|1|D], float32
+      k = k * scale where the scale folds (blocks.scale_folds), once
+      one block (steps.single_block): softmax_block on the whole tensors, then finalise
+      else:
+      pad q and [k; v] (stacked once) to whole chunks
+      state = acc | l | m = 0 | 0 | INITIAL_MAX     # [G, Lq_pad, D + 2], float32
       in order:
         for each step group (steps.step_groups: sub-block shape, masked or not):
           repeat V_g x group_body           # no conditional (segment ids: one, see blocks)
-            i0, j0 = q_row[t], kv_row[t]    # body constants; masked groups: pattern[id[t]]
-            q_i, k_t_j, v_j = slices; m_i, l_i, acc_i = slices of the state
-            m_i, l_i, acc_i = online_softmax_update(...)
-            write m_i, l_i, acc_i back in place    # by reference: aliased, not copied
+            i0, j0 = table[t]               # one lookup; masked groups: the pattern
+            q_i, kv_j, state_i = slices
+            state_i = online_softmax_update(...)
+            write state_i back in place     # by reference: aliased, not copied
+          (a group of one step: the same step inline, static offsets, no loop)
         then (unordered among themselves): out = acc / l, lse = m + log(l)   # once
       drop padding rows
 
-The state lives in full-length tensors instead of being carried from step to step, so steps
+The state lives in one full-length tensor instead of being carried from step to step, so steps
 need no "first"/"last" bookkeeping and run in any order: full blocks, diagonal sub-blocks and
 other masked blocks are separate loops, each with one body.
 
 Online softmax (FlashAttention algorithm 1, per block), statistics in float32::
 
-    s     = scale * q_i k_j^T                  [G, rows, cols]
-    m_new = max(m_i, rowmax(s))                [G, rows, 1]
-    p     = exp(s - m_new)                     [G, rows, cols]
-    alpha = exp(m_i - m_new)                   (blocks.exp_diff: no overflow)
-    l_i   = alpha * l_i + rowsum(p)
-    acc   = alpha * acc + p v_j                [G, rows, D]
+    s       = q_i k_j^T (k scaled once; else * scale)   [G, rows, cols]
+    m_new   = max(m_i, rowmax(s))                       [G, rows, 1]
+    p       = exp(s - m_new)                            [G, rows, cols]
+    alpha   = exp(m_i - m_new)                          (m_i >= INITIAL_MAX: no overflow)
+    acc | l = alpha * (acc | l) + (p v_j | rowsum(p))   [G, rows, D + 1]
 """
 import numpy as np
 
@@ -37,53 +40,76 @@ from popxl_flash.graph.module import AttentionModule
 ops = popxl.ops
 
 
-def online_softmax_update(cfg, m_i, l_i, acc, q_i, k_t, v_j, *extra, visible=None):
-    """One block of the online softmax.
+def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
+    """One block of the online softmax, or a whole pass of one block (``m_i = None``: no
+    running state, ``m = rowmax``, ``l = rowsum``, ``acc = P V``).
 
     Args:
         cfg: the :class:`AttentionConfig`.
-        m_i, l_i: running max and sum, float32 ``[G, rows, 1]`` (``MASKED_SCORE`` and 0 before
-            the row's first block).
-        acc: output accumulator, float32 ``[G, rows, D]``.
-        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]``; v_j: ``[Gk, cols, D]``, in the
-            input dtype (``Gk < G``: grouped-query attention; the matmuls fold q's groups,
+        m_i: running max float32 ``[G, rows, 1]`` (:data:`blocks.INITIAL_MAX` before the
+            row's first block), or ``None``.
+        acc_l: output accumulator and running sum, float32 ``[G, rows, D + 1]`` (``acc | l``);
+            ignored without ``m_i``.
+        q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (times the scale where it folds,
+            :func:`blocks.scale_folds`); v_j: ``[Gk, cols, D]``, in the input dtype (``Gk <
+            G``: grouped-query attention; the matmuls fold q's groups,
             :func:`blocks.fold_heads`).
         extra: with score modifiers, the step's modifier operands
             (:func:`popxl_flash.graph.score_mods.step_operands`).
         visible: ``None`` (full block) or bool ``[1 or G, rows, cols]`` mask.
 
     Returns:
-        Updated ``(m_i, l_i, acc)``.
+        ``(m_new, acc_l_new)`` with a running state; without, ``(m, l, acc)``.
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_t)  # [G, rows, cols]
     if cfg.mods is not None:  # softcap, ALiBi, score_mod
         s = score_mods.modify(cfg, s, extra)
-    s_max = s
-    if visible is not None:
-        s_max = ops.where(visible, s, blocks.scalar(blocks.MASKED_SCORE, f32))
-    m_new = ops.maximum(m_i, ops.max(s_max, axis=-1, keepdims=True))  # [G, rows, 1]
-    if visible is not None:
-        # Masked cells enter the exp as m_new (exp(0), zeroed below): never MASKED_SCORE -
-        # m_new, which overflows for scores beyond 2^103 and would trap under FP checks.
-        s = ops.where(visible, s, m_new)
-    p = ops.exp(s - m_new)  # [G, rows, cols], <= 1
-    if visible is not None:
-        p = ops.where(visible, p, blocks.scalar(0.0, f32))
-    # A row that has seen nothing yet has m_i == MASKED_SCORE: exp_diff gives 0 (or 1 when
-    # m_new is MASKED_SCORE too), and alpha then multiplies zeros.
-    alpha = blocks.exp_diff(m_i, m_new)  # [G, rows, 1]
-    l_new = alpha * l_i + ops.sum(p, axis=-1, keepdims=True)
-    if cfg.mods is not None:  # dropout: P V with P * keep / (1 - p); l_i keeps the full P
+    masked = blocks.scalar(blocks.MASKED_SCORE, f32)
+    s_max = s if visible is None else ops.where(visible, s, blocks.scalar(blocks.INITIAL_MAX,
+                                                                          f32))
+    m_new = ops.max(s_max, axis=-1, keepdims=True)  # [G, rows, 1]
+    if m_i is not None:
+        m_new = ops.maximum(m_i, m_new)
+    s = s - m_new  # finite: m_new >= INITIAL_MAX
+    if visible is not None:  # masked cells: exp(MASKED_SCORE) = 0
+        s = ops.where(visible, s, masked)
+    p = ops.exp(s)  # [G, rows, cols], <= 1
+    rowsum = ops.sum(p, axis=-1, keepdims=True)
+    if cfg.mods is not None:  # dropout: P V with P * keep / (1 - p); l keeps the full P
         p = score_mods.drop(cfg, p, extra)
     p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*rows, cols]
     pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, rows, D]
-    return m_new, l_new, alpha * acc + pv
+    if m_i is None:
+        return m_new, rowsum, pv
+    # A row that has seen nothing yet has m_i == INITIAL_MAX: alpha is 0 (or 1 when m_new is
+    # INITIAL_MAX too), and then multiplies zeros.
+    alpha = ops.exp(m_i - m_new)  # [G, rows, 1]
+    return m_new, alpha * acc_l + ops.concat([pv, rowsum], axis=2)
+
+
+def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
+    """One step of the forward loops: :func:`softmax_block` on the step's slices.
+
+    Args:
+        state_i: float32 ``[G, rows, D + 2]``, ``acc | l | m`` of the step's q rows.
+        q_i: ``[G, rows, D]``; kv_j: ``[k_j; v_j]`` ``[2, Gk, cols, D]`` (input dtype).
+        extra, visible: as :func:`softmax_block`.
+
+    Returns:
+        The new ``(state_i,)``.
+    """
+    D = cfg.head_dim
+    k_t = blocks.part(kv_j, 0).transpose((0, 2, 1))  # [Gk, D, cols] view
+    m_new, acc_l = softmax_block(cfg, blocks.columns(state_i, D + 1, D + 2),
+                                 blocks.columns(state_i, 0, D + 1), q_i, k_t,
+                                 blocks.part(kv_j, 1), extra, visible)
+    return (ops.concat([acc_l, m_new], axis=2),)
 
 
 def finalise(cfg, m, l, acc):
-    """``out = acc / l`` (0 where the row saw nothing) and ``lse = m + log(l)``, once after the
-    loops, unpadded.
+    """``out = acc / l`` (0 where the row saw nothing) and ``lse = m + log(l)``, once
+    after the loops (or the pass of one block), unpadded.
 
     Args:
         m, l: float32 ``[G, Lq_pad, 1]``; acc: float32 ``[G, Lq_pad, D]``.
@@ -94,18 +120,29 @@ def finalise(cfg, m, l, acc):
     """
     f32 = blocks.float32()
     m, l, acc = (blocks.unpad_rows(t, cfg.q_len) for t in (m, l, acc))
-    seen = ops.greater(l, blocks.scalar(0.0, f32))  # [G, Lq, 1]
-    l_safe = ops.where(seen, l, blocks.scalar(1.0, f32))  # no x/0, no log(0)
-    out = blocks.to_input_dtype(cfg, acc / l_safe)
-    lse = ops.where(seen, m + ops.log(l_safe), blocks.scalar(-np.inf, f32))
+    seen = None
+    if blocks.rows_may_see_nothing(cfg):  # else every row has l >= 1
+        seen = ops.greater(l, blocks.scalar(0.0, f32))  # [G, Lq, 1]
+        l = ops.where(seen, l, blocks.scalar(1.0, f32))  # no x/0, no log(0)
+    out = blocks.to_input_dtype(cfg, acc / l)
+    lse = m + ops.log(l)
+    if seen is not None:
+        lse = ops.where(seen, lse, blocks.scalar(-np.inf, f32))
     return out, lse.reshape((cfg.groups, cfg.q_len))
 
 
+def _finish_state(cfg, state):
+    """:func:`finalise` on the loops' ``acc | l | m`` state (views of it)."""
+    D = cfg.head_dim
+    return finalise(cfg, blocks.columns(state, D + 1, D + 2), blocks.columns(state, D, D + 1),
+                    blocks.columns(state, 0, D))
+
+
 def loop_spec():
-    """The forward's :class:`blocks.LoopSpec`: state ``m, l, acc`` over q rows; operands
-    ``q`` (q rows), ``k^T`` (kv rows on axis 2), ``v`` (kv rows)."""
-    return blocks.LoopSpec(update=online_softmax_update, state_sides=("q", "q", "q"),
-                           operand_axes=(("q", 1), ("kv", 2), ("kv", 1)))
+    """The forward's :class:`blocks.LoopSpec`: state ``acc | l | m`` over q rows; operands
+    ``q`` (q rows) and ``[k; v]`` (kv rows on axis 2)."""
+    return blocks.LoopSpec(update=online_softmax_update, state_axes=(("q", 1),),
+                           operand_axes=(("q", 1), ("kv", 2)))
 
 
 class FlashAttention(AttentionModule):
@@ -139,11 +176,17 @@ class FlashAttention(AttentionModule):
         segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
         cfg = self.config(q, k, v, *inputs)
         G, D, Lq_pad, f32 = cfg.groups, cfg.head_dim, cfg.padded_q_len, blocks.float32()
+        k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
+        if self.single_block(cfg):
+            return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
+                                   finalise(cfg, *softmax_block(
+                                       cfg, None, None, q, k.transpose((0, 2, 1)), v, extra,
+                                       visible)[:3]))
         q_pad = blocks.pad_rows(q, Lq_pad)
-        k_t = blocks.pad_rows(k, cfg.padded_kv_len).transpose_((0, 2, 1))  # [Gk, D, Lkv_pad] view
-        v_pad = blocks.pad_rows(v, cfg.padded_kv_len)
-        m = blocks.fill(ops.init((G, Lq_pad, 1), f32, init_type="zero"), blocks.MASKED_SCORE)
-        l = ops.init((G, Lq_pad, 1), f32, init_type="zero")
-        acc = ops.init((G, Lq_pad, D), f32, init_type="zero")
-        return self.run_pass(cfg, loop_spec(), "q_major", (q_pad, k_t, v_pad), (m, l, acc),
-                             segment_inputs, lambda *state: finalise(cfg, *state), extras)
+        kv = blocks.pad_rows(blocks.stack([k, v]), cfg.padded_kv_len, axis=2)  # [2, Gk, L, D]
+        # acc | l | m, float32 [G, Lq_pad, D + 2]: zeros, m at the masked score
+        is_m = popxl.constant(np.arange(D + 2) == D + 1)
+        state = ops.where(is_m, blocks.scalar(blocks.INITIAL_MAX, f32),
+                          ops.init((G, Lq_pad, D + 2), f32, init_type="zero"))
+        return self.run_pass(cfg, loop_spec(), "q_major", (q_pad, kv), (state,),
+                             segment_inputs, lambda state: _finish_state(cfg, state), extras)

@@ -4,9 +4,13 @@ Both take the same options, validate them with the inputs' specs into one
 :class:`~popxl_flash.plan.config.AttentionConfig`, prepare the runtime segment inputs the same way
 and run their pass as the loops of :class:`popxl_flash.graph.blocks.PassLoops`.
 """
+import numpy as np
+
 from popxl_flash.graph import blocks, score_mods, segments
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan import steps
+from popxl_flash.plan.schedule import PARTIAL
 
 
 class AttentionModule(popxl.Module):
@@ -46,6 +50,34 @@ class AttentionModule(popxl.Module):
         cfg = cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
                                 automatic=automatic)
         return score_mods.check_extras(cfg, self.options["mods"], extras)
+
+    @staticmethod
+    def single_block(cfg):
+        """Whether the pass is one block (one chunk each way, visited) without segment ids
+        (:func:`popxl_flash.plan.steps.single_block`): then it is a straight line
+        (:meth:`run_single`), no loop, no state."""
+        return steps.single_block(cfg.schedule, cfg.segments is not None)
+
+    @staticmethod
+    def run_single(cfg, segment_inputs, extras, build):
+        """The pass of one block (:meth:`single_block`): ``build(seg, extra, visible)`` on the
+        whole (unpadded) tensors, with the block's modifier operands (static offsets 0) and
+        its static pattern (``None`` for a full block; a split block runs whole).
+
+        Returns:
+            ``build``'s results.
+        """
+        sched = cfg.schedule
+        visible = None
+        if sched.kind[0, 0] == PARTIAL:
+            pattern = sched.patterns[sched.pattern_id[0, 0]]
+            visible = popxl.constant(np.ascontiguousarray(pattern[None]))  # [1, Lq, Lkv]
+        extra = ()
+        if cfg.mods is not None:
+            extra = score_mods.step_operands(cfg, score_mods.prepare(cfg, extras),
+                                             blocks.counter(0), blocks.counter(0),
+                                             (cfg.q_len, cfg.kv_len))
+        return build((), extra, visible)
 
     @staticmethod
     def run_pass(cfg, spec, order, operands, state, segment_inputs, finish, extras=()):

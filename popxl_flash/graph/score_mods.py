@@ -318,20 +318,25 @@ def _call_score_mod(cfg, s, x, backward):
 def dropout_mask(cfg, seed):
     """The keep mask of every step, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
     sizes only). Built in the current graph from the user's seed, step by step as the loops
-    draw it (:mod:`popxl_flash.plan.steps`: the forward's sub-blocks; the backward's are the same);
+    draw it (:mod:`popxl_flash.plan.steps`: the forward's sub-blocks, or the whole block of a
+    pass of one block; the backward's are the same);
     cells no step covers are never visible and read True.
     """
     from popxl_flash.plan import steps
     base = ops.split_random_seed(seed, 1)[0]
     mask = popxl.constant(np.ones((cfg.groups, cfg.padded_q_len, cfg.padded_kv_len),
                                   np.float32))
-    for group in steps.step_groups(cfg.schedule, "q_major"):
-        for r0, c0 in zip(group.q_row, group.kv_row):
-            i0, j0 = (popxl.constant(np.array([x], np.int32)) for x in (r0, c0))
-            keep = keep_scale(cfg, block_seed(cfg, base, i0, j0), (group.rows, group.cols))
-            at = popxl.constant(np.array([r0, c0], np.int32))
-            mask = ops.dynamic_update(mask, at, keep, axes=[1, 2],
-                                      sizes=[group.rows, group.cols], no_overlap=True)
+    blocks = [(group.rows, group.cols, r0, c0)
+              for group in steps.step_groups(cfg.schedule, "q_major")
+              for r0, c0 in zip(group.q_row, group.kv_row)]
+    if steps.single_block(cfg.schedule, cfg.segments is not None):  # one draw, whole block
+        blocks = [(cfg.q_len, cfg.kv_len, 0, 0)]
+    for rows, cols, r0, c0 in blocks:
+        i0, j0 = (popxl.constant(np.array([x], np.int32)) for x in (r0, c0))
+        keep = keep_scale(cfg, block_seed(cfg, base, i0, j0), (rows, cols))
+        at = popxl.constant(np.array([r0, c0], np.int32))
+        mask = ops.dynamic_update(mask, at, keep, axes=[1, 2], sizes=[rows, cols],
+                                  no_overlap=True)
     mask = ops.greater(mask, popxl.constant(np.float32(0.0)))
     if (cfg.padded_q_len, cfg.padded_kv_len) != (cfg.q_len, cfg.kv_len):
         mask = ops.slice(mask, start=[0, 0], stop=[cfg.q_len, cfg.kv_len], axis=[1, 2])

@@ -71,16 +71,24 @@ from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP
 TILES = _ipu_time.REFERENCE.tiles
 TILE_MEMORY_BYTES = _ipu_time.REFERENCE.tile_memory_bytes
 
-#: Ops executed per pass, counted on this version's graphs (the emulator's profile):
-#: ``fixed + per_loop * loops + per_step * steps + per_masked * steps of masked groups``.
-#: ``per_step``: counter lookups (2), operand and state slices, the block update, the state
-#: writes and the counter increment; ``per_masked``: the pattern gather (2) and the ``where``
-#: selects of a masked block. float32 has no casts (one fewer per forward step, two per
-#: backward step).
-OPS_FORWARD = {"float16": dict(fixed=14, per_loop=1, per_step=28, per_masked=5),
-               "float32": dict(fixed=13, per_loop=1, per_step=27, per_masked=5)}
-OPS_BACKWARD = {"float16": dict(fixed=17, per_loop=1, per_step=33, per_masked=3),
-                "float32": dict(fixed=12, per_loop=1, per_step=31, per_masked=3)}
+#: Ops executed per pass (views included), counted on this version's graphs (the emulator's
+#: profile): ``fixed + per_loop * loops + per_step * steps + per_masked * steps of masked
+#: groups + per_gather * steps of groups with several patterns``, a group of one step
+#: running inline for ``per_inline`` (+ ``per_masked``) instead. ``per_step``: the step table
+#: lookup (its entries are views), the operand and state slices, the block update, the state
+#: writes and the counter increment; ``per_masked``: the ``where`` selects; ``per_gather``:
+#: the pattern id's view and the pattern gather. float32 has no casts (one fewer per step). A
+#: pass of one block (``steps.single_block``) is a straight line these weights do not
+#: describe; :func:`popxl_flash.plan.counts.pass_counts` counts it (and supersteps, views
+#: left out).
+OPS_FORWARD = {"float16": dict(fixed=15, per_loop=1, per_step=30, per_masked=2, per_gather=2,
+                               per_inline=25),
+               "float32": dict(fixed=14, per_loop=1, per_step=29, per_masked=2, per_gather=2,
+                               per_inline=24)}
+OPS_BACKWARD = {"float16": dict(fixed=24, per_loop=1, per_step=41, per_masked=1, per_gather=2,
+                                per_inline=36),
+                "float32": dict(fixed=19, per_loop=1, per_step=40, per_masked=1, per_gather=2,
+                                per_inline=35)}
 
 #: Bytes of the carried step counter (int32 [1]): every iteration, body output -> clone ->
 #: body input (``LoopOpx``); once per repeat, its initial value into the clone.
@@ -248,10 +256,17 @@ def _compare_line(name, c):
 
 
 def _ops(weights, groups):
-    """Ops executed by one pass of :func:`popxl_flash.plan.steps.step_groups` ``groups``."""
-    total = weights["fixed"] + weights["per_loop"] * len(groups)
+    """Ops executed by one pass of :func:`popxl_flash.plan.steps.step_groups` ``groups``
+    (without segment ids: a group of one step runs inline)."""
+    total = weights["fixed"]
     for g in groups:
-        total += g.steps * (weights["per_step"] + weights["per_masked"] * g.masked)
+        if _steps.runs_inline(g):
+            total += weights["per_inline"] + weights["per_masked"] * g.masked
+            continue
+        gathers = g.masked and g.patterns.shape[0] > 1
+        total += weights["per_loop"] + g.steps * (weights["per_step"]
+                                                  + weights["per_masked"] * g.masked
+                                                  + weights["per_gather"] * gathers)
     return int(total)
 
 
@@ -389,7 +404,12 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
     copies = dict.fromkeys(COPY_KINDS, 0)
     if segments is not None and classes is None:
         classes = np.full((sched.nq, sched.nkv), RT_MASKED)
+    seg = segments is not None
+    if _steps.single_block(sched, seg):
+        return copies  # a straight line: no loop, no branch
     for group in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
+        if _steps.runs_inline(group, seg):
+            continue  # one step, inline: no loop
         _loop_copies(group.steps, copies)
         if segments is not None:
             two = second_level(group, groups=G, head_dim=D, dtype=dtype, backward=backward,

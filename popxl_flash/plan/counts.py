@@ -28,6 +28,7 @@ chunkings.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from popxl_flash.plan import costmodel as _costmodel
@@ -54,37 +55,71 @@ class PassCounts:
     iterations: int
 
 
-#: Per step of a group: ``supersteps`` and the vector-element coefficients of the step terms
-#: (module docstring), by pass and dtype, unmasked. Forward: counter lookups (2 ``one``), the
-#: q, k^T, v slices (``grd``, 2 ``gkcd``), the m, l, acc slices and writes (4 ``gr``, 2
-#: ``grd``), the score scale, ``s - m``, ``exp`` and the cast of P (``grc``; no cast in
-#: float32), the statistics (8 ``gr``), ``alpha * acc + P V`` (2 ``grd``), the counter
-#: increment. Backward: counter lookups, the q, do, lse, Dvec, k, v^T, dq, dk, dv slices and
-#: the three writes, the scale, ``s - lse``, ``exp``, the casts of P and dS (``grc``), ``dP -
-#: Dvec``, ``P * (.)``, the three accumulations, the counter increment.
+#: Per step of a looped group: ``supersteps`` and the vector-element coefficients of the step
+#: terms (module docstring), by pass and dtype, unmasked, the scale folded into k. Forward: the
+#: step table lookup (``one``: q row, kv row), the q, ``[k; v]`` and ``acc | l | m`` slices,
+#: ``s - m`` and ``exp`` and the cast of P (``grc``; no cast in float32), the statistics,
+#: ``alpha * (acc | l) + (P V | rowsum)`` and the new state's concats, its write, the counter
+#: increment. Backward: the lookup, the ``[do; q]``, ``lse | Dvec``, ``[k; v]``, dq and
+#: ``[dv; dk]`` slices, ``s - lse``, ``exp``, ``dP - Dvec``, ``P * (.)``, the ``[P; dS]``
+#: concat and cast (``grc``), the two accumulations and writes, the counter increment.
 STEP = {
-    (False, "float16"): dict(supersteps=28, grc=4, gr=12, grd=5, gkcd=2, one=3),
-    (False, "float32"): dict(supersteps=27, grc=3, gr=12, grd=5, gkcd=2, one=3),
-    (True, "float16"): dict(supersteps=30, grc=7, gr=2, grd=5, gkcd=8, one=3),
-    (True, "float32"): dict(supersteps=28, grc=5, gr=2, grd=5, gkcd=8, one=3),
+    (False, "float16"): dict(supersteps=20, grc=3, gr=14, grd=7, gkcd=2, one=3),
+    (False, "float32"): dict(supersteps=19, grc=2, gr=14, grd=7, gkcd=2, one=3),
+    (True, "float16"): dict(supersteps=21, grc=8, gr=2, grd=5, gkcd=8, one=3),
+    (True, "float32"): dict(supersteps=20, grc=6, gr=2, grd=5, gkcd=8, one=3),
 }
-#: Added per step of a masked group: the pattern lookup and gather (``one``, ``rc``) and the
-#: ``where`` selects (3 forward, 1 backward).
-MASKED = {False: dict(supersteps=5, grc=3, rc=1, one=1),
-          True: dict(supersteps=3, grc=1, rc=1, one=1)}
+#: Per step of a group of one step, run inline: no lookup, no counter, static slices (views).
+INLINE_STEP = {
+    (False, "float16"): dict(supersteps=15, grc=3, gr=12, grd=5),
+    (False, "float32"): dict(supersteps=14, grc=2, gr=12, grd=5),
+    (True, "float16"): dict(supersteps=14, grc=8, grd=2, gkcd=4),
+    (True, "float32"): dict(supersteps=13, grc=6, grd=2, gkcd=4),
+}
+#: Added per step where the scale does not fold into k (``blocks.scale_folds``): the
+#: scores' multiplication.
+UNFOLDED_STEP = dict(supersteps=1, grc=1)
+#: Added per step of a masked group: the ``where`` selects (2 forward, 1 backward).
+MASKED = {False: dict(supersteps=2, grc=2), True: dict(supersteps=1, grc=1)}
+#: Added per step of a group with more than one distinct pattern: its id in the step table
+#: and the pattern's gather (one pattern is a constant of the body).
+GATHER = dict(supersteps=1, rc=1, one=1)
 #: Per loop: the ``repeat`` op (a superstep; its outputs are no vector work).
 LOOP = dict(supersteps=1)
-#: Per pass, without padding: ``supersteps`` (the module's call included) and the vector
-#: elements of the pass terms. Forward: the m, l, acc initialisation (3 ``gl``, ``gld``) and
-#: the finalisation (``out = acc / l``, its cast, ``lse = m + log(l)`` and the selects of rows
-#: that saw nothing). Backward: ``Dvec = rowsum(do * out)`` (casts, product, sum), the safe
-#: lse (2 ``gL``), the dq, dk, dv initialisation, the scale of dq and dk and the three casts.
+#: Per looped pass, without padding, the scale folded, no empty rows: ``supersteps`` (the
+#: module's call included) and the vector elements of the pass terms. Forward: ``k * scale``,
+#: the ``[k; v]`` stack, the ``acc | l | m`` initialisation, ``out = acc / l``, its cast and
+#: ``lse = m + log(l)``. Backward: ``Dvec = rowsum(do * out)`` (casts, product, sum), ``k *
+#: scale``, the ``[do; q]``, ``lse | Dvec`` and ``[k; v]`` stacks, the dq and ``[dv; dk]``
+#: initialisation, the scale of dk and the three casts.
 FIXED = {
-    (False, "float16"): dict(supersteps=12, gl=3, gld=1, gL=5, gLd=2),
-    (False, "float32"): dict(supersteps=11, gl=3, gld=1, gL=5, gLd=1),
-    (True, "float16"): dict(supersteps=15, gLd=4, gL=3, gld=2, gkld=3, gkLd=2),
-    (True, "float32"): dict(supersteps=10, gLd=1, gL=3, gld=2, gkld=3),
+    (False, "float16"): dict(supersteps=9, gkLd=3, gl=4, gld=2, gL=2, gLd=2),
+    (False, "float32"): dict(supersteps=8, gkLd=3, gl=4, gld=2, gL=2, gLd=1),
+    (True, "float16"): dict(supersteps=15, gLd=6, gL=3, gkLd=5, gld=1, gkld=3),
+    (True, "float32"): dict(supersteps=10, gLd=3, gL=3, gkLd=3, gld=1, gkld=3),
 }
+#: A pass of one block (a straight line), the scale folded, no empty rows: forward ``k *
+#: scale``, the two matmuls, ``max``, ``s - m``, ``exp``, ``sum``, the cast of P, ``acc / l``,
+#: its cast, ``lse``; backward Dvec, ``k * scale``, the five matmuls, ``s - lse``, ``exp``,
+#: ``dP - Dvec``, ``P * (.)``, the casts of P and dS, the scale of dk and the three casts.
+#: Terms: ``gLL = G*Lq*Lkv`` and the pass terms.
+SINGLE = {
+    (False, "float16"): dict(supersteps=13, gkLd=1, gLL=3, gL=4, gLd=2),
+    (False, "float32"): dict(supersteps=11, gkLd=1, gLL=2, gL=4, gLd=1),
+    (True, "float16"): dict(supersteps=21, gLd=4, gL=1, gkLd=4, gLL=6),
+    (True, "float32"): dict(supersteps=14, gLd=1, gL=1, gkLd=2, gLL=4),
+}
+#: Added per pass where the schedule has empty rows (q rows that see no key): forward the
+#: ``l > 0`` test and the selects of ``l`` and ``lse``; backward the safe lse.
+EMPTY_ROWS = {False: dict(supersteps=3, gL=3), True: dict(supersteps=2, gL=2)}
+
+
+def pass_flops(sched, head_dim, groups, backward=False, segments=False):
+    """Executed matmul FLOPs of one pass: 2 block matmuls forward, 5 backward (stash mode),
+    2 FLOPs per multiply-add, over :func:`popxl_flash.plan.steps.executed_cells` (the
+    schedule's executed count, the whole block for a pass of one block)."""
+    matmuls = 5 if backward else 2
+    return 2 * matmuls * head_dim * groups * _steps.executed_cells(sched, segments)
 
 
 def _dot(weights, terms):
@@ -100,7 +135,8 @@ def _pad(groups, length, padded, width):
 
 
 def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
-                dtype="float16", causal=True, window=None, backward=False) -> PassCounts:
+                dtype="float16", causal=True, window=None, backward=False,
+                scale=None) -> PassCounts:
     """Predicted run-profile counts of one pass (see the module docstring).
 
     Args:
@@ -109,6 +145,8 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         dtype: ``"float16"`` or ``"float32"``.
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
         backward: the stash-mode backward pass instead of the forward.
+        scale: the softmax scale (``None``: ``1/sqrt(D)``); whether it folds into k (a power
+            of two of magnitude at most 1) changes the counts.
 
     Returns:
         A :class:`PassCounts`.
@@ -116,32 +154,61 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
     sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
     G, D = groups, head_dim
     Gk = G if kv_groups is None else kv_groups
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    mantissa, _ = math.frexp(abs(scale))
+    folds = mantissa == 0.5 and abs(scale) <= 1.0
     lq_pad, lkv_pad = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    groups_ = _steps.step_groups(sched, "kv_major" if backward else "q_major")
-    step, masked = STEP[backward, dtype], MASKED[backward]
-    supersteps = 0
-    elements = 0
-    for g in groups_:
+    pass_terms = dict(gl=G * lq_pad, gld=G * lq_pad * D, gL=G * Lq, gLd=G * Lq * D,
+                      gkld=Gk * lkv_pad * D, gkLd=Gk * Lkv * D, gLL=G * Lq * Lkv)
+    supersteps = elements = 0
+
+    def add(weights, terms, times=1):
+        nonlocal supersteps, elements
+        supersteps += times * weights.get("supersteps", 0)
+        elements += times * _dot(weights, terms)
+
+    if sched.empty_rows.size:
+        add(EMPTY_ROWS[backward], pass_terms)
+    if _steps.single_block(sched):
+        add(SINGLE[backward, dtype], pass_terms)
+        if not folds:  # the scores' multiplication instead of k's (and dq's scale)
+            add(dict(supersteps=0, gLL=1, gkLd=-1), pass_terms)
+            if backward:
+                add(dict(supersteps=1, gLd=1), pass_terms)
+        if sched.kind[0, 0] == _schedule.PARTIAL:
+            add(MASKED[backward], dict(grc=G * Lq * Lkv))
+        return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
+    add(FIXED[backward, dtype], pass_terms)
+    if not folds:  # no k * scale; the backward scales dq once
+        add(dict(supersteps=-1, gkLd=-1), pass_terms)
+        if backward:
+            add(dict(supersteps=1, gld=1), pass_terms)
+    for g in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
         terms = dict(grc=G * g.rows * g.cols, rc=g.rows * g.cols, grd=G * g.rows * D,
                      gr=G * g.rows, gkcd=Gk * g.cols * D, one=1)
-        per_step = step["supersteps"] + (masked["supersteps"] if g.masked else 0)
-        per_elements = _dot(step, terms) + (_dot(masked, terms) if g.masked else 0)
-        supersteps += g.steps * per_step + LOOP["supersteps"]
-        elements += g.steps * per_elements
-    fixed = FIXED[backward, dtype]
-    supersteps += fixed["supersteps"]
-    elements += _dot(fixed, dict(gl=G * lq_pad, gld=G * lq_pad * D, gL=G * Lq, gLd=G * Lq * D,
-                                 gkld=Gk * lkv_pad * D, gkLd=Gk * Lkv * D))
-    pads = [(Gk, Lkv, lkv_pad, D)] * 2  # k, v
-    pads += [(G, Lq, lq_pad, D)] * (2 if backward else 1)  # q (and do)
-    pads += [(G, Lq, lq_pad, 1)] * (2 if backward else 0)  # lse, Dvec
+        inline = _steps.runs_inline(g)
+        add((INLINE_STEP if inline else STEP)[backward, dtype], terms, g.steps)
+        if not inline:
+            add(LOOP, terms)
+        if not folds:
+            add(UNFOLDED_STEP, terms, g.steps)
+        if g.masked:
+            add(MASKED[backward], terms, g.steps)
+            if g.patterns.shape[0] > 1:
+                add(GATHER, terms, g.steps)
+    pads = [(2 * Gk, Lkv, lkv_pad, D)]  # [k; v]
+    pads += [(2 * G, Lq, lq_pad, D), (G, Lq, lq_pad, 2)] if backward else [(G, Lq, lq_pad, D)]
     for pad in pads:
         s, e = _pad(*pad)
         supersteps += s
         elements += e
-    flops = (sched.backward_flops if backward else sched.forward_flops)(D, G).executed
+    return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
+
+
+def _result(sched, supersteps, elements, D, G, Gk, dtype, backward):
     copied = sum(_costmodel.pass_copies(sched, groups=G, head_dim=D, dtype=dtype,
                                         backward=backward, kv_groups=Gk).values())
-    return PassCounts(supersteps=int(supersteps), matmul_flops=int(flops),
+    return PassCounts(supersteps=int(supersteps), matmul_flops=int(pass_flops(sched, D, G,
+                                                                              backward)),
                       vector_elements=int(elements), bytes_copied=int(copied),
                       iterations=_steps.loop_steps(sched))

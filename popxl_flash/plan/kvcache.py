@@ -33,11 +33,12 @@ MAX_DECODE_Q = 16
 PREFILL_CHUNK_Q = 64
 #: Cache fills the automatic choice averages its modelled time over.
 MODEL_FILLS = (0.1, 0.5, 1.0)
-#: Ops executed by one call, fitted on the emulator to this version's graphs (least squares
-#: over B in {1, 2, 4}, 4 to 16 steps, 1 split or 2, three fills: within 3%; held to the
-#: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps
-#: + per_executed * executed steps (+ combine with splits)``.
-OPS_DECODE = dict(fixed=143, per_row=8, per_step=23, per_executed=17, combine=21)
+#: Ops executed by one call, fitted on the emulator to this version's graphs (B in {1, 2}, 8
+#: and 16 steps, 1 split or 4, fills of 100 to 4095 rows: within 1%; held to the emulator's
+#: profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps +
+#: per_executed * executed steps (+ combine with splits)``. A skipped step costs its table
+#: lookup, slices, the conditional and the state's pass-through (one state tensor).
+OPS_DECODE = dict(fixed=157, per_row=8, per_step=17, per_executed=24.5, combine=21)
 #: Ops the score modifiers add to a call, measured on the emulator (exact over three fills, one
 #: loop and split-KV): softcap per executed step; ALiBi per executed step and per call (the
 #: slopes laid out per group and negated: 4, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1

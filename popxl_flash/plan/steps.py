@@ -128,6 +128,40 @@ def step_groups(schedule, order="q_major"):
     return _groups_cached(schedule, order)
 
 
-def loop_steps(schedule):
-    """Loop iterations of one pass: one per visited block, two per split block."""
-    return sum(group.steps for group in step_groups(schedule))
+def single_block(schedule, segments=False):
+    """Whether a pass of ``schedule`` is one block (one chunk each way, visited) and, without
+    segment ids, runs as a straight line: no loop, no running state, the whole block at once
+    (a split block is not split)."""
+    return (schedule.nq == 1 and schedule.nkv == 1 and schedule.visited_blocks == 1
+            and not segments)
+
+
+def runs_inline(group, segments=False):
+    """Whether ``group`` runs inline, without a loop: one step, no segment ids (whose steps
+    dispatch on runtime tables in a loop body)."""
+    return group.steps == 1 and not segments
+
+
+def loop_steps(schedule, segments=False):
+    """Loop iterations (repeat-body executions) of one pass: one per visited block, two per
+    split block, less the steps that run without a loop (:func:`single_block`,
+    :func:`runs_inline`)."""
+    if single_block(schedule, segments):
+        return 0
+    return sum(group.steps for group in step_groups(schedule)
+               if not runs_inline(group, segments))
+
+
+def executed_cells(schedule, segments=False):
+    """(query, key) cells the block matmuls of one pass run on: the schedule's executed
+    elements, or the whole block for a :func:`single_block` pass (it does not split)."""
+    if single_block(schedule, segments):
+        return schedule.chunk_q * schedule.chunk_kv
+    return schedule.executed_elements
+
+
+def loops(schedule, segments=False):
+    """``repeat`` loops of one pass: one per step group that does not run inline."""
+    if single_block(schedule, segments):
+        return 0
+    return sum(not runs_inline(group, segments) for group in step_groups(schedule))
