@@ -61,10 +61,12 @@ from popxl_flash.api import rotary
 from popxl_flash.api.flash_attn_interface import check_alibi_slopes
 from popxl_flash.api.functional import (check_tensors, keyword_hints, modifier_inputs,
                                     segmented_attention)
-from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q, MAX_GRANULE,
+from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q,
                                       MODEL_FILLS, OPS_DECODE, OPS_MODS, PREFILL_CHUNK_Q,
-                                      DecodeCandidate, DecodeChoice, Dims, _structure,
-                                      decode_choice, evaluate, explain)
+                                      STRUCTURES, VEC_DECODE, DecodeCandidate, DecodeChoice,
+                                      Dims, _structure, decode_choice, evaluate, explain,
+                                      straight_counts)
+from popxl_flash.graph import decode
 from popxl_flash.graph.segments import MAX_LEN
 
 ops = popxl.ops
@@ -73,8 +75,8 @@ ops = popxl.ops
 __all__ = ["flash_attn_with_kvcache", "write_rows_", "check_shapes", "check_modifiers",
            "check_layout", "check_rotary", "K_CACHE_LAYOUTS", "V_CACHE_LAYOUTS",
            "KVCACHE_KEYWORD_HINTS", "Dims", "DecodeCandidate", "DecodeChoice", "decode_choice",
-           "evaluate", "explain", "DECODE_CHUNKS", "DECODE_SPLITS", "MAX_GRANULE",
-           "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
+           "evaluate", "explain", "straight_counts", "DECODE_CHUNKS", "DECODE_SPLITS",
+           "STRUCTURES", "VEC_DECODE", "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
 
 #: What an inference-only call says to dropout keywords (flash-attn's ``flash_attn_with_kvcache``
 #: has no dropout either).
@@ -352,11 +354,24 @@ def _guard_seqlens(seqlens, dims):
         clamped row) and a read reads at most the whole cache; :func:`_poison` then makes
         those rows' results NaN.
     """
+    bad, clamped, _ = _guard_lengths(seqlens, dims)
+    return bad, clamped
+
+
+def _guard_lengths(seqlens, dims):
+    """:func:`_guard_seqlens` with the straight-line pass's read lengths too.
+
+    Returns:
+        ``(bad, clamped, read)``: as :func:`_guard_seqlens`, and ``read``: the lengths in range,
+        ``Lcache - Lnew`` (the whole cache) in the bad rows, so a bad row always sees keys and
+        the straight-line pass's NaN scale reaches its out and lse.
+    """
     high = _i32(dims.cache_len - dims.new_len)
     zero = _i32(0)
     low_bad, high_bad = ops.greater(zero, seqlens), ops.greater(seqlens, high)
-    clamped = ops.where(low_bad, zero, ops.where(high_bad, high, seqlens))
-    return ops.logical_or(low_bad, high_bad), clamped
+    bad = ops.logical_or(low_bad, high_bad)
+    read = ops.where(bad, high, seqlens)
+    return bad, ops.where(low_bad, zero, read), read
 
 
 def _poison(out, lse, bad, dims):
@@ -501,7 +516,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             alibi_slopes=None, num_splits=None, return_lse=False,
                             return_softmax_lse=False, rotary_cos=None, rotary_sin=None,
                             rotary_interleaved=True, k_cache_layout="BSHD",
-                            v_cache_layout="BSHD", num_chunks_q=None, num_chunks_kv=None):
+                            v_cache_layout="BSHD", num_chunks_q=None, num_chunks_kv=None,
+                            memory_budget=None):
     """flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors: attention over a static-size
     key/value cache, prefill (``Lq > 1``) and decode (``Lq = 1``).
 
@@ -557,7 +573,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             flash-attn's name; either one).
         num_chunks_q, num_chunks_kv: chunk counts over ``Lq`` and over the whole cache
             (``None``: automatic). With splits the cache chunks are dealt to the parts, the
-            count rounded up to a multiple of ``num_splits``.
+            count rounded up to a multiple of ``num_splits``. Fixing ``num_splits`` (``>= 1``)
+            or ``num_chunks_kv`` runs a kv loop.
+        memory_budget: bytes the call may hold live beyond its inputs and outputs (``None``:
+            :func:`popxl_flash.plan.memory.default_budget`): the automatic structure is the
+            least modelled time among those whose modelled memory fits
+            (:func:`~popxl_flash.plan.kvcache.decode_choice`); an explicit budget nothing
+            meets raises ``ValueError``.
 
     Returns:
         out ``[B, Lq, Hq, D]`` in q's dtype (0 where a row sees no key); with ``return_lse``,
@@ -578,20 +600,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return_lse = check_bool("return_lse", return_lse) | \
         check_bool("return_softmax_lse", return_softmax_lse)
     rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims)
-    if num_splits in (None, 0) and (k_layout, v_layout) != ("BSHD", "BSHD"):
-        num_splits = 1  # the caches are read as views only with one kv loop
-    splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
-                                                         num_chunks_q, num_chunks_kv, mods)
+    # split-KV regroups a cache: with other layouts the automatic choice keeps to views
+    max_splits = None if (k_layout, v_layout) == ("BSHD", "BSHD") else 1
+    straight, splits, chunk_q, nq, chunk_kv, per_part = _structure(
+        dims, q.dtype.name, num_splits, num_chunks_q, num_chunks_kv, mods, causal=causal,
+        window=window, return_lse=return_lse,
+        runtime_lengths=isinstance(seqlens, popxl.Tensor), max_splits=max_splits,
+        memory_budget=memory_budget)
     with popxl.name_scope("flash_attn_with_kvcache"):
         bad = None
+        read = seqlens
         if isinstance(seqlens, popxl.Tensor):
-            bad, seqlens = _guard_seqlens(seqlens, dims)
+            if straight:
+                bad, seqlens, read = _guard_lengths(seqlens, dims)
+            else:
+                bad, seqlens = _guard_seqlens(seqlens, dims)
         if rotary is not None:
             local = causal or any(w is not None and w >= 0 for w in window)
             q, k = _rotate_new(q, k, seqlens, dims, rotary, q_at_positions=local)
         if k is not None:
             k_cache = write_rows_(k_cache, k, seqlens, k_layout)
             v_cache = write_rows_(v_cache, v, seqlens, v_layout)
+        if straight:
+            out, lse = decode.straight_pass(
+                q, k_cache, v_cache, read, new_len=dims.new_len, k_layout=k_layout,
+                v_layout=v_layout, scale=scale, causal=causal, window=window,
+                softcap=0.0 if mods is None else mods.softcap, slopes=alibi_slopes, bad=bad,
+                return_lse=return_lse)
+            return (out, lse) if return_lse else out
         lengths = _lengths(seqlens, dims)  # [B, 1, 1]
         seg = _segments(lengths, dims, splits, chunk_kv, per_part)
         qg = _q_groups(q, dims, splits)
