@@ -72,7 +72,7 @@ from popxl_flash.graph.segments import MAX_LEN
 ops = popxl.ops
 
 #: The public names, the structure choice's re-exported from :mod:`popxl_flash.plan.kvcache`.
-__all__ = ["flash_attn_with_kvcache", "write_rows_", "check_shapes", "check_modifiers",
+__all__ = ["flash_attn_with_kvcache", "write_rows_", "write_caches_", "check_shapes", "check_modifiers",
            "check_layout", "check_rotary", "K_CACHE_LAYOUTS", "V_CACHE_LAYOUTS",
            "KVCACHE_KEYWORD_HINTS", "Dims", "DecodeCandidate", "DecodeChoice", "decode_choice",
            "evaluate", "explain", "straight_counts", "DECODE_CHUNKS", "DECODE_SPLITS",
@@ -301,20 +301,43 @@ def write_rows_(cache, new, seqlens, layout="BSHD"):
     Returns:
         The updated cache (a tensor aliasing ``cache``).
     """
+    return _write_(cache, new, seqlens, layout, _row_indices(seqlens, new.shape[0]))
+
+
+def _row_indices(seqlens, batch):
+    """The int32 ``[2]`` index ``[b, seqlens[b]]`` of each batch row (``None`` for an int)."""
+    if not isinstance(seqlens, popxl.Tensor):
+        return None
+    return [ops.concat([_i32([b]), ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])],
+                       axis=0) for b in range(batch)]
+
+
+def _write_(cache, new, seqlens, layout, indices):
     B, Lnew = new.shape[0], new.shape[1]
     axis, perm = _SEQ_AXIS[layout], _FROM_BSHD[layout]
     if perm is not None:
         new = new.transpose(perm)  # the Lnew new rows only
-    if not isinstance(seqlens, popxl.Tensor):
+    if indices is None:
         return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[axis], sizes=[Lnew],
                                    no_overlap=True)
     for b in range(B):
-        start = ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])  # [1]
-        index = ops.concat([_i32([b]), start], axis=0)  # [2]: batch row, first cache row
         row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, ...] in the layout
-        cache = ops.dynamic_update_(cache, index, row, axes=[0, axis], sizes=[1, Lnew],
+        cache = ops.dynamic_update_(cache, indices[b], row, axes=[0, axis], sizes=[1, Lnew],
                                     no_overlap=True)
     return cache
+
+
+def write_caches_(k_cache, v_cache, k, v, seqlens, k_layout="BSHD", v_layout="BSHD"):
+    """:func:`write_rows_` of the new keys and values into both caches, the per-row indices
+    built once for both (one ``concat`` per batch row, then a ``dynamic_update_`` per row and
+    cache).
+
+    Returns:
+        ``(k_cache, v_cache)``: the updated caches (aliases).
+    """
+    indices = _row_indices(seqlens, k.shape[0])
+    return (_write_(k_cache, k, seqlens, k_layout, indices),
+            _write_(v_cache, v, seqlens, v_layout, indices))
 
 
 def _positions(seqlens, batch, rows):
@@ -619,8 +642,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             local = causal or any(w is not None and w >= 0 for w in window)
             q, k = _rotate_new(q, k, seqlens, dims, rotary, q_at_positions=local)
         if k is not None:
-            k_cache = write_rows_(k_cache, k, seqlens, k_layout)
-            v_cache = write_rows_(v_cache, v, seqlens, v_layout)
+            k_cache, v_cache = write_caches_(k_cache, v_cache, k, v, seqlens, k_layout,
+                                             v_layout)
         if straight:
             out, lse = decode.straight_pass(
                 q, k_cache, v_cache, read, new_len=dims.new_len, k_layout=k_layout,

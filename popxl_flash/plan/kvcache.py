@@ -35,7 +35,7 @@ MODEL_FILLS = (0.1, 0.5, 1.0)
 #: or 4, three fills: within 3%; held within 5% of the emulator's profile by
 #: ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps + per_executed *
 #: executed steps (+ combine with splits)``; the run-time guard and the write included.
-OPS_DECODE = dict(fixed=106, per_row=4, per_step=19, per_executed=17, combine=18)
+OPS_DECODE = dict(fixed=106, per_row=3, per_step=19, per_executed=17, combine=18)
 #: Vector elements of one call with a kv loop, fitted like :data:`OPS_DECODE` (within 3%):
 #: per executed step ``block`` times its scores ``G' cq c`` plus ``rows`` times its rows
 #: ``G' cq D``; per step ``step`` times ``G' cq`` (the statistics, the classification); per
@@ -241,8 +241,8 @@ def straight_counts(dims, dtype="float16", *, causal=False, window=(-1, -1), sof
     if Ln:
         update = B * Ln * Hkv * D
         if runtime_lengths:
-            steps += 4 * B  # per batch row and cache: the index concat, the update
-            vec += 2 * (2 * B + update)
+            steps += 3 * B  # per batch row: the index concat, an update per cache
+            vec += 2 * B + 2 * update
         else:
             op(update, 2)
     left, right = _window(window)
