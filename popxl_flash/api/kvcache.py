@@ -3,10 +3,16 @@
 flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors. The caches are static-size tensors the
 caller owns (variables, or by-reference inputs of a subgraph); the new keys and values are
 written into them in place at each batch row's run-time length, then every row attends to its
-first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Nothing here adds a
-loop body: the attention is the core's forward with run-time segment ids and positions
-(:mod:`popxl_flash.graph.segments`), which give exactly the per-row masks and the run-time block
-skipping a cache needs::
+first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Three structures
+(chosen by :func:`~popxl_flash.plan.kvcache.decode_choice`: least modelled time within
+``memory_budget``):
+
+* the straight-line pass (:mod:`popxl_flash.graph.decode`; one q chunk): one batched matmul over
+  the whole cache read through views, the run-time lengths compared with int32 position tables
+  as the mask, no loop;
+* one kv loop: the core's forward with run-time segment ids and positions
+  (:mod:`popxl_flash.graph.segments`), which give exactly the per-row masks and the run-time
+  block skipping a cache needs::
 
     write:     k_cache[b, s_b : s_b + Lnew] = k[b]      (dynamic_update_, per batch row)
     lengths:   n_b = s_b + Lnew                          (int32 [B], on the device)
@@ -14,8 +20,9 @@ skipping a cache needs::
     q rows:    id 0                                      q position n_b - Lq + i
     mask:      causal kv_pos <= q_pos; window q_pos - left <= kv_pos <= q_pos + right
 
-A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so a
-decode step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks.
+  A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so
+  a step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks;
+* split-KV (below).
 
 Score modifiers (flash-attn's ``softcap`` and ``alibi_slopes``) are the core's
 (:mod:`popxl_flash.graph.score_mods`), applied per block to the scores before the mask. ALiBi
@@ -548,8 +555,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` of each batch row ``b`` (the caches are the
     caller's tensors: variables, or by-reference inputs of the graph being built); then batch
     row ``b`` attends to its first ``n_b = cache_seqlens[b] + Lnew`` cache rows, query ``i``
-    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). Cache
-    chunks beyond every row's ``n_b`` are skipped at run time (no matmul).
+    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). The
+    structure (a straight-line pass over the whole cache, or a kv loop that skips the chunks
+    beyond every row's ``n_b``) is the least modelled time within ``memory_budget``.
 
     The options after ``cache_seqlens`` are keyword-only (flash-attn's positional order has
     ``rotary_cos``/``rotary_sin`` there).
@@ -565,10 +573,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         k_cache_layout: ``"BSHD"`` (flash-attn's ``[B, Lcache, Hkv, D]``, default),
             ``"BHSD"`` (``[B, Hkv, Lcache, D]``) or ``"BHDS"`` (``[B, Hkv, D, Lcache]``: k kept
             pre-transposed, as Graphcore's PopXL Llama's ``prepare_cache`` does).
-        v_cache_layout: ``"BSHD"`` (default) or ``"BHSD"``. With ``"BHSD"``/``"BHDS"`` caches
-            and one kv loop the attention reads views of the caches (no copy; the automatic
-            structure is then one kv loop); ``"BSHD"`` and split-KV regroup the cache (one
-            transpose of it per call).
+        v_cache_layout: ``"BSHD"`` (default) or ``"BHSD"``. The straight-line pass reads every
+            layout through views; with ``"BHSD"``/``"BHDS"`` caches one kv loop does too (the
+            automatic choice then weighs no split); a ``"BSHD"`` kv loop and split-KV regroup
+            the cache (one transpose of it per call).
         rotary_cos, rotary_sin: ``None`` or float tensors ``[Lro, R/2]`` (``R <= D`` rotated
             dims, ``Lro >= Lcache``; needs ``k``, ``v``): flash-attn's semantics, applied
             before the write: the new keys are rotated at their cache positions

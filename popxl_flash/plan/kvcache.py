@@ -1,14 +1,19 @@
 """KV cache, host side: the decode structure choice and its cost model (no graph code).
 
-:func:`flash_attn_with_kvcache <popxl_flash.api.kvcache.flash_attn_with_kvcache>` runs its cache
-as ``S = num_splits`` parts of chunks of ``c`` cache rows (split-KV, flash-decoding; ``S = 1``:
-one kv loop). This module chooses ``S`` and ``c`` when the caller does not:
-:func:`decode_choice` weighs the candidates (chunks :data:`DECODE_CHUNKS` times splits
-:data:`DECODE_SPLITS`) by :func:`evaluate`'s figures (exact executed FLOPs per fill, ops from
-:data:`OPS_DECODE` and :data:`OPS_MODS`, lowering copies from
-:func:`popxl_flash.plan.costmodel.pass_copies`) and :func:`explain` reports them; :func:`_structure`
-turns a call's options into its structure. Everything here is numpy on the host (see
-``docs/design.md``, "KV cache"); :mod:`popxl_flash.api.kvcache` re-exports the public names.
+:func:`flash_attn_with_kvcache <popxl_flash.api.kvcache.flash_attn_with_kvcache>` runs one of
+three structures (:data:`STRUCTURES`): the straight-line pass over the whole cache
+(:mod:`popxl_flash.graph.decode`, calls with one q chunk), one kv loop of chunks of ``c`` cache
+rows, or ``S = num_splits`` parts of such chunks (split-KV, flash-decoding). This module chooses
+when the caller does not: :func:`decode_choice` weighs the candidates (the straight-line pass,
+chunks :data:`DECODE_CHUNKS` times splits :data:`DECODE_SPLITS`) by :func:`evaluate`'s figures
+priced by the reference model (:mod:`popxl_flash.plan.ipu_time`): the straight-line pass's exact
+counts (:func:`straight_counts`), a loop's exact executed FLOPs per fill, supersteps from
+:data:`OPS_DECODE` and :data:`OPS_MODS`, vector elements from :data:`VEC_DECODE`, lowering copies
+from :func:`popxl_flash.plan.costmodel.pass_copies`; the least modelled time among the
+candidates whose modelled memory fits ``memory_budget`` wins. :func:`explain` reports them;
+:func:`_structure` turns a call's options into its structure. Everything here is numpy on the
+host (see ``docs/design.md``, "KV cache"); :mod:`popxl_flash.api.kvcache` re-exports the public
+names.
 """
 import math
 from dataclasses import dataclass
