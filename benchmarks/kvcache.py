@@ -63,7 +63,8 @@ def graphs(args):
         return lambda *t: [pf.flash_attn_with_kvcache(*t[:5], cache_seqlens=t[5], causal=True,
                                                       **options)]
     return auto, {
-        f"flash auto (splits {auto.splits}, chunk {auto.chunk_kv})": flash(),
+        (f"flash auto ({auto.structure})" if auto.straight else
+         f"flash auto (splits {auto.splits}, chunk {auto.chunk_kv})"): flash(),
         "flash one loop, chunk 64": flash(num_splits=1, num_chunks_kv=short),
         f"flash split-KV {args.splits} x chunk 64": flash(num_splits=args.splits,
                                                           num_chunks_kv=short),
@@ -116,10 +117,13 @@ def markdown(argv, args, auto, rows):
              f"`pf.flash_attn_with_kvcache`, Lq = Lnew = 1, B = {args.batch}, Hq = {args.heads}, "
              f"Hkv = {args.kv_heads}, D = {args.head_dim}, Lcache = {args.cache_len}, "
              f"{args.dtype}, causal; every batch row holds the given rows after the write. "
-             f"The automatic structure is num_splits={auto.splits} with chunks of "
-             f"{auto.chunk_kv} rows ({auto.steps} loop iterations, all executed; skipped ones "
-             "run no matmul). Naive attention computes scores over the whole cache whatever "
-             "the fill.", "",
+             + (f"The automatic structure is the straight-line pass (one pass over the whole "
+                "cache, no loop, {auto.ops[0]} supersteps modelled). " if auto.straight else
+                f"The automatic structure is num_splits={auto.splits} with chunks of "
+                f"{auto.chunk_kv} rows ({auto.steps} loop iterations). ")
+             + "Naive attention and the straight-line pass compute scores over the whole cache "
+             "whatever the fill; the loops skip chunks beyond every row's length (no matmul).",
+             "",
              "| " + " | ".join(c[0] for c in head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(fmt.format(r[key]) if key in r else "" for _, key, fmt

@@ -285,41 +285,56 @@ def decode_profile(Lc, fill, *, B=2, Hq=4, Hkv=2, D=64, **options):
 
 
 @emulator_only
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_decode_flops_follow_the_fill(splits):
-    """4096-row cache holding 100 tokens, decoding one more: the executed matmul FLOPs are
-    those of at least the 101 valid rows and at most 256 cache rows."""
+@pytest.mark.parametrize("splits,chunks", [(1, 16), (4, 64)])
+def test_decode_flops_follow_the_fill(splits, chunks):
+    """4096-row cache holding 100 tokens, decoding one more, with a kv loop of 256 cache rows
+    per step (one loop of chunk 256, or 4 splits of chunk 64): the executed matmul FLOPs are
+    those of at least the 101 valid rows and at most 256 cache rows. The automatic structure
+    (the straight-line pass) reads the whole cache, whatever the fill."""
     B, Hq, D = 2, 4, 64
-    profile = decode_profile(4096, 100, B=B, Hq=Hq, D=D, num_splits=splits)
+    profile = decode_profile(4096, 100, B=B, Hq=Hq, D=D, num_splits=splits,
+                             num_chunks_kv=chunks)
     per_row = 4 * B * Hq * D  # q k^T and p v for one cache row, Lq = 1
     assert 101 * per_row <= profile.matmul_flops <= 256 * per_row
+    auto = decode_profile(4096, 100, B=B, Hq=Hq, D=D)
+    assert auto.matmul_flops == 4096 * per_row and auto.loop_iterations == 0
+
+
+def _supersteps(profile):
+    """Supersteps without the harness's host transfers and its two identities."""
+    return profile.supersteps - sum(profile.ops_by_kind.get(k, 0)
+                                    for k in ("host_load", "host_store", "identity"))
 
 
 @emulator_only
 @pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (4, 2047)])
 def test_decode_model_counts_match_emulator(splits, fill):
-    """The decode model's FLOPs and lowering copies (PopART's rules for the segment-id loop:
+    """The kv-loop model's FLOPs and lowering copies (PopART's rules for the segment-id loop:
     costmodel.pass_copies over the runtime block classes of the fill) are the emulator's
-    exactly, and its ops within 5% (plus the harness's 12: 6 host loads, 4 host stores, 2
-    identities)."""
+    exactly, its supersteps within 5% (OPS_DECODE) and its vector elements within 10%
+    (VEC_DECODE; the harness's identities aside)."""
     Lc = 4096
     choice = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
-                                   num_splits=splits)
+                                   num_splits=splits, causal=True)
     chosen = choice.chosen
+    assert not chosen.straight  # a fixed num_splits is a kv loop
     model = kvcache.evaluate(kvcache.Dims(2, 1, Lc, 1, 4, 2, 64), chosen.splits,
                              chosen.chunk_kv, lengths=(fill + 1,))
     profile = decode_profile(Lc, fill, num_splits=splits)
     assert model.flops[0] == profile.matmul_flops
     assert model.bytes_copied == profile.bytes_copied
-    assert abs(model.ops[0] + 12 - profile.ops_executed) <= 0.05 * profile.ops_executed
+    steps = _supersteps(profile)
+    assert abs(model.ops[0] - steps) <= 0.05 * steps
+    vec = profile.vector_elements - profile.elements_by_kind.get("identity", 0)
+    assert abs(model.vector_elements[0] - vec) <= 0.10 * vec
     assert profile.loop_iterations == chosen.steps
 
 
 @emulator_only
 @pytest.mark.parametrize("splits,fill", [(1, 409), (1, 4095), (2, 300), (2, 2047), (4, 2047)])
 def test_decode_model_counts_modifier_ops_exactly(splits, fill):
-    """softcap and ALiBi ([Hq] slopes) add exactly the model's ops to a decode step (the
-    harness's one more host load for the slopes aside), and no FLOPs."""
+    """softcap and ALiBi ([Hq] slopes) add exactly the model's supersteps to a kv-loop decode
+    step (the harness's one more host load for the slopes aside), and no FLOPs."""
     Lc, dims = 4096, kvcache.Dims(2, 1, 4096, 1, 4, 2, 64)
     chunk = kvcache.decode_choice(2, 1, Lc, q_heads=4, kv_heads=2, head_dim=64,
                                   num_splits=splits, softcap=True, alibi=True).chosen.chunk_kv
@@ -329,16 +344,17 @@ def test_decode_model_counts_modifier_ops_exactly(splits, fill):
     modified = decode_profile(Lc, fill, num_splits=splits, softcap=30.0,
                               slopes=geometric_slopes(4))
     assert modified.matmul_flops == base.matmul_flops == both.flops[0]
-    assert modified.ops_executed - base.ops_executed == both.ops[0] - plain.ops[0] + 1
+    assert _supersteps(modified) - _supersteps(base) == both.ops[0] - plain.ops[0]
 
 
-def test_decode_choice_records_both_structures():
+def test_decode_choice_records_every_structure():
     choice = pf.kvcache.explain(2, 1, 4096, q_heads=4, kv_heads=2, head_dim=64)
+    assert {c.structure for c in choice.candidates} == {"straight", "loop", "split"}
     assert {c.splits for c in choice.candidates} >= {1, 2, 4}
-    assert choice.chosen.granule <= kvcache.MAX_GRANULE
-    assert "chosen: num_splits=" in choice.table()
+    assert choice.chosen.straight  # a decode step: least modelled time by far
+    assert "chosen: straight, num_splits=" in choice.table()
     forced = pf.kvcache.explain(2, 1, 4096, q_heads=4, head_dim=64, num_splits=4)
-    assert forced.chosen.splits == 4
+    assert forced.chosen.splits == 4 and not any(c.straight for c in forced.candidates)
 
 
 # -- build-time errors -------------------------------------------------------------------------
@@ -536,5 +552,8 @@ def test_benchmark_section_replaces_its_markers(tmp_path):
         by = {(r["fill"], r["graph"].split(" (")[0]): r for r in rows}
         naive = [r for r in rows if r["graph"] == "naive over the cache"]
         assert naive[0]["matmul_flops"] == naive[1]["matmul_flops"]  # whatever the fill
+        loop = [r for k, r in by.items() if k[1] == "flash one loop, chunk 64"]
+        assert loop[0]["matmul_flops"] < loop[1]["matmul_flops"]  # follows the fill
         auto = [r for k, r in by.items() if k[1] == "flash auto"]
-        assert auto[0]["matmul_flops"] < auto[1]["matmul_flops"]  # follows the fill
+        assert auto[0]["matmul_flops"] == naive[0]["matmul_flops"]  # the straight-line pass
+        assert auto[0]["iterations"] == 0

@@ -97,18 +97,23 @@ def _whole_cache_copies(ir, cache_elements):
 @pytest.mark.parametrize("k_layout,v_layout", [("BHDS", "BHSD"), ("BHSD", "BHSD")])
 @pytest.mark.parametrize("Lq", [1, 16], ids=["decode", "prefill"])
 def test_graphcore_layouts_read_the_cache_in_place(k_layout, v_layout, Lq):
-    """A decode step (and a prefill) over a 1024-row cache in Graphcore's layouts: no op makes
-    a cache-sized tensor except the in-place writes and views (the BSHD call has one transpose
-    and one reshape copy per cache), the same lowering copies and matmul FLOPs as BSHD, and
-    at most one op more (BHDS's transpose_ view)."""
+    """A decode step (and a prefill) over a 1024-row cache in Graphcore's layouts with one kv
+    loop: no op makes a cache-sized tensor except the in-place writes and views (the BSHD call
+    has one transpose and one reshape copy per cache), the same lowering copies and matmul
+    FLOPs as BSHD, and at most one op more (BHDS's transpose_ view). The automatic structure
+    (the straight-line pass) reads every layout, BSHD too, through views."""
     B, Lc, Hq, Hkv, D = 2, 1024, 4, 2, 64
     case = make_case(3, B, Lq, Lc, Hq, Hkv, D, "float16", seqlens=[100, 300])
     cache_elements = B * Lc * Hkv * D
     profiles, copies = {}, {}
     for pair in [(k_layout, v_layout), ("BSHD", "BSHD")]:
         irs = []
-        *_, run = run_layout(case, *pair, readback=False, irs=irs, causal=True)
+        *_, run = run_layout(case, *pair, readback=False, irs=irs, causal=True, num_splits=1)
         profiles[pair], copies[pair] = run.profile, _whole_cache_copies(irs[0], cache_elements)
+        irs = []
+        *_, straight = run_layout(case, *pair, readback=False, irs=irs, causal=True)
+        assert straight.profile.loop_iterations == 0  # the straight-line pass
+        assert _whole_cache_copies(irs[0], cache_elements) == []
     new, base = profiles[(k_layout, v_layout)], profiles[("BSHD", "BSHD")]
     assert copies[(k_layout, v_layout)] == []
     assert sorted(kind for _, kind in copies[("BSHD", "BSHD")]) == \

@@ -1,7 +1,7 @@
 """Host-side models against the emulator's counts where the other tests leave gaps: the
 context-parallel explain with chunk lengths that do not divide each other and in float16, and
-the decode structure choice as a rule (the least modelled time among the admissible candidates
-it evaluated, each the model's own evaluation).
+the decode structure choice as a rule (the least modelled time among the candidates that fit
+the memory budget, each the model's own evaluation).
 """
 import math
 
@@ -51,21 +51,33 @@ def test_context_parallel_explain_is_exact(R, layout, steps, chunks, causal, dty
     (2, 1, 4096, 4, 2, 64, {}), (1, 1, 512, 8, 1, 128, {}), (4, 4, 2048, 4, 4, 64,
                                                              dict(alibi=True)),
     (2, 32, 1024, 4, 2, 64, {}), (1, 1, 100, 2, 2, 16, dict(softcap=True)),
+    (1, 16, 4096, 32, 4, 64, {}),
 ])
 def test_decode_choice_is_the_least_modelled_time(B, Lq, Lc, Hq, Hkv, D, mods):
     """The automatic structure is a candidate the choice evaluated, each candidate's figures
     are the model's (kvcache.evaluate), and it has the least modelled time among the
-    admissible candidates: those whose granule (rows per step) is within the plan's bound
-    ``MAX_GRANULE`` while the plan has one (all candidates when none is admissible, or when
-    the plan drops the bound)."""
-    choice = kvcache.decode_choice(B, Lq, Lc, q_heads=Hq, kv_heads=Hkv, head_dim=D, **mods)
+    candidates that fit the memory budget (the default one, and one that excludes the
+    fastest candidate)."""
     dims = kvcache.Dims(B, Lq, Lc, Lq, Hq, Hkv, D)
-    assert choice.chosen in choice.candidates and len(choice.candidates) >= 1
-    for c in choice.candidates:
-        again = kvcache.evaluate(dims, c.splits, c.chunk_kv, **mods)
-        assert (again.seconds, again.flops, again.ops) == (c.seconds, c.flops, c.ops)
-    bound = getattr(kvcache, "MAX_GRANULE", math.inf)
-    admissible = [c for c in choice.candidates if c.granule <= bound] or choice.candidates
-    assert choice.chosen.seconds == min(c.seconds for c in admissible)
+    budgets = [None]
+    for budget in budgets:
+        choice = kvcache.decode_choice(B, Lq, Lc, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                                       memory_budget=budget, **mods)
+        assert choice.chosen in choice.candidates and len(choice.candidates) >= 1
+        for c in choice.candidates:
+            again = kvcache.evaluate(dims, c.splits, c.chunk_kv, straight=c.straight,
+                                     memory_budget=budget, **mods)
+            assert (again.seconds, again.flops, again.ops, again.memory_bytes, again.fits) == \
+                (c.seconds, c.flops, c.ops, c.memory_bytes, c.fits)
+        fitting = [c for c in choice.candidates if c.fits]
+        assert choice.chosen.fits
+        assert choice.chosen.seconds == min(c.seconds for c in fitting)
+        if budget is None:
+            others = [c.memory_bytes for c in fitting if c is not choice.chosen
+                      and c.memory_bytes < choice.chosen.memory_bytes]
+            if others:  # a budget the chosen one misses, some other one meets
+                budgets.append(max(others))
+    if Lq == 16:  # the large straight-line score matrix: a budget below it picks a loop
+        assert len(budgets) == 2 and not choice.chosen.straight
     if Lq == 1 and Lc >= 1024:  # several structures were weighed
-        assert len({(c.splits, c.chunk_kv) for c in choice.candidates}) > 1
+        assert len({(c.structure, c.splits, c.chunk_kv) for c in choice.candidates}) > 1

@@ -3,10 +3,16 @@
 flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors. The caches are static-size tensors the
 caller owns (variables, or by-reference inputs of a subgraph); the new keys and values are
 written into them in place at each batch row's run-time length, then every row attends to its
-first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Nothing here adds a
-loop body: the attention is the core's forward with run-time segment ids and positions
-(:mod:`popxl_flash.graph.segments`), which give exactly the per-row masks and the run-time block
-skipping a cache needs::
+first ``cache_seqlens[b] + Lnew`` cache rows, causal aligned bottom-right. Three structures
+(chosen by :func:`~popxl_flash.plan.kvcache.decode_choice`: least modelled time within
+``memory_budget``):
+
+* the straight-line pass (:mod:`popxl_flash.graph.decode`; one q chunk): one batched matmul over
+  the whole cache read through views, the run-time lengths compared with int32 position tables
+  as the mask, no loop;
+* one kv loop: the core's forward with run-time segment ids and positions
+  (:mod:`popxl_flash.graph.segments`), which give exactly the per-row masks and the run-time
+  block skipping a cache needs::
 
     write:     k_cache[b, s_b : s_b + Lnew] = k[b]      (dynamic_update_, per batch row)
     lengths:   n_b = s_b + Lnew                          (int32 [B], on the device)
@@ -14,8 +20,9 @@ skipping a cache needs::
     q rows:    id 0                                      q position n_b - Lq + i
     mask:      causal kv_pos <= q_pos; window q_pos - left <= kv_pos <= q_pos + right
 
-A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so a
-decode step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks.
+  A kv chunk whose rows are padding for every batch row is skipped at run time (no matmul), so
+  a step costs the matmul FLOPs of the longest row's length, rounded up to whole chunks;
+* split-KV (below).
 
 Score modifiers (flash-attn's ``softcap`` and ``alibi_slopes``) are the core's
 (:mod:`popxl_flash.graph.score_mods`), applied per block to the scores before the mask. ALiBi
@@ -61,20 +68,22 @@ from popxl_flash.api import rotary
 from popxl_flash.api.flash_attn_interface import check_alibi_slopes
 from popxl_flash.api.functional import (check_tensors, keyword_hints, modifier_inputs,
                                     segmented_attention)
-from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q, MAX_GRANULE,
+from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q,
                                       MODEL_FILLS, OPS_DECODE, OPS_MODS, PREFILL_CHUNK_Q,
-                                      DecodeCandidate, DecodeChoice, Dims, _structure,
-                                      decode_choice, evaluate, explain)
+                                      STRUCTURES, VEC_DECODE, DecodeCandidate, DecodeChoice,
+                                      Dims, _structure, decode_choice, evaluate, explain,
+                                      straight_counts)
+from popxl_flash.graph import decode
 from popxl_flash.graph.segments import MAX_LEN
 
 ops = popxl.ops
 
 #: The public names, the structure choice's re-exported from :mod:`popxl_flash.plan.kvcache`.
-__all__ = ["flash_attn_with_kvcache", "write_rows_", "check_shapes", "check_modifiers",
+__all__ = ["flash_attn_with_kvcache", "write_rows_", "write_caches_", "check_shapes", "check_modifiers",
            "check_layout", "check_rotary", "K_CACHE_LAYOUTS", "V_CACHE_LAYOUTS",
            "KVCACHE_KEYWORD_HINTS", "Dims", "DecodeCandidate", "DecodeChoice", "decode_choice",
-           "evaluate", "explain", "DECODE_CHUNKS", "DECODE_SPLITS", "MAX_GRANULE",
-           "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
+           "evaluate", "explain", "straight_counts", "DECODE_CHUNKS", "DECODE_SPLITS",
+           "STRUCTURES", "VEC_DECODE", "MAX_DECODE_Q", "PREFILL_CHUNK_Q", "MODEL_FILLS", "OPS_DECODE", "OPS_MODS"]
 
 #: What an inference-only call says to dropout keywords (flash-attn's ``flash_attn_with_kvcache``
 #: has no dropout either).
@@ -303,20 +312,43 @@ def write_rows_(cache, new, seqlens, layout="BSHD"):
     Returns:
         The updated cache (a tensor aliasing ``cache``).
     """
+    return _write_(cache, new, seqlens, layout, _row_indices(seqlens, new.shape[0]))
+
+
+def _row_indices(seqlens, batch):
+    """The int32 ``[2]`` index ``[b, seqlens[b]]`` of each batch row (``None`` for an int)."""
+    if not isinstance(seqlens, popxl.Tensor):
+        return None
+    return [ops.concat([_i32([b]), ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])],
+                       axis=0) for b in range(batch)]
+
+
+def _write_(cache, new, seqlens, layout, indices):
     B, Lnew = new.shape[0], new.shape[1]
     axis, perm = _SEQ_AXIS[layout], _FROM_BSHD[layout]
     if perm is not None:
         new = new.transpose(perm)  # the Lnew new rows only
-    if not isinstance(seqlens, popxl.Tensor):
+    if indices is None:
         return ops.dynamic_update_(cache, _i32([seqlens]), new, axes=[axis], sizes=[Lnew],
                                    no_overlap=True)
     for b in range(B):
-        start = ops.slice(seqlens, start=[b], stop=[b + 1], axis=[0])  # [1]
-        index = ops.concat([_i32([b]), start], axis=0)  # [2]: batch row, first cache row
         row = ops.slice(new, start=[b], stop=[b + 1], axis=[0])  # [1, ...] in the layout
-        cache = ops.dynamic_update_(cache, index, row, axes=[0, axis], sizes=[1, Lnew],
+        cache = ops.dynamic_update_(cache, indices[b], row, axes=[0, axis], sizes=[1, Lnew],
                                     no_overlap=True)
     return cache
+
+
+def write_caches_(k_cache, v_cache, k, v, seqlens, k_layout="BSHD", v_layout="BSHD"):
+    """:func:`write_rows_` of the new keys and values into both caches, the per-row indices
+    built once for both (one ``concat`` per batch row, then a ``dynamic_update_`` per row and
+    cache).
+
+    Returns:
+        ``(k_cache, v_cache)``: the updated caches (aliases).
+    """
+    indices = _row_indices(seqlens, k.shape[0])
+    return (_write_(k_cache, k, seqlens, k_layout, indices),
+            _write_(v_cache, v, seqlens, v_layout, indices))
 
 
 def _positions(seqlens, batch, rows):
@@ -356,11 +388,24 @@ def _guard_seqlens(seqlens, dims):
         clamped row) and a read reads at most the whole cache; :func:`_poison` then makes
         those rows' results NaN.
     """
+    bad, clamped, _ = _guard_lengths(seqlens, dims)
+    return bad, clamped
+
+
+def _guard_lengths(seqlens, dims):
+    """:func:`_guard_seqlens` with the straight-line pass's read lengths too.
+
+    Returns:
+        ``(bad, clamped, read)``: as :func:`_guard_seqlens`, and ``read``: the lengths in range,
+        ``Lcache - Lnew`` (the whole cache) in the bad rows, so a bad row always sees keys and
+        the straight-line pass's NaN scale reaches its out and lse.
+    """
     high = _i32(dims.cache_len - dims.new_len)
     zero = _i32(0)
     low_bad, high_bad = ops.greater(zero, seqlens), ops.greater(seqlens, high)
-    clamped = ops.where(low_bad, zero, ops.where(high_bad, high, seqlens))
-    return ops.logical_or(low_bad, high_bad), clamped
+    bad = ops.logical_or(low_bad, high_bad)
+    read = ops.where(bad, high, seqlens)
+    return bad, ops.where(low_bad, zero, read), read
 
 
 def _poison(out, lse, bad, dims):
@@ -505,7 +550,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             alibi_slopes=None, num_splits=None, return_lse=False,
                             return_softmax_lse=False, rotary_cos=None, rotary_sin=None,
                             rotary_interleaved=True, k_cache_layout="BSHD",
-                            v_cache_layout="BSHD", num_chunks_q=None, num_chunks_kv=None):
+                            v_cache_layout="BSHD", num_chunks_q=None, num_chunks_kv=None,
+                            memory_budget=None):
     """flash-attn's ``flash_attn_with_kvcache`` on PopXL tensors: attention over a static-size
     key/value cache, prefill (``Lq > 1``) and decode (``Lq = 1``).
 
@@ -513,8 +559,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` of each batch row ``b`` (the caches are the
     caller's tensors: variables, or by-reference inputs of the graph being built); then batch
     row ``b`` attends to its first ``n_b = cache_seqlens[b] + Lnew`` cache rows, query ``i``
-    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). Cache
-    chunks beyond every row's ``n_b`` are skipped at run time (no matmul).
+    sitting at position ``n_b - Lq + i`` (causal aligned bottom-right, as flash-attn). The
+    structure (a straight-line pass over the whole cache, or a kv loop that skips the chunks
+    beyond every row's ``n_b``) is the least modelled time within ``memory_budget``.
 
     The options after ``cache_seqlens`` are keyword-only (flash-attn's positional order has
     ``rotary_cos``/``rotary_sin`` there).
@@ -531,10 +578,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         k_cache_layout: ``"BSHD"`` (flash-attn's ``[B, Lcache, Hkv, D]``, default),
             ``"BHSD"`` (``[B, Hkv, Lcache, D]``) or ``"BHDS"`` (``[B, Hkv, D, Lcache]``: k kept
             pre-transposed, as Graphcore's PopXL Llama's ``prepare_cache`` does).
-        v_cache_layout: ``"BSHD"`` (default) or ``"BHSD"``. With ``"BHSD"``/``"BHDS"`` caches
-            and one kv loop the attention reads views of the caches (no copy; the automatic
-            structure is then one kv loop); ``"BSHD"`` and split-KV regroup the cache (one
-            transpose of it per call).
+        v_cache_layout: ``"BSHD"`` (default) or ``"BHSD"``. The straight-line pass reads every
+            layout through views; with ``"BHSD"``/``"BHDS"`` caches one kv loop does too (the
+            automatic choice then weighs no split); a ``"BSHD"`` kv loop and split-KV regroup
+            the cache (one transpose of it per call).
         rotary_cos, rotary_sin: ``None`` or float tensors ``[Lro, R/2]`` (``R <= D`` rotated
             dims, ``Lro >= Lcache``, ``+ Lq - Lnew`` if ``Lq > Lnew``; needs ``k``, ``v``):
             flash-attn's semantics, applied before the write: the new keys are rotated at
@@ -564,7 +611,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             flash-attn's name; either one).
         num_chunks_q, num_chunks_kv: chunk counts over ``Lq`` and over the whole cache
             (``None``: automatic). With splits the cache chunks are dealt to the parts, the
-            count rounded up to a multiple of ``num_splits``.
+            count rounded up to a multiple of ``num_splits``. Fixing ``num_splits`` (``>= 1``)
+            or ``num_chunks_kv`` runs a kv loop.
+        memory_budget: bytes the call may hold live beyond its inputs and outputs (``None``:
+            :func:`popxl_flash.plan.memory.default_budget`): the automatic structure is the
+            least modelled time among those whose modelled memory fits
+            (:func:`~popxl_flash.plan.kvcache.decode_choice`); an explicit budget nothing
+            meets raises ``ValueError``.
 
     Returns:
         out ``[B, Lq, Hq, D]`` in q's dtype (0 where a row sees no key); with ``return_lse``,
@@ -585,20 +638,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return_lse = check_bool("return_lse", return_lse) | \
         check_bool("return_softmax_lse", return_softmax_lse)
     rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dims)
-    if num_splits in (None, 0) and (k_layout, v_layout) != ("BSHD", "BSHD"):
-        num_splits = 1  # the caches are read as views only with one kv loop
-    splits, chunk_q, nq, chunk_kv, per_part = _structure(dims, q.dtype.name, num_splits,
-                                                         num_chunks_q, num_chunks_kv, mods)
+    # split-KV regroups a cache: with other layouts the automatic choice keeps to views
+    max_splits = None if (k_layout, v_layout) == ("BSHD", "BSHD") else 1
+    straight, splits, chunk_q, nq, chunk_kv, per_part = _structure(
+        dims, q.dtype.name, num_splits, num_chunks_q, num_chunks_kv, mods, causal=causal,
+        window=window, return_lse=return_lse,
+        runtime_lengths=isinstance(seqlens, popxl.Tensor), max_splits=max_splits,
+        memory_budget=memory_budget)
     with popxl.name_scope("flash_attn_with_kvcache"):
         bad = None
+        read = seqlens
         if isinstance(seqlens, popxl.Tensor):
-            bad, seqlens = _guard_seqlens(seqlens, dims)
+            if straight:
+                bad, seqlens, read = _guard_lengths(seqlens, dims)
+            else:
+                bad, seqlens = _guard_seqlens(seqlens, dims)
         if rotary is not None:
             local = causal or any(w is not None and w >= 0 for w in window)
             q, k = _rotate_new(q, k, seqlens, dims, rotary, q_at_positions=local)
         if k is not None:
-            k_cache = write_rows_(k_cache, k, seqlens, k_layout)
-            v_cache = write_rows_(v_cache, v, seqlens, v_layout)
+            k_cache, v_cache = write_caches_(k_cache, v_cache, k, v, seqlens, k_layout,
+                                             v_layout)
+        if straight:
+            out, lse = decode.straight_pass(
+                q, k_cache, v_cache, read, new_len=dims.new_len, k_layout=k_layout,
+                v_layout=v_layout, scale=scale, causal=causal, window=window,
+                softcap=0.0 if mods is None else mods.softcap, slopes=alibi_slopes, bad=bad,
+                return_lse=return_lse)
+            return (out, lse) if return_lse else out
         lengths = _lengths(seqlens, dims)  # [B, 1, 1]
         seg = _segments(lengths, dims, splits, chunk_kv, per_part)
         qg = _q_groups(q, dims, splits)

@@ -1,14 +1,19 @@
 """KV cache, host side: the decode structure choice and its cost model (no graph code).
 
-:func:`flash_attn_with_kvcache <popxl_flash.api.kvcache.flash_attn_with_kvcache>` runs its cache
-as ``S = num_splits`` parts of chunks of ``c`` cache rows (split-KV, flash-decoding; ``S = 1``:
-one kv loop). This module chooses ``S`` and ``c`` when the caller does not:
-:func:`decode_choice` weighs the candidates (chunks :data:`DECODE_CHUNKS` times splits
-:data:`DECODE_SPLITS`) by :func:`evaluate`'s figures (exact executed FLOPs per fill, ops from
-:data:`OPS_DECODE` and :data:`OPS_MODS`, lowering copies from
-:func:`popxl_flash.plan.costmodel.pass_copies`) and :func:`explain` reports them; :func:`_structure`
-turns a call's options into its structure. Everything here is numpy on the host (see
-``docs/design.md``, "KV cache"); :mod:`popxl_flash.api.kvcache` re-exports the public names.
+:func:`flash_attn_with_kvcache <popxl_flash.api.kvcache.flash_attn_with_kvcache>` runs one of
+three structures (:data:`STRUCTURES`): the straight-line pass over the whole cache
+(:mod:`popxl_flash.graph.decode`, calls with one q chunk), one kv loop of chunks of ``c`` cache
+rows, or ``S = num_splits`` parts of such chunks (split-KV, flash-decoding). This module chooses
+when the caller does not: :func:`decode_choice` weighs the candidates (the straight-line pass,
+chunks :data:`DECODE_CHUNKS` times splits :data:`DECODE_SPLITS`) by :func:`evaluate`'s figures
+priced by the reference model (:mod:`popxl_flash.plan.ipu_time`): the straight-line pass's exact
+counts (:func:`straight_counts`), a loop's exact executed FLOPs per fill, supersteps from
+:data:`OPS_DECODE` and :data:`OPS_MODS`, vector elements from :data:`VEC_DECODE`, lowering copies
+from :func:`popxl_flash.plan.costmodel.pass_copies`; the least modelled time among the
+candidates whose modelled memory fits ``memory_budget`` wins. :func:`explain` reports them;
+:func:`_structure` turns a call's options into its structure. Everything here is numpy on the
+host (see ``docs/design.md``, "KV cache"); :mod:`popxl_flash.api.kvcache` re-exports the public
+names.
 """
 import math
 from dataclasses import dataclass
@@ -24,26 +29,33 @@ from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
 DECODE_CHUNKS = (16, 32, 64, 128, 256)
 #: Split counts the automatic decode choice tries.
 DECODE_SPLITS = (1, 2, 4, 8)
-#: Largest skipping granule (``chunk x splits`` cache rows) the automatic choice accepts: the
-#: executed work of a step exceeds the filled rows by less than one granule.
-MAX_GRANULE = 256
 #: Largest ``Lq`` treated as a decode shape (one q chunk; larger ``Lq`` is a prefill: q chunks
 #: of at most :data:`PREFILL_CHUNK_Q` rows, no split).
 MAX_DECODE_Q = 16
 PREFILL_CHUNK_Q = 64
 #: Cache fills the automatic choice averages its modelled time over.
 MODEL_FILLS = (0.1, 0.5, 1.0)
-#: Ops executed by one call, fitted on the emulator to this version's graphs (B in {1, 2}, 8
-#: and 16 steps, 1 split or 4, fills of 100 to 4095 rows: within 1%; held to the emulator's
-#: profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps +
-#: per_executed * executed steps (+ combine with splits)``. A skipped step costs its table
-#: lookup, slices, the conditional and the state's pass-through (one state tensor).
-OPS_DECODE = dict(fixed=157, per_row=8, per_step=17, per_executed=24.5, combine=21)
-#: Ops the score modifiers add to a call, measured on the emulator (exact over three fills, one
-#: loop and split-KV): softcap per executed step; ALiBi per executed step and per call (the
-#: slopes laid out per group and negated: 4, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1
-#: with splits; the model counts ``[Hq]``). Skipped steps run none of them.
-OPS_MODS = dict(softcap=3, alibi=5, alibi_fixed=4)
+#: Supersteps (executed ops other than pure views) of one call with a kv loop, fitted on the
+#: emulator to this version's graphs (least squares over B in {1, 2}, 2 to 32 steps, 1 split
+#: or 4, three fills: within 3%; held within 5% of the emulator's profile by
+#: ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps + per_executed *
+#: executed steps (+ combine with splits)``; the run-time guard and the write included.
+OPS_DECODE = dict(fixed=106, per_row=3, per_step=19, per_executed=17, combine=18)
+#: Vector elements of one call with a kv loop, fitted like :data:`OPS_DECODE` (within 3%):
+#: per executed step ``block`` times its scores ``G' cq c`` plus ``rows`` times its rows
+#: ``G' cq D``; per step ``step`` times ``G' cq`` (the statistics, the classification); per
+#: call ``cache`` times the regrouped cache rows and their ids and positions ``Gk' P (D + 2)``.
+VEC_DECODE = dict(block=1.65, rows=3.9, step=36.7, cache=2.6)
+#: Supersteps the score modifiers add to a call with a kv loop, measured on the emulator (exact
+#: over three fills, one loop and split-KV): softcap per executed step; ALiBi per executed step
+#: and per call (the negated slopes: 1, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1 with
+#: splits; the model counts ``[Hq]``). Skipped steps run none of them.
+OPS_MODS = dict(softcap=3, alibi=5, alibi_fixed=1)
+#: Bytes of the straight-line pass per score element ``[B, Hq, Lq, Lc]`` live beyond inputs and
+#: outputs (an upper bound of the emulator's liveness: float32 scores, masked scores, softmax,
+#: the cast; held by ``tests/test_decode.py``), and per mask element (bool, the int32 tables).
+STRAIGHT_BYTES_PER_SCORE = {"float16": 14, "float32": 12}
+STRAIGHT_BYTES_PER_MASK = 13
 
 
 @dataclass(frozen=True)
@@ -64,19 +76,29 @@ class Dims:
 
 
 # -- structure choice ------------------------------------------------------------------------
+#: The structures of a call: one straight-line pass over the whole cache (no loop), one kv loop
+#: with chunks, split-KV (the loop over ``splits`` parts).
+STRUCTURES = ("straight", "loop", "split")
+
+
 @dataclass(frozen=True)
 class DecodeCandidate:
-    """One structure of a call: ``splits`` parts, chunks of ``chunk_kv`` cache rows.
+    """One structure of a call.
 
     Attributes:
+        structure: ``"straight"`` (one pass over the whole cache: ``splits = 1``, ``chunk_kv =
+            Lcache``, no loop), ``"loop"`` (one kv loop) or ``"split"`` (split-KV).
         splits, chunk_kv, chunk_q: the structure.
-        steps: loop iterations (all run; skipped ones run no matmul).
+        steps: loop iterations (all run; skipped ones run no matmul; 0 for straight).
         granule: cache rows per step (``splits x chunk_kv``).
         flops: executed matmul FLOPs at each fill of :data:`MODEL_FILLS` (exact for rows of
             that length).
-        ops: modelled ops executed at each fill.
+        ops: modelled supersteps (executed ops other than views) at each fill.
+        vector_elements: modelled vector elements at each fill.
         bytes_copied: modelled lowering copies of one call (mean over the fills).
-        seconds: modelled time averaged over the fills.
+        memory_bytes: modelled bytes live beyond the call's inputs and outputs (an upper bound).
+        seconds: modelled time (:func:`popxl_flash.plan.ipu_time.time`) averaged over the fills.
+        fits: ``memory_bytes`` within the budget.
     """
     splits: int
     chunk_kv: int
@@ -87,6 +109,14 @@ class DecodeCandidate:
     ops: tuple
     bytes_copied: int
     seconds: float
+    structure: str = "loop"
+    vector_elements: tuple = ()
+    memory_bytes: int = 0
+    fits: bool = True
+
+    @property
+    def straight(self):
+        return self.structure == "straight"
 
 
 @dataclass(frozen=True)
@@ -95,22 +125,25 @@ class DecodeChoice:
     chosen: DecodeCandidate
     candidates: tuple
     reason: str
+    memory_budget: int = 0
 
     def table(self):
         """The candidates as a text table (the chosen one marked ``*``)."""
         fills = "/".join(f"{int(f * 100)}%" for f in MODEL_FILLS)
-        head = ("", "splits", "chunk", "granule", "steps", f"MFLOP {fills}", f"ops {fills}",
-                "model us")
+        head = ("", "structure", "splits", "chunk", "steps", f"MFLOP {fills}",
+                f"supersteps {fills}", "MiB", "fits", "modelled us")
         rows = [head]
         for c in self.candidates:
-            rows.append(("*" if c is self.chosen else "", str(c.splits), str(c.chunk_kv),
-                         str(c.granule), str(c.steps),
+            rows.append(("*" if c is self.chosen else "", c.structure, str(c.splits),
+                         str(c.chunk_kv), str(c.steps),
                          "/".join(f"{f / 1e6:.2f}" for f in c.flops),
-                         "/".join(str(o) for o in c.ops), f"{c.seconds * 1e6:.1f}"))
+                         "/".join(str(o) for o in c.ops), f"{c.memory_bytes / 2 ** 20:.2f}",
+                         "yes" if c.fits else "NO", f"{c.seconds * 1e6:.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-        return "\n".join(lines + [f"chosen: num_splits={self.chosen.splits}, chunk "
-                                  f"{self.chosen.chunk_kv} ({self.reason})"])
+        return "\n".join(lines + [f"chosen: {self.chosen.structure}, num_splits="
+                                  f"{self.chosen.splits}, chunk {self.chosen.chunk_kv} "
+                                  f"({self.reason})"])
 
 
 def _balanced(length, target):
@@ -154,41 +187,172 @@ def _mod_ops(dims, splits, softcap, alibi):
     return fixed, per_step
 
 
+def _window(window):
+    return tuple(None if w is None or w < 0 else int(w) for w in window)
+
+
+def _empties_possible(q_len, new_len, causal, window):
+    """Whether a row of an in-range call can see no key (:func:`popxl_flash.graph.decode`)."""
+    if new_len == 0:
+        return True
+    right = _window(window)[1]
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return right is not None and new_len - q_len + right < 0
+
+
+def straight_counts(dims, dtype="float16", *, causal=False, window=(-1, -1), softcap=False,
+                    alibi=False, return_lse=False, runtime_lengths=True, scale=None):
+    """Counted work of the straight-line pass (:mod:`popxl_flash.graph.decode`) of one call:
+    the guard, the write of the new rows, the pass; rotary and host transfers excluded.
+
+    Args:
+        dims: the call's :class:`Dims`; dtype: its name.
+        causal, window: the mask; softcap (the cap, or a bool), alibi: the score modifiers.
+        return_lse: whether the call returns the logsumexp.
+        scale: the softmax scale (``None``: ``1/sqrt(D)``); with an int ``cache_seqlens`` it
+            decides whether the scale folds into q (float32, or a power of two).
+        runtime_lengths: ``cache_seqlens`` is a tensor (else an int: a constant mask, counted
+            as if some rows were masked).
+
+    Returns:
+        :class:`popxl_flash.plan.ipu_time.WorkCounts` (exact on this version's graphs; held to
+        the emulator's profile by ``tests/test_decode.py``).
+    """
+    from popxl_flash.plan.ipu_time import WorkCounts
+    B, Lq, Lc, Ln = dims.batch, dims.q_len, dims.cache_len, dims.new_len
+    Hq, Hkv, D = dims.q_heads, dims.kv_heads, dims.head_dim
+    half = dtype == "float16"
+    S = B * Hq * Lq * Lc  # score elements
+    M = B * Lq * Lc  # mask elements
+    R = B * Hq * Lq  # rows
+    steps = vec = 0
+
+    def op(elements, count=1):
+        nonlocal steps, vec
+        steps += count
+        vec += elements * count
+
+    if runtime_lengths:
+        op(B, 5)  # guard: two comparisons, or, two selects (read lengths, write lengths)
+        op(B, 2)  # the per-row scale: select, sqrt
+        on_q = not half  # float32: on q; float16: on the float32 scores, no cast
+    else:
+        factor = (1.0 / math.sqrt(D) if scale is None else scale)
+        if softcap:
+            factor = factor / (softcap if not isinstance(softcap, bool) else 3.0)
+        on_q = not half or math.frexp(factor)[0] == 0.5  # graph.decode.folds_exactly
+    op(B * Lq * Hq * D if on_q else S)  # the scale
+    if Ln:
+        update = B * Ln * Hkv * D
+        if runtime_lengths:
+            steps += 3 * B  # per batch row: the index concat, an update per cache
+            vec += 2 * B + 2 * update
+        else:
+            op(update, 2)
+    left, right = _window(window)
+    if runtime_lengths:
+        op(M)  # lengths > lo
+        if left is not None:
+            op(M, 2)  # lengths <= hi, and
+    if softcap:
+        op(S, 2)  # tanh, * cap
+    if alibi:
+        if runtime_lengths:
+            op(M, 3)  # q_pos - j, cast, abs
+        op(S, 2)  # slope * distance, subtract
+    op(S)  # where (an int cache_seqlens whose mask is all true has none: not modelled)
+    op(S)  # softmax
+    if half:
+        op(S)  # cast of p
+    if return_lse:
+        op(R, 4)  # max of s, max of p, log, subtract
+    if _empties_possible(Lq, Ln, causal, window):
+        op(R * D)  # out of rows that see nothing
+        if return_lse:
+            op(R)
+    steps += 2  # the matmuls
+    flops = 4 * B * Hq * Lq * Lc * D
+    return WorkCounts(supersteps=steps, matmul_flops=flops, vector_elements=vec)
+
+
+def straight_bytes(dims, dtype="float16", alibi=False):
+    """Upper bound of the straight-line pass's live bytes beyond its inputs and outputs (the
+    scores and their successors, the mask and its int32 tables)."""
+    S = dims.batch * dims.q_heads * dims.q_len * dims.cache_len
+    M = dims.batch * dims.q_len * dims.cache_len
+    per_score = STRAIGHT_BYTES_PER_SCORE[dtype] + (8 if alibi else 0)
+    return int(per_score * S + (STRAIGHT_BYTES_PER_MASK + (12 if alibi else 0)) * M + 4096)
+
+
+def _loop_bytes(dims, dtype, splits, chunk_kv, chunk_q, padded):
+    """Upper bound of a kv loop's live bytes beyond inputs and outputs: the regrouped caches
+    (the ``"BSHD"`` transpose, split-KV), the segment ids and positions, the core's state and
+    block temporaries."""
+    item = 2 if dtype == "float16" else 4
+    G = dims.batch * dims.q_heads * splits
+    Gk = dims.batch * dims.kv_heads * splits
+    P = padded // splits
+    caches = 2 * Gk * P * dims.head_dim * item
+    segments = 3 * Gk * P * 4 + 2 * G * dims.q_len * 4
+    state = G * dims.q_len * (dims.head_dim + 2) * 4 * 3
+    blocks = 4 * G * chunk_q * chunk_kv * 4
+    return int(2 * (caches + segments) + state + blocks + 65536)
+
+
 def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=False,
-             alibi=False):
+             alibi=False, *, straight=False, causal=False, window=(-1, -1), return_lse=False,
+             runtime_lengths=True, memory_budget=None):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
     Args:
         dims: the call's :class:`Dims`; splits, chunk_kv: the structure; dtype: its name.
         lengths: the longest row's ``cache_seqlens + Lnew`` at which to count (``None``: the
             fills :data:`MODEL_FILLS` of the cache).
-        softcap, alibi: whether the call caps scores / adds ALiBi (ops :data:`OPS_MODS`).
+        softcap, alibi: whether the call caps scores / adds ALiBi.
+        straight: the straight-line pass (``splits``, ``chunk_kv`` ignored): its work does not
+            depend on the fill (:func:`straight_counts`).
+        causal, window, return_lse, runtime_lengths: the call's mask and options (counted by
+            the straight-line pass).
+        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
 
-    FLOPs are exact for a step whose longest row holds that many rows: the executed
+    A kv loop: FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
-    ``G' = B x Hq x splits`` groups. Ops follow :data:`OPS_DECODE`; the copies are
-    :func:`popxl_flash.plan.costmodel.pass_copies` of the forward's segment-id loop (PopART's rules,
-    as the emulator models them; exact without softcap and ALiBi, whose per-step operands the
-    branches also copy) over the runtime block classes of a causal call whose
-    rows all hold that many rows (:func:`_decode_classes`): every step copies its counter and
-    LoopOpx's control values and the taken branch's inputs and outputs, the state rows for a
-    skipped step, and for an executed one the state rows, the block's operands and segment
-    operands at two branch levels (averaged over the fills, like the time).
+    ``G' = B x Hq x splits`` groups. Supersteps follow :data:`OPS_DECODE` and
+    :data:`OPS_MODS`, vector elements :data:`VEC_DECODE`; the copies are
+    :func:`popxl_flash.plan.costmodel.pass_copies` of the forward's segment-id loop (PopART's
+    rules, as the emulator models them; exact without softcap and ALiBi, whose per-step
+    operands the branches also copy) over the runtime block classes of a causal call whose
+    rows all hold that many rows (:func:`_decode_classes`).
     """
-    G = dims.batch * dims.q_heads * splits
-    Gk = dims.batch * dims.kv_heads * splits
+    from popxl_flash.plan import ipu_time, memory
+    budget = memory.check_budget(memory_budget)
     D, Lc = dims.head_dim, dims.cache_len
     cq = dims.q_len if dims.q_len <= MAX_DECODE_Q else _balanced(dims.q_len, PREFILL_CHUNK_Q)
+    if lengths is None:
+        lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
+    if straight:
+        w = straight_counts(dims, dtype, causal=causal, window=window, softcap=softcap,
+                            alibi=alibi, return_lse=return_lse,
+                            runtime_lengths=runtime_lengths)
+        mem = straight_bytes(dims, dtype, alibi)
+        n = len(lengths)
+        return DecodeCandidate(
+            splits=1, chunk_kv=Lc, chunk_q=dims.q_len, steps=0, granule=Lc,
+            flops=(w.matmul_flops,) * n, ops=(w.supersteps,) * n, bytes_copied=0,
+            seconds=ipu_time.time(w, dtype).seconds, structure="straight",
+            vector_elements=(w.vector_elements,) * n, memory_bytes=mem, fits=mem <= budget)
+    G = dims.batch * dims.q_heads * splits
+    Gk = dims.batch * dims.kv_heads * splits
     nq = -(-dims.q_len // cq)
     granule = splits * chunk_kv
-    steps = -(-Lc // granule) * nq
-    flops, op_counts, seconds = [], [], 0.0
-    sched = _schedule.plan(dims.q_len, -(-Lc // granule) * chunk_kv, cq, chunk_kv,
+    per_part = -(-Lc // granule)
+    steps = per_part * nq
+    flops, op_counts, vectors, seconds = [], [], [], 0.0
+    sched = _schedule.plan(dims.q_len, per_part * chunk_kv, cq, chunk_kv,
                            causal=False, window=(-1, -1))  # positions decide: no static mask
     seg = SegmentConfig(q_groups=G, kv_groups=Gk, positions=True)
     copied_mean = 0.0
-    if lengths is None:
-        lengths = [max(1, math.ceil(fill * Lc)) for fill in MODEL_FILLS]
     mod_fixed, mod_step = _mod_ops(dims, splits, softcap, alibi)
     for rows in lengths:
         executed = -(-rows // granule) * nq
@@ -197,76 +361,127 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
                   + OPS_DECODE["per_step"] * steps + OPS_DECODE["per_executed"] * executed
                   + (OPS_DECODE["combine"] if splits > 1 else 0)
                   + mod_fixed + mod_step * executed)
+        vec = round(executed * (VEC_DECODE["block"] * G * cq * chunk_kv
+                                + VEC_DECODE["rows"] * G * cq * D)
+                    + VEC_DECODE["step"] * steps * G * cq
+                    + VEC_DECODE["cache"] * Gk * per_part * chunk_kv * (D + 2))
         flops.append(f)
         op_counts.append(o)
+        vectors.append(vec)
         classes = _decode_classes(rows, dims.q_len, cq, sched.nkv, granule)
         copied = sum(costmodel.pass_copies(sched, groups=G, kv_groups=Gk, head_dim=D,
                                            dtype=dtype, backward=False, segments=seg,
                                            classes=classes).values())
         copied_mean += copied / len(lengths)
-        seconds += costmodel._seconds(f, o, copied, dtype) / len(lengths)
+        seconds += ipu_time.time(ipu_time.WorkCounts(o, f, vec, copied), dtype).seconds \
+            / len(lengths)
+    mem = _loop_bytes(dims, dtype, splits, chunk_kv, cq, per_part * granule)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
                            granule=granule, flops=tuple(flops), ops=tuple(op_counts),
-                           bytes_copied=round(copied_mean), seconds=seconds)
+                           bytes_copied=round(copied_mean), seconds=seconds,
+                           structure="split" if splits > 1 else "loop",
+                           vector_elements=tuple(vectors), memory_bytes=mem,
+                           fits=mem <= budget)
 
 
 def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
-                  num_splits=None, chunk_kv=None, softcap=False, alibi=False):
-    """Compare one long kv loop against split-KV for a cache call and choose.
+                  num_splits=None, chunk_kv=None, softcap=False, alibi=False, new_len=None,
+                  causal=False, window=(-1, -1), return_lse=False, runtime_lengths=True,
+                  max_splits=None, memory_budget=None):
+    """Choose the structure of a cache call: the straight-line pass, one kv loop with chunks,
+    or split-KV, by least modelled time within ``memory_budget``.
 
-    Candidates: chunks :data:`DECODE_CHUNKS` (balanced over each part, capped at its length)
-    times splits :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split).
-    Those whose granule ``splits x chunk`` is at most :data:`MAX_GRANULE` rows (a step's
-    executed work then follows the fill within one granule) are preferred; among them the least
-    modelled time averaged over the fills :data:`MODEL_FILLS` wins (ties: fewer splits, then
-    the shorter chunk).
+    Candidates: the straight-line pass (one q chunk, ``Lq <=`` :data:`MAX_DECODE_Q`, ``Lq <=
+    Lcache``, and neither ``num_splits`` nor ``chunk_kv`` fixed), and chunks
+    :data:`DECODE_CHUNKS` (balanced over each part, capped at its length) times splits
+    :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split; ``max_splits``
+    bounds them). Among those whose modelled memory fits the budget, the least modelled time
+    (:func:`popxl_flash.plan.ipu_time.time` of the counted supersteps, FLOPs, vector elements
+    and copies, averaged over the fills :data:`MODEL_FILLS`) wins (ties: the straight-line pass,
+    fewer splits, the shorter chunk). When none fits: with an explicit ``memory_budget``
+    ``ValueError``; with the default, the candidate of least memory.
 
     Args:
         batch, q_len, cache_len, q_heads, kv_heads, head_dim: the call's sizes.
         dtype: ``"float16"`` or ``"float32"``.
-        num_splits, chunk_kv: fix that part of the structure (``None``: choose).
-        softcap, alibi: the call's score modifiers (counted in the ops, :data:`OPS_MODS`).
+        num_splits, chunk_kv: fix that part of the structure (``None``: choose; either one
+            excludes the straight-line pass).
+        softcap, alibi: the call's score modifiers.
+        new_len: ``Lnew`` (``None``: ``q_len``).
+        causal, window, return_lse, runtime_lengths: the call's mask and options.
+        max_splits: largest split count tried (``None``: all of :data:`DECODE_SPLITS`).
+        memory_budget: bytes beyond inputs and outputs (``None``:
+            :func:`popxl_flash.plan.memory.default_budget`).
 
     Returns:
         :class:`DecodeChoice`.
     """
-    dims = Dims(batch, q_len, cache_len, q_len, q_heads, kv_heads, head_dim)
+    from popxl_flash.plan import memory
+    explicit = memory_budget is not None
+    budget = memory.check_budget(memory_budget)
+    new_len = q_len if new_len is None else new_len
+    dims = Dims(batch, q_len, cache_len, new_len, q_heads, kv_heads, head_dim)
+    common = dict(causal=causal, window=window, return_lse=return_lse,
+                  runtime_lengths=runtime_lengths, memory_budget=budget)
     if num_splits is not None:
         split_options = (num_splits,)
     else:
         split_options = DECODE_SPLITS if q_len <= MAX_DECODE_Q else (1,)
+        if max_splits is not None:
+            split_options = tuple(s for s in split_options if s <= max_splits)
     candidates = []
+    if num_splits is None and chunk_kv is None and q_len <= min(MAX_DECODE_Q, cache_len):
+        candidates.append(evaluate(dims, 1, cache_len, dtype, softcap=softcap, alibi=alibi,
+                                   straight=True, **common))
     for s in split_options:
         part = -(-cache_len // s)
         chunks = (chunk_kv,) if chunk_kv is not None else sorted(
             {_balanced(part, c) for c in DECODE_CHUNKS})
-        candidates.extend(evaluate(dims, s, c, dtype, softcap=softcap, alibi=alibi)
+        candidates.extend(evaluate(dims, s, c, dtype, softcap=softcap, alibi=alibi, **common)
                           for c in chunks)
-    granular = [c for c in candidates if c.granule <= MAX_GRANULE] or candidates
-    chosen = min(granular, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
+    fitting = [c for c in candidates if c.fits]
     fixed = [name for name, value in (("num_splits", num_splits), ("chunk", chunk_kv))
              if value is not None]
-    reason = f"least modelled time over fills {MODEL_FILLS}"
-    if len(granular) < len(candidates) or chosen.granule <= MAX_GRANULE:
-        reason += f" with granule <= {MAX_GRANULE} rows"
+    if fitting:
+        chosen = min(fitting, key=lambda c: (round(c.seconds, 12), not c.straight, c.splits,
+                                             c.chunk_kv))
+        reason = (f"least modelled time over fills {MODEL_FILLS} within memory_budget="
+                  f"{budget:,} bytes")
+    elif explicit:
+        least = min(candidates, key=lambda c: c.memory_bytes)
+        raise ValueError(f"no decode structure fits memory_budget={budget:,} bytes: the "
+                         f"least modelled memory is {least.memory_bytes:,} bytes ({least.structure}, "
+                         f"num_splits={least.splits}, chunk {least.chunk_kv}); raise "
+                         "memory_budget or shorten the cache")
+    else:
+        chosen = min(candidates, key=lambda c: (c.memory_bytes, c.seconds))
+        reason = "least modelled memory: no structure fits the default memory_budget"
     if fixed:
         reason += f"; {' and '.join(fixed)} fixed by the caller"
-    return DecodeChoice(chosen=chosen, candidates=tuple(candidates), reason=reason)
+    return DecodeChoice(chosen=chosen, candidates=tuple(candidates), reason=reason,
+                        memory_budget=budget)
 
 
 def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
-            num_splits=None, softcap=0.0, alibi=False):
-    """The decode structure choice of a :func:`flash_attn_with_kvcache` call (a
-    :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs and ops per fill;
-    ``softcap > 0`` and ``alibi=True`` count the score modifiers' ops)."""
+            num_splits=None, softcap=0.0, alibi=False, new_len=None, causal=False,
+            window=(-1, -1), return_lse=False, memory_budget=None):
+    """The structure choice of a :func:`flash_attn_with_kvcache` call with a run-time
+    ``cache_seqlens`` (a :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs,
+    supersteps and memory; ``softcap > 0`` and ``alibi=True`` count the score modifiers;
+    ``memory_budget`` as the call's)."""
     return decode_choice(batch, q_len, cache_len, q_heads=q_heads,
                          kv_heads=q_heads if kv_heads is None else kv_heads,
                          head_dim=head_dim, dtype=dtype, num_splits=num_splits,
-                         softcap=bool(softcap), alibi=bool(alibi))
+                         softcap=bool(softcap), alibi=bool(alibi), new_len=new_len,
+                         causal=causal, window=window, return_lse=return_lse,
+                         memory_budget=memory_budget)
 
 
-def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None):
-    """``(splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a call."""
+def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None, *,
+               causal=False, window=(-1, -1), return_lse=False, runtime_lengths=True,
+               max_splits=None, memory_budget=None):
+    """``(straight, splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a
+    call."""
     if num_splits is not None:
         num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
         num_splits = None if num_splits == 0 else num_splits  # flash-attn: 0 = automatic
@@ -274,17 +489,29 @@ def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None):
     if num_chunks_kv is not None:
         n = _check_int("num_chunks_kv", num_chunks_kv, low=1, high=dims.cache_len)
         chunk_kv = -(-dims.cache_len // n)
+    nq_fixed = None
+    if num_chunks_q is not None:
+        nq_fixed = _check_int("num_chunks_q", num_chunks_q, low=1, high=dims.q_len)
     choice = decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, dtype=dtype,
                            num_splits=num_splits, chunk_kv=chunk_kv,
                            softcap=mods is not None and mods.softcap > 0,
-                           alibi=mods is not None and mods.alibi).chosen
-    splits = choice.splits
-    chunk_kv = min(choice.chunk_kv, -(-dims.cache_len // splits))
+                           alibi=mods is not None and mods.alibi, new_len=dims.new_len,
+                           causal=causal, window=window, return_lse=return_lse,
+                           runtime_lengths=runtime_lengths, max_splits=max_splits,
+                           memory_budget=memory_budget)
+    chosen = choice.chosen
+    if chosen.straight and nq_fixed not in (None, 1):
+        loops = [c for c in choice.candidates if not c.straight and c.fits] or \
+            [c for c in choice.candidates if not c.straight]
+        chosen = min(loops, key=lambda c: (round(c.seconds, 12), c.splits, c.chunk_kv))
+    if chosen.straight:
+        return True, 1, dims.q_len, 1, dims.cache_len, 1
+    splits = chosen.splits
+    chunk_kv = min(chosen.chunk_kv, -(-dims.cache_len // splits))
     per_part = -(-dims.cache_len // (splits * chunk_kv))
-    if num_chunks_q is not None:
-        nq = _check_int("num_chunks_q", num_chunks_q, low=1, high=dims.q_len)
-        chunk_q = -(-dims.q_len // nq)
+    if nq_fixed is not None:
+        chunk_q = -(-dims.q_len // nq_fixed)
     else:
-        chunk_q = choice.chunk_q
-    return splits, chunk_q, -(-dims.q_len // chunk_q), chunk_kv, per_part
+        chunk_q = chosen.chunk_q
+    return False, splits, chunk_q, -(-dims.q_len // chunk_q), chunk_kv, per_part
