@@ -98,9 +98,9 @@ def _whole_cache_copies(ir, cache_elements):
 @pytest.mark.parametrize("Lq", [1, 16], ids=["decode", "prefill"])
 def test_graphcore_layouts_read_the_cache_in_place(k_layout, v_layout, Lq):
     """A decode step (and a prefill) over a 1024-row cache in Graphcore's layouts with one kv
-    loop: no op makes a cache-sized tensor except the in-place writes and views (the BSHD call
-    has one transpose and one reshape copy per cache), the same lowering copies and matmul
-    FLOPs as BSHD, and at most one op more (BHDS's transpose_ view). The automatic structure
+    loop: no op outside the core call's once-per-call operand preparation makes a cache-sized
+    tensor (the BSHD call adds one transpose and one reshape copy per cache), the same lowering
+    copies and matmul FLOPs as BSHD, and at most one op more (BHDS's transpose_ view). The automatic structure
     (the straight-line pass) reads every layout, BSHD too, through views."""
     B, Lc, Hq, Hkv, D = 2, 1024, 4, 2, 64
     case = make_case(3, B, Lq, Lc, Hq, Hkv, D, "float16", seqlens=[100, 300])
@@ -115,9 +115,15 @@ def test_graphcore_layouts_read_the_cache_in_place(k_layout, v_layout, Lq):
         assert straight.profile.loop_iterations == 0  # the straight-line pass
         assert _whole_cache_copies(irs[0], cache_elements) == []
     new, base = profiles[(k_layout, v_layout)], profiles[("BSHD", "BSHD")]
-    assert copies[(k_layout, v_layout)] == []
-    assert sorted(kind for _, kind in copies[("BSHD", "BSHD")]) == \
-        ["reshape", "reshape", "transpose", "transpose"]  # the check can see a copy
+    # The kv loop's core call prepares its operands once per call (the scale folded into k,
+    # k and v stacked for one slice per step): the same copies whatever the layout; BSHD adds
+    # its regrouping (the check can see a copy).
+    extra = list(copies[("BSHD", "BSHD")])
+    for entry in copies[(k_layout, v_layout)]:
+        extra.remove(entry)
+    assert sorted(kind for _, kind in extra) == ["reshape", "reshape", "transpose", "transpose"]
+    assert all(name.startswith("FlashAttention") and kind != "transpose"
+               for name, kind in copies[(k_layout, v_layout)])
     assert new.bytes_copied == base.bytes_copied
     assert new.matmul_flops == base.matmul_flops
     assert base.ops_executed - 1 <= new.ops_executed <= base.ops_executed + 1

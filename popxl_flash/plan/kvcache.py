@@ -36,16 +36,16 @@ PREFILL_CHUNK_Q = 64
 #: Cache fills the automatic choice averages its modelled time over.
 MODEL_FILLS = (0.1, 0.5, 1.0)
 #: Supersteps (executed ops other than pure views) of one call with a kv loop, fitted on the
-#: emulator to this version's graphs (least squares over B in {1, 2}, 2 to 32 steps, 1 split
-#: or 4, three fills: within 3%; held within 5% of the emulator's profile by
-#: ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps + per_executed *
+#: emulator to this version's graphs (least squares over B in {1, 2}, caches of 1024 and 4096
+#: rows, 16 or 32 steps, 1, 2 or 4 splits, three fills: within 2%; held within 5% of the
+#: emulator's profile by ``tests/test_kvcache.py``): ``fixed + per_row * B + per_step * steps + per_executed *
 #: executed steps (+ combine with splits)``; the run-time guard and the write included.
-OPS_DECODE = dict(fixed=106, per_row=3, per_step=19, per_executed=17, combine=18)
-#: Vector elements of one call with a kv loop, fitted like :data:`OPS_DECODE` (within 3%):
+OPS_DECODE = dict(fixed=103, per_row=3, per_step=13.15, per_executed=14.7, combine=18)
+#: Vector elements of one call with a kv loop, fitted like :data:`OPS_DECODE` (within 1.5%):
 #: per executed step ``block`` times its scores ``G' cq c`` plus ``rows`` times its rows
 #: ``G' cq D``; per step ``step`` times ``G' cq`` (the statistics, the classification); per
 #: call ``cache`` times the regrouped cache rows and their ids and positions ``Gk' P (D + 2)``.
-VEC_DECODE = dict(block=1.65, rows=3.9, step=36.7, cache=2.6)
+VEC_DECODE = dict(block=2.24, rows=4.46, step=225, cache=5.43)
 #: Supersteps the score modifiers add to a call with a kv loop, measured on the emulator (exact
 #: over three fills, one loop and split-KV): softcap per executed step; ALiBi per executed step
 #: and per call (the negated slopes: 1, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1 with
