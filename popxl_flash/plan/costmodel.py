@@ -217,7 +217,7 @@ class ChunkChoice:
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``, the fastest few and
         the seed's rule), then the chosen, the seed's rule and naive attention side by side."""
-        head = ("", "chunks", "flop ratio", "steps", "supersteps f+b", "MFLOP f+b",
+        head = ("", "chunks", "flop ratio", "iters", "supersteps f+b", "MFLOP f+b",
                 "Melements f+b", "bytes copied", "MiB f/b", "fits", "modelled us")
         shown = sorted(self.candidates, key=lambda c: c.seconds)[:12]
         for extra in (self.chosen, self.seed):
@@ -453,10 +453,17 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                                dtype=dtype, backward=b, steps=c.iterations)
            for b, c in ((False, fwd), (True, bwd))]
     return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
-                     num_chunks_kv=sched.nkv, flop_ratio=sched.forward_flops(head_dim, 1).ratio,
+                     num_chunks_kv=sched.nkv, flop_ratio=_flop_ratio(sched, fwd, head_dim, groups),
                      forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
                      time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
                      memory_backward=mem[1], fits=max(mem) <= budget)
+
+
+def _flop_ratio(sched, fwd, head_dim, groups):
+    """Executed (as the pass runs them: a one-block pass runs its whole block) over useful
+    forward matmul FLOPs."""
+    useful = sched.forward_flops(head_dim, groups).useful
+    return fwd.matmul_flops / useful if useful else 1.0
 
 
 def naive(Lq, Lkv, *, head_dim, groups, dtype, causal, window, memory_budget=None):
