@@ -11,6 +11,19 @@ ops = popxl.ops
 f32 = popxl.float32
 
 
+def _forward_and_grad(fn, x, other, dy):
+    """Build ``fn(x, other)`` as a graph, its gradient for ``x`` only, call both in the main
+    graph (``x`` a variable, ``other`` and ``dy`` constants) and run. Returns: (y, dx)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xv, ov = popxl.variable(x), popxl.constant(other)
+        g = ir.create_graph(fn, xv, ov)
+        grad = popxl.transforms.autodiff(g, grads_required=g.inputs[:1])
+        info = ops.call_with_info(g, xv, ov)
+        (dx,) = ops.call(grad.graph, popxl.constant(dy), inputs_dict=grad.inputs_dict(info))
+    return run(ir, None, [info.outputs[0], dx])
+
+
 def _softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -52,15 +65,8 @@ def test_nll_loss_and_its_gradient():
     rng = np.random.default_rng(1)
     probs = _softmax(rng.standard_normal((2, 3, 4))).astype(np.float32)
     labels = np.array([[0, 1, 3], [2, 2, 0]], np.int32)
-    ir = popxl.Ir()
-    with ir.main_graph:
-        p = popxl.variable(probs)
-        g = ir.create_graph(lambda t, lab: ops.nll_loss(t, lab), p, popxl.constant(labels))
-        grad = popxl.transforms.autodiff(g, grads_required=g.inputs[:1])
-        info = ops.call_with_info(g, p, popxl.constant(labels))
-        (dp,) = ops.call(grad.graph, popxl.constant(np.float32(1.0)),
-                         inputs_dict=grad.inputs_dict(info))
-    loss, got = run(ir, None, [info.outputs[0], dp])
+    loss, got = _forward_and_grad(lambda t, lab: ops.nll_loss(t, lab), probs, labels,
+                                  np.float32(1.0))
     picked = np.take_along_axis(probs, labels[..., None], -1)[..., 0]
     np.testing.assert_allclose(loss, -np.log(picked).mean(), rtol=1e-6)
     onehot = np.eye(4, dtype=np.float32)[labels]
@@ -150,16 +156,10 @@ def test_gather_gradient_adds_into_the_gathered_rows():
     table = np.arange(12, dtype=np.float32).reshape(4, 3)
     idx = np.array([[1, 3], [1, 0]], np.int32)
     dy = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
-    ir = popxl.Ir()
-    with ir.main_graph:
-        tv = popxl.variable(table)
-        g = ir.create_graph(lambda t, i: ops.gather(t, i), tv, popxl.constant(idx))
-        grad = popxl.transforms.autodiff(g, grads_required=g.inputs[:1])
-        info = ops.call_with_info(g, tv, popxl.constant(idx))
-        (dt,) = ops.call(grad.graph, popxl.constant(dy), inputs_dict=grad.inputs_dict(info))
+    _, got = _forward_and_grad(lambda t, i: ops.gather(t, i), table, idx, dy)
     want = np.zeros_like(table)
     np.add.at(want, idx, dy)
-    np.testing.assert_array_equal(run(ir, None, dt), want)
+    np.testing.assert_array_equal(got, want)
 
 
 # -- session options -----------------------------------------------------------------------------

@@ -48,19 +48,26 @@ def _gelu_rule(kind):
     return rule
 
 
-register("gelu", _gelu_rule("gelu"), _gelu)
-register("gelu_", _gelu_rule("gelu_"), _gelu_, alias="modify")
-register("gelu_grad", lambda dy, t: [(t.shape, t.dtype)], _gelu_grad)
+def _activation(kind, impl, impl_, grad, doc):
+    """Register ``kind``, its in-place form ``kind_`` and ``kind_grad`` (float tensors).
+    Returns: the two public builders ``(kind, kind_)``."""
+    register(kind, _gelu_rule(kind), impl)
+    register(kind + "_", _gelu_rule(kind + "_"), impl_, alias="modify")
+    register(kind + "_grad", lambda dy, t: [(t.shape, t.dtype)], grad)
+
+    def build(t):
+        return emit(kind, {"t": t})[0]
+
+    def build_(t):
+        return emit(kind + "_", {"t": t})[0]
+    build.__name__, build_.__name__ = kind, kind + "_"
+    build.__doc__ = f"{doc} Args: t: float tensor. Returns: Tensor."
+    build_.__doc__ = f"In-place {kind}. Returns: a tensor aliasing t."
+    return build, build_
 
 
-def gelu(t):
-    """GELU, tanh approximation (popnn). Args: t: float tensor. Returns: Tensor."""
-    return emit("gelu", {"t": t})[0]
-
-
-def gelu_(t):
-    """In-place GELU. Returns: a tensor aliasing t."""
-    return emit("gelu_", {"t": t})[0]
+gelu, gelu_ = _activation("gelu", _gelu, _gelu_, _gelu_grad,
+                          "GELU, tanh approximation (popnn).")
 
 
 def _sigmoid(x):
@@ -85,19 +92,7 @@ def _swish_grad(dy, t):
     return (dy.astype(np.float32) * (s + x * s * (1 - s))).astype(t.dtype)
 
 
-register("swish", _gelu_rule("swish"), _swish)
-register("swish_", _gelu_rule("swish_"), _swish_, alias="modify")
-register("swish_grad", lambda dy, t: [(t.shape, t.dtype)], _swish_grad)
-
-
-def swish(t):
-    """Swish ``x * sigmoid(x)``. Args: t: float tensor. Returns: Tensor."""
-    return emit("swish", {"t": t})[0]
-
-
-def swish_(t):
-    """In-place swish. Returns: a tensor aliasing t."""
-    return emit("swish_", {"t": t})[0]
+swish, swish_ = _activation("swish", _swish, _swish_, _swish_grad, "Swish ``x * sigmoid(x)``.")
 
 
 def _group_norm_rule(t, weight, bias, num_groups, eps):
