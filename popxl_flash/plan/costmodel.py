@@ -1,18 +1,15 @@
-"""Cost model of the automatic chunk choice (``num_chunks_*=None``) and of the loop structure.
+"""Cost model of the automatic chunk choice (``num_chunks_*=None``).
 
-No IPU is available to time candidates, so the model combines **exact counts** from the planner
-with **stated IPU facts** and a few **overhead parameters**:
+No IPU is available to time candidates, so the model prices **counted work** with the
+**reference model of IPU time** (:mod:`popxl_flash.plan.ipu_time`: 1000 cycles per superstep,
+matmul FLOPs, vector elements and bytes copied at stated per-tile rates):
 
-* exact, from :class:`popxl_flash.plan.schedule.BlockSchedule` and :mod:`popxl_flash.plan.steps`:
-  executed matmul FLOPs (forward and stash backward) and loop iterations (one ``repeat`` step
-  per visited block, two per split block; one loop per step group);
-* counted on this version's graphs: ops executed per step of an unmasked and of a masked group,
-  per loop and per pass (``OPS_*``; the tests hold the estimate to the emulator's profile);
-* bytes copied at call, branch and loop boundaries under PopART's lowering rules (below) and
-  the working set (resident tensors + one step's temporaries);
-* IPU (GC200, Mk2) facts: :data:`TILES`, :data:`TILE_MEMORY_BYTES`, :data:`CLOCK_HZ`, matmul
-  FLOPs per tile-cycle; and assumed overheads :data:`OP_CYCLES`, :data:`ITERATION_CYCLES`,
-  :data:`COPY_BYTES_PER_TILE_CYCLE` (parameters, not measurements).
+* per pass, :func:`popxl_flash.plan.counts.pass_counts`: supersteps, matmul FLOPs, vector
+  elements, bytes copied and loop iterations, predicted from the planner's schedule and its
+  step groups and held to the emulator's profile by the tests;
+* per pass, the bytes it holds beyond its inputs and outputs
+  (:func:`popxl_flash.plan.memory.flash_bytes`, an upper bound of the emulator's peak);
+* naive attention and the seed's chunk rule priced alike (:mod:`popxl_flash.plan.baselines`).
 
 Copies (:func:`pass_copies`; PopART sdk-release-3.4, the rules of the emulator's copy model
 ``popxl_flash/emulator/copies.py``, and the tests hold the two equal kind by kind;
@@ -28,27 +25,10 @@ segment operands (and the pattern or the runtime-full flag) for a running one, a
 second level of an unmasked group where :func:`second_level` keeps one. Per-step copies
 therefore do not grow with L: 14 bytes without segment ids.
 
-Modelled time of one pass::
-
-    t = executed_flops / (TILES * flops_per_tile_cycle * CLOCK_HZ)
-      + (ops * OP_CYCLES + iterations * ITERATION_CYCLES) / CLOCK_HZ
-      + bytes_copied / (TILES * COPY_BYTES_PER_TILE_CYCLE * CLOCK_HZ)
-
-Choice: candidates are the target chunk lengths :data:`CANDIDATE_CHUNKS`, each balanced over
-the sequence (``n = ceil(L / target)`` chunks of ``ceil(L / n)``, so a tail pads little). A
-candidate is **eligible** if (1) its working set fits the usable tile memory
-(``TILES * TILE_MEMORY_BYTES * USABLE_MEMORY_FRACTION``), (2) one step's temporaries are at most
-the resident tensors (memory stays O(L): a chunk as long as L would make flash as heavy as
-naive attention), and (3) its forward executed/useful FLOP ratio is at most
-:data:`MAX_FLOP_RATIO`. The eligible candidate with the least modelled forward + backward time
-wins. If none is eligible (windows, short causal sequences: no chunking wastes under 3.5%), the
-least modelled time among those meeting (1), (2) and :data:`FALLBACK_FLOP_RATIO` wins, else the
-least FLOP ratio among those meeting (1) and (2), then (1); if none fits, the smallest working
-set (the report flags it).
-
-With G = 2, D = 64 the per-op overhead dominates the FLOP term, so the model prefers the longest
-chunk the FLOP budget and the O(L) rule allow: causal L = 2048 gets 128 (ratio 1.031; 256 would
-waste 6.2%), L = 4096 gets 256.
+Choice (:func:`choose`): the least modelled forward + backward time among the candidate
+chunkings (:func:`candidate_pairs`: one block up, balanced lengths, ``chunk_q != chunk_kv``)
+whose passes fit ``memory_budget``; when none fits, the fastest within
+:data:`NOTHING_FITS_SLACK` of the least memory, flagged in the reason.
 """
 from __future__ import annotations
 
