@@ -35,9 +35,8 @@ successor table.
 
 Needs popxl-addons 3.4 and its dependencies (``pip install -e ".[addons]"``;
 ``POPXL_ADDONS_PATH`` naming a checkout is put on ``sys.path``). Without the Poplar SDK the
-emulator stands in for PopXL (``popxl_flash.emulator.install()``); ``mpi4py``, ``popdist`` and
-``cppimport``, which popxl-addons imports, must be installed or stood in for (the tests use
-``tests/addons/standins.py``). Run::
+emulator stands in for PopXL and stand-ins for ``mpi4py``, ``popdist`` and ``cppimport`` where
+they are missing or cannot load (``popxl_flash.emulator.install(standins=True)``). Run::
 
     python examples/addons_gpt.py [--steps 10] [--layers 2] [--kv-heads 1] ...
     python examples/addons_gpt.py --block llama --kv-heads 2 --steps 20 --decode 6
@@ -57,7 +56,9 @@ from popxl_flash import popxl
 
 if pf.BACKEND == "emulator":
     from popxl_flash import emulator
-    emulator.install()  # `import popxl` inside popxl-addons gives the emulator
+    # `import popxl` inside popxl-addons gives the emulator; mpi4py, popdist and cppimport get
+    # stand-ins where they are missing or cannot load (no MPI library)
+    emulator.install(standins=True)
 if os.environ.get("POPXL_ADDONS_PATH"):
     sys.path.insert(0, os.environ["POPXL_ADDONS_PATH"])
 
