@@ -190,3 +190,12 @@ def test_calibrate_on_the_emulator_says_what_it_would_measure(capsys, tmp_path):
     assert selfcheck.main(["--calibrate", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "nothing measured" in text and "supersteps" in text and not out.exists()
+
+
+def test_calibration_micro_graphs_build_and_run():
+    """The micro-graphs ``--calibrate`` times on a device are valid PopXL: each builds and runs
+    in a repeat (the carried input keeps its shape and dtype)."""
+    from popxl_flash.checks import calibrate
+    for body in (calibrate._elementwise_chain(4, 64), calibrate._matmul(32, pf.popxl.float16),
+                 calibrate._matmul(32, pf.popxl.float32)):
+        assert calibrate._time_repeat(*body, "ipu_model") >= 0

@@ -46,11 +46,6 @@ from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP
 
-#: The IPU constants live in one place, :mod:`popxl_flash.plan.ipu_time` (reference values,
-#: overridable by a calibration file); these names are kept for readers of this module.
-TILES = _ipu_time.REFERENCE.tiles
-TILE_MEMORY_BYTES = _ipu_time.REFERENCE.tile_memory_bytes
-
 #: Ops executed per pass (views included), counted on this version's graphs (the emulator's
 #: profile): ``fixed + per_loop * loops + per_step * steps + per_masked * steps of masked
 #: groups + per_gather * steps of groups with several patterns``, a group of one step
@@ -85,27 +80,22 @@ _F32 = _I32 = 4
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """The model's figures for one chunking (all counts for G, D, dtype of the request).
+class Baseline:
+    """Counted work of a forward and a stash-mode backward pass, priced by the reference model
+    (naive attention, :mod:`popxl_flash.checks.naive`, is one; :class:`Candidate` adds a
+    chunking).
 
     Attributes:
-        chunk_q, chunk_kv, num_chunks_q, num_chunks_kv: the chunking.
-        flop_ratio: forward executed / useful matmul FLOPs (exact).
-        forward, backward: the counted work of a forward and of a stash-mode backward pass
-            (:class:`popxl_flash.plan.counts.PassCounts`: supersteps, matmul FLOPs, vector
-            elements, bytes copied, loop iterations; held to the emulator by the tests).
+        forward, backward: counted work per pass (``supersteps``, ``matmul_flops``,
+            ``vector_elements``, ``bytes_copied``: :class:`popxl_flash.plan.counts.PassCounts`
+            or :class:`popxl_flash.plan.ipu_time.WorkCounts`).
         time_forward, time_backward: their modelled time
             (:class:`popxl_flash.plan.ipu_time.ModelledTime`, by term).
         memory_forward, memory_backward: bytes each pass holds beyond its inputs and outputs
-            (:func:`popxl_flash.plan.memory.flash_bytes`, an upper bound of the emulator's).
+            (upper bounds of the emulator's: :mod:`popxl_flash.plan.memory`).
         fits: both within the budget of the choice.
     """
 
-    chunk_q: int
-    chunk_kv: int
-    num_chunks_q: int
-    num_chunks_kv: int
-    flop_ratio: float
     forward: object
     backward: object
     time_forward: object
@@ -123,6 +113,24 @@ class Candidate:
     def memory_bytes(self) -> int:
         """The larger pass's bytes beyond its inputs and outputs."""
         return max(self.memory_forward, self.memory_backward)
+
+
+@dataclass(frozen=True)
+class Candidate(Baseline):
+    """One chunking (all counts for G, D, dtype of the request): :class:`Baseline`'s figures
+    for a flash forward and backward with these chunks.
+
+    Attributes:
+        chunk_q, chunk_kv, num_chunks_q, num_chunks_kv: the chunking.
+        flop_ratio: forward executed / useful matmul FLOPs (a one-block pass runs its block
+            whole).
+    """
+
+    chunk_q: int
+    chunk_kv: int
+    num_chunks_q: int
+    num_chunks_kv: int
+    flop_ratio: float
 
     @property
     def ops_forward(self) -> int:
@@ -146,30 +154,6 @@ class Candidate:
     def iterations(self) -> int:
         """Loop iterations of the forward pass."""
         return self.forward.iterations
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """Naive attention (:mod:`popxl_flash.checks.naive`) priced by the same model.
-
-    Attributes:
-        forward, backward: :class:`~popxl_flash.plan.ipu_time.WorkCounts`.
-        time_forward, time_backward: :class:`~popxl_flash.plan.ipu_time.ModelledTime`.
-        memory_forward, memory_backward: bytes beyond inputs and outputs.
-        fits: both within the budget.
-    """
-
-    forward: object
-    backward: object
-    time_forward: object
-    time_backward: object
-    memory_forward: int
-    memory_backward: int
-    fits: bool
-
-    @property
-    def seconds(self) -> float:
-        return self.time_forward.seconds + self.time_backward.seconds
 
 
 @dataclass(frozen=True)
@@ -231,7 +215,7 @@ def _compare_line(name, c):
     """One line: forward, backward and total modelled time, memory, whether it fits."""
     return (f"{name:>20}: forward {c.time_forward.seconds * 1e6:,.1f} us, backward "
             f"{c.time_backward.seconds * 1e6:,.1f} us, total {c.seconds * 1e6:,.1f} us "
-            f"(modelled); {max(c.memory_forward, c.memory_backward) / 2**20:,.1f} MiB "
+            f"(modelled); {c.memory_bytes / 2**20:,.1f} MiB "
             f"{'fits' if c.fits else 'does NOT fit'} the budget")
 
 
@@ -397,12 +381,6 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
             copies["branch"] += _branch_copies(group, np.asarray(classes), G, Gk, D, item,
                                                backward, segments, two)
     return copies
-
-
-def _seconds(flops, ops, copied, dtype):
-    """Modelled seconds of ``ops`` supersteps, ``flops`` matmul FLOPs and ``copied`` bytes
-    (:func:`popxl_flash.plan.ipu_time.time`; no vector term)."""
-    return _ipu_time.time(_ipu_time.WorkCounts(ops, flops, 0, copied), dtype).seconds
 
 
 def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,

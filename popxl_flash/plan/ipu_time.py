@@ -65,9 +65,6 @@ class IpuConstants:
         """In-processor memory of one IPU: tiles x tile memory."""
         return self.tiles * self.tile_memory_bytes
 
-    def __hash__(self):
-        return hash(json.dumps(asdict(self), sort_keys=True))
-
 
 #: The reference constants (each attribute's source or assumption is stated above).
 REFERENCE = IpuConstants()

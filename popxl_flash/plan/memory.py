@@ -15,6 +15,8 @@ no chunking avoids) at the per-IPU head counts of Graphcore's tensor-parallel mo
 Pass ``memory_budget=`` to trade memory for time either way; when no chunking fits, the
 choice says so (``pf.explain``), and an explicit ``memory_budget`` raises ``ValueError``.
 """
+import numbers
+
 from popxl_flash.plan import ipu_time
 
 #: Fraction of one IPU's memory a call may hold by default (assumption, see module docstring).
@@ -61,7 +63,6 @@ def check_budget(memory_budget, name="memory_budget"):
     Raises:
         TypeError: not an integer. ValueError: not positive.
     """
-    import numbers
     if memory_budget is None:
         return default_budget()
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
