@@ -155,13 +155,13 @@ def test_executed_over_useful_flops_at_2048():
 
 @emulator_only
 @pytest.mark.parametrize("G_, L, chunks, forward, backward", [
-    (24, 1024, 1, 15, 22),  # one block: a straight line (80 and 83 before)
+    (24, 1024, 1, 8, 22),  # one block: softmax + logsumexp (80 and 83 with loops)
     (2, 4096, 16, 3116, 3242),  # 136 visited blocks: 22.9 and 23.8 per block (32.6, 34.4)
 ])
 def test_superstep_targets_exact(G_, L, chunks, forward, backward):
     """Causal float16, D = 64, exact supersteps of one pass (the harness's host transfers left
     out), equal to :func:`popxl_flash.plan.counts.pass_counts`: one block (1 x 1 chunks) at
-    most 24 forward and 64 forward + backward, host transfers included (20 and 44); 16 x 16
+    most 24 forward and 64 forward + backward, host transfers included (13 and 44); 16 x 16
     chunks of 256 rows at most 24 forward and 28 backward per visited block."""
     q, k, v = random_qkv(np.random.default_rng(7), G_, L, L, D, "float16")
     options = dict(num_chunks_q=chunks, num_chunks_kv=chunks, causal=True)
@@ -179,3 +179,21 @@ def test_superstep_targets_exact(G_, L, chunks, forward, backward):
         assert fwd.profile.supersteps <= 24 and both.profile.supersteps <= 64
     else:
         assert forward <= 24 * visited and backward <= 28 * visited
+
+
+@emulator_only
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_block_forward_is_naive_attention_plus_its_lse(dtype, causal):
+    """The pass of one block runs naive attention's ops (matmul, mask, softmax, cast, matmul)
+    plus the lse's ``logsumexp`` and the module's call (the scale folds into k here as naive
+    multiplies the scores): two supersteps more than the naive graph's, and the same matmul
+    FLOPs (host transfers left out)."""
+    from popxl_flash.checks.naive import naive_attention
+    G_, L = 3, 96
+    q, k, v = random_qkv(np.random.default_rng(3), G_, L, L, D, dtype)
+    _, _, flash = run_flash(q, k, v, num_chunks_q=1, num_chunks_kv=1, causal=causal)
+    _, naive = run_graph(lambda q, k, v: [naive_attention(q, k, v, causal=causal)], [q, k, v])
+    flash_steps, naive_steps = _supersteps(flash.profile), _supersteps(naive.profile)
+    assert flash_steps == naive_steps + 2, (flash_steps, naive_steps)
+    assert flash.profile.matmul_flops == naive.profile.matmul_flops

@@ -6,7 +6,7 @@ of input ``i`` from ``ctx.dy(j)`` (the gradient of output ``j``). Forward tensor
 are read through ``ctx.x(i)``/``ctx.y(j)``; every forward tensor PopART's grad op reads must be
 read here too, even if unused, because those reads decide which forward tensors become
 gradient-graph inputs (and forward outputs by stitching): mul/div/pow read both operands and the
-output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu/swish the input, gather the indices, group_norm
+output, logsumexp its input and output, matmul the other operand, exp/sqrt/tanh/relu/softmax the output, log/gelu/swish the input, gather the indices, group_norm
 x, weight and the hidden mean/inv-std, where the condition, dynamic_slice the index, dropout the seed, the rest
 nothing. Like PopART's, a rule needs the gradient of every output of a multi-output op (split):
 one off the loss path raises "input is not optional".
@@ -238,6 +238,14 @@ def _mean(ctx, i):
     return _expand_reduced(ctx) * _const(1.0 / n, src.dtype)
 
 
+def _logsumexp(ctx, i):
+    # ReduceLogSumExpGradOp reads the forward input and output: dx = dy * exp(x - y).
+    x, axes = ctx.x(0), ctx.op.attrs["axes"]
+    kept = tuple(1 if a in axes else d for a, d in enumerate(x.shape))
+    y = ctx.y(0).reshape(kept) if kept else ctx.y(0)
+    return _expand_reduced(ctx) * ops.exp(x - y)
+
+
 def _softmax(ctx, i):
     # ONNX-11 softmax normalises over every axis from ``axis`` on (PopART's coerceTo2D), and so
     # does its gradient (SoftmaxGradOp uses the same axis).
@@ -321,7 +329,7 @@ RULES = {
     "where": (lambda op: (1, 2), _where), "group_norm": (_all, _group_norm),
     "reshape": (_all, _reshape), "transpose": (_all, _transpose), "slice": (_all, _slice),
     "concat": (_all, _concat), "split": (_all, _split), "sum": (_all, _sum), "mean": (_all, _mean),
-    "softmax": (_all, _softmax), "dynamic_slice": (lambda op: (0,), _dynamic_slice),
+    "logsumexp": (_all, _logsumexp), "softmax": (_all, _softmax), "dynamic_slice": (lambda op: (0,), _dynamic_slice),
     "matmul": (_all, _matmul),
     "replicated_all_gather": (_all, _all_gather),
     "replicated_reduce_scatter": (_all, _reduce_scatter),

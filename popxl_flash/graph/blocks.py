@@ -99,6 +99,17 @@ def rows_may_see_nothing(cfg):
         or cfg.mods is not None
 
 
+def seen_rows(cfg):
+    """``None`` where every q row sees a key in the schedule, else the bool ``[1, Lq, 1]``
+    constant of the rows that do (the schedule's ``empty_rows`` see none)."""
+    empty = cfg.schedule.empty_rows
+    if not empty.size:
+        return None
+    seen = np.ones((1, cfg.q_len, 1), bool)
+    seen[0, empty, 0] = False
+    return popxl.constant(seen)
+
+
 def scale_folds(cfg):
     """Whether the softmax scale folds into k once per call (``k * scale``, so the block
     matmul gives the scaled scores and no step multiplies them): when that product is exact,

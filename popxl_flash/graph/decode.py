@@ -13,7 +13,7 @@ cache), and the run-time lengths become the mask directly::
     s    = s - slope * |q_pos - j|         (ALiBi)
     s    = where(valid, s, MIN)            valid[b, i, j] = seqlens[b] > lo[i, j] (and <= hi)
     p    = softmax(s); out = cast(p) v     [B, Hkv, r * Lq, D], q's dtype
-    lse  = max(s) - log(max(p))            (only when returned: p's max is exp(0) / sum)
+    lse  = logsumexp(s)                    (only when returned)
 
 ``lo``/``hi`` are int32 constants of the static sizes: with ``n_b = seqlens[b] + Lnew`` and the
 query position ``q_pos = n_b - Lq + i`` (bottom-right aligned), ``j < n_b`` and causal ``j <=
@@ -180,7 +180,7 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
     out = ops.matmul(pv.reshape((B, Hkv, r * Lq, Lc)), v).reshape((B, Hkv, r, Lq, D))
     lse = None
     if return_lse:
-        lse = ops.max(s, axis=-1, keepdims=True) - ops.log(ops.max(p, axis=-1, keepdims=True))
+        lse = ops.logsumexp(s, axis=-1, keepdims=True)  # [B, Hkv, r, Lq, 1]
     if seen is not None:
         out = ops.where(seen, out, popxl.constant(0.0, dtype=out.dtype))
         if lse is not None:

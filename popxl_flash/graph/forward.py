@@ -4,7 +4,8 @@ Graph structure (all static; the op count does not grow with L or the chunk coun
 
     build(q, k, v)                          # module graph
       k = k * scale where the scale folds (blocks.scale_folds), once
-      one block (steps.single_block): softmax_block on the whole tensors, then finalise
+      one block (steps.single_block): single_pass, a straight line on the whole tensors:
+        out = softmax(s) v, lse = logsumexp(s)    # naive attention's ops plus the lse
       else:
       pad q and [k; v] (stacked once) to whole chunks
       state = acc | l | m = 0 | 0 | INITIAL_MAX     # [G, Lq_pad, D + 2], float32
@@ -41,15 +42,13 @@ ops = popxl.ops
 
 
 def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
-    """One block of the online softmax, or a whole pass of one block (``m_i = None``: no
-    running state, ``m = rowmax``, ``l = rowsum``, ``acc = P V``).
+    """One block of the online softmax.
 
     Args:
         cfg: the :class:`AttentionConfig`.
         m_i: running max float32 ``[G, rows, 1]`` (:data:`blocks.INITIAL_MAX` before the
-            row's first block), or ``None``.
-        acc_l: output accumulator and running sum, float32 ``[G, rows, D + 1]`` (``acc | l``);
-            ignored without ``m_i``.
+            row's first block).
+        acc_l: output accumulator and running sum, float32 ``[G, rows, D + 1]`` (``acc | l``).
         q_i: ``[G, rows, D]``; k_t: ``k_j^T [Gk, D, cols]`` (times the scale where it folds,
             :func:`blocks.scale_folds`); v_j: ``[Gk, cols, D]``, in the input dtype (``Gk <
             G``: grouped-query attention; the matmuls fold q's groups,
@@ -59,7 +58,7 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
         visible: ``None`` (full block) or bool ``[1 or G, rows, cols]`` mask.
 
     Returns:
-        ``(m_new, acc_l_new)`` with a running state; without, ``(m, l, acc)``.
+        ``(m_new, acc_l_new)``.
     """
     f32 = blocks.float32()
     s = blocks.scores(cfg, q_i, k_t)  # [G, rows, cols]
@@ -68,9 +67,7 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
     masked = blocks.scalar(blocks.MASKED_SCORE, f32)
     s_max = s if visible is None else ops.where(visible, s, blocks.scalar(blocks.INITIAL_MAX,
                                                                           f32))
-    m_new = ops.max(s_max, axis=-1, keepdims=True)  # [G, rows, 1]
-    if m_i is not None:
-        m_new = ops.maximum(m_i, m_new)
+    m_new = ops.maximum(m_i, ops.max(s_max, axis=-1, keepdims=True))  # [G, rows, 1]
     s = s - m_new  # finite: m_new >= INITIAL_MAX
     if visible is not None:  # masked cells: exp(MASKED_SCORE) = 0
         s = ops.where(visible, s, masked)
@@ -80,12 +77,48 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
         p = score_mods.drop(cfg, p, extra)
     p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*rows, cols]
     pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v_j))  # [G, rows, D]
-    if m_i is None:
-        return m_new, rowsum, pv
     # A row that has seen nothing yet has m_i == INITIAL_MAX: alpha is 0 (or 1 when m_new is
     # INITIAL_MAX too), and then multiplies zeros.
     alpha = ops.exp(m_i - m_new)  # [G, rows, 1]
     return m_new, alpha * acc_l + ops.concat([pv, rowsum], axis=2)
+
+
+def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
+    """The pass of one block as a straight line, naive attention's ops plus the lse:
+    ``out = softmax(s) v``, ``lse = logsumexp(s)`` (PopART lowers both with the row max
+    subtracted: exact for finite scores).
+
+    Args:
+        cfg: the :class:`AttentionConfig`.
+        q: ``[G, Lq, D]``; k_t: ``k^T [Gk, D, Lkv]`` (times the scale where it folds); v:
+            ``[Gk, Lkv, D]``, in the input dtype.
+        extra: with score modifiers, the block's modifier operands.
+        visible: ``None`` (full block) or bool ``[1, Lq, Lkv]`` mask; masked scores enter as
+            :data:`blocks.INITIAL_MAX` (``exp`` of it minus the row max is 0, and it is finite:
+            no infinity in the arithmetic).
+        seen: ``None`` (every row sees a key) or bool ``[1, Lq, 1]`` constant: rows that see
+            nothing get ``out = 0`` and ``lse = -inf``.
+
+    Returns:
+        out ``[G, Lq, D]`` in the input dtype and lse float32 ``[G, Lq]``.
+    """
+    f32 = blocks.float32()
+    s = blocks.scores(cfg, q, k_t)  # [G, Lq, Lkv]
+    if cfg.mods is not None:  # softcap, ALiBi, score_mod
+        s = score_mods.modify(cfg, s, extra)
+    if visible is not None:
+        s = ops.where(visible, s, blocks.scalar(blocks.INITIAL_MAX, f32))
+    lse = ops.logsumexp(s, axis=-1)  # [G, Lq]
+    p = ops.softmax(s, axis=-1)  # [G, Lq, Lkv], rows sum to 1
+    if cfg.mods is not None:  # dropout: P * keep / (1 - p)
+        p = score_mods.drop(cfg, p, extra)
+    p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*Lq, Lkv]
+    out = blocks.unfold_heads(cfg, ops.matmul(p_in, v, output_type=v.dtype,
+                                              partials_type=f32))  # [G, Lq, D]
+    if seen is not None:
+        out = ops.where(seen, out, blocks.scalar(0.0, v.dtype))
+        lse = ops.where(seen.reshape((1, cfg.q_len)), lse, blocks.scalar(-np.inf, f32))
+    return out, lse
 
 
 def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
@@ -109,7 +142,7 @@ def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
 
 def finalise(cfg, m, l, acc):
     """``out = acc / l`` (0 where the row saw nothing) and ``lse = m + log(l)``, once
-    after the loops (or the pass of one block), unpadded.
+    after the loops, unpadded.
 
     Args:
         m, l: float32 ``[G, Lq_pad, 1]``; acc: float32 ``[G, Lq_pad, D]``.
@@ -179,9 +212,8 @@ class FlashAttention(AttentionModule):
         k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
         if self.single_block(cfg):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
-                                   finalise(cfg, *softmax_block(
-                                       cfg, None, None, q, k.transpose((0, 2, 1)), v, extra,
-                                       visible)[:3]))
+                                   single_pass(cfg, q, k.transpose((0, 2, 1)), v, extra,
+                                               visible, blocks.seen_rows(cfg)))
         q_pad = blocks.pad_rows(q, Lq_pad)
         kv = blocks.pad_rows(blocks.stack([k, v]), cfg.padded_kv_len, axis=2)  # [2, Gk, L, D]
         # acc | l | m, float32 [G, Lq_pad, D + 2]: zeros, m at the masked score

@@ -99,16 +99,19 @@ FIXED = {
     (True, "float32"): dict(supersteps=10, gLd=3, gL=3, gkLd=3, gld=1, gkld=3),
 }
 #: A pass of one block (a straight line), the scale folded, no empty rows: forward ``k *
-#: scale``, the two matmuls, ``max``, ``s - m``, ``exp``, ``sum``, the cast of P, ``acc / l``,
-#: its cast, ``lse``; backward Dvec, ``k * scale``, the five matmuls, ``s - lse``, ``exp``,
-#: ``dP - Dvec``, ``P * (.)``, the casts of P and dS, the scale of dk and the three casts.
-#: Terms: ``gLL = G*Lq*Lkv`` and the pass terms.
+#: scale``, the two matmuls, ``logsumexp``, ``softmax`` and the cast of P; backward Dvec, ``k
+#: * scale``, the five matmuls, ``s - lse``, ``exp``, ``dP - Dvec``, ``P * (.)``, the casts of
+#: P and dS, the scale of dk and the three casts. Terms: ``gLL = G*Lq*Lkv`` and the pass terms.
 SINGLE = {
-    (False, "float16"): dict(supersteps=13, gkLd=1, gLL=3, gL=4, gLd=2),
-    (False, "float32"): dict(supersteps=11, gkLd=1, gLL=2, gL=4, gLd=1),
+    (False, "float16"): dict(supersteps=7, gkLd=1, gLL=2, gL=1),
+    (False, "float32"): dict(supersteps=6, gkLd=1, gLL=1, gL=1),
     (True, "float16"): dict(supersteps=21, gLd=4, gL=1, gkLd=4, gLL=6),
     (True, "float32"): dict(supersteps=14, gLd=1, gL=1, gkLd=2, gLL=4),
 }
+#: Added to a forward pass of one block with a partial mask (the one ``where``) and with
+#: empty rows (the selects of out and lse by a constant).
+SINGLE_MASKED = dict(supersteps=1, gLL=1)
+SINGLE_EMPTY_ROWS = dict(supersteps=2, gL=1, gLd=1)
 #: Added per pass where the schedule has empty rows (q rows that see no key): forward the
 #: ``l > 0`` test and the selects of ``l`` and ``lse``; backward the safe lse.
 EMPTY_ROWS = {False: dict(supersteps=3, gL=3), True: dict(supersteps=2, gL=2)}
@@ -167,16 +170,18 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         supersteps += times * weights.get("supersteps", 0)
         elements += times * _dot(weights, terms)
 
+    single = _steps.single_block(sched)
     if sched.empty_rows.size:
-        add(EMPTY_ROWS[backward], pass_terms)
-    if _steps.single_block(sched):
+        add(SINGLE_EMPTY_ROWS if single and not backward else EMPTY_ROWS[backward], pass_terms)
+    if single:
         add(SINGLE[backward, dtype], pass_terms)
         if not folds:  # the scores' multiplication instead of k's (and dq's scale)
             add(dict(supersteps=0, gLL=1, gkLd=-1), pass_terms)
             if backward:
                 add(dict(supersteps=1, gLd=1), pass_terms)
         if sched.kind[0, 0] == _schedule.PARTIAL:
-            add(MASKED[backward], dict(grc=G * Lq * Lkv))
+            block = dict(grc=G * Lq * Lkv, gLL=G * Lq * Lkv)
+            add(MASKED[True] if backward else SINGLE_MASKED, block)
         return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
     add(FIXED[backward, dtype], pass_terms)
     if not folds:  # no k * scale; the backward scales dq once

@@ -266,7 +266,7 @@ def straight_counts(dims, dtype="float16", *, causal=False, window=(-1, -1), sof
     if half:
         op(S)  # cast of p
     if return_lse:
-        op(R, 4)  # max of s, max of p, log, subtract
+        op(R)  # logsumexp
     if _empties_possible(Lq, Ln, causal, window):
         op(R * D)  # out of rows that see nothing
         if return_lse:

@@ -44,6 +44,16 @@ MARGIN = 1.10
 FIXED_BYTES = 16384
 #: Bytes of the loop tables per step (first q row, first kv column, pattern id: int32).
 TABLE_BYTES_PER_STEP = 12
+#: A pass of one block (a straight line, no loop state): bytes per score element ``[G, Lq,
+#: Lkv]``, per float32 q-row element ``[G, Lq, D]`` and per float32 k/v-row element ``[Gk,
+#: Lkv, D]`` live at its peak, by (dtype, backward): the least upper bound of the emulator's
+#: peak over 40 drawn shapes (G, Gk, Lq, Lkv, D), both masks, with :data:`SINGLE_MARGIN`.
+#: Forward: the scores and the softmax (float32), the cast of P; backward: P, dP, dS and a
+#: cast, plus the float32 gradients.
+SINGLE_BYTES = {("float16", False): (8.0, 0.0, 0.5), ("float16", True): (12.0, 0.5, 2.0),
+                ("float32", False): (8.0, 0.0, 1.5), ("float32", True): (12.0, 0.0, 1.0)}
+#: Proportional margin of the one-block bound (its terms are fitted, not summed).
+SINGLE_MARGIN = 1.02
 #: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
 #: their scaled and masked copies, the softmax, its cast), measured on the emulator
 #: (float16: 6.5 forward, 10 backward; float32: 5 and 7), plus the bool mask ``[Lq, Lkv]``.
@@ -92,6 +102,13 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
         int bytes.
     """
     G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
+    if sched.nq == sched.nkv == sched.visited_blocks == 1:  # the pass of one block (no
+        # segment ids: the choice prices those loops separately)
+        per_score, per_q, per_kv = SINGLE_BYTES[dtype, bool(backward)]
+        terms = (per_score * G * sched.Lq * sched.Lkv
+                 + (per_q * G * sched.Lq + per_kv * Gk * sched.Lkv) * D * _F32)
+        return int(SINGLE_MARGIN * terms + sched.patterns.nbytes + 8 * G * sched.Lq
+                   + FIXED_BYTES)
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
     pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
     tables = sched.patterns.nbytes + TABLE_BYTES_PER_STEP * steps

@@ -93,6 +93,8 @@ CASES = {
     "mean": (lambda a: ops.mean(a, axis=1, keepdims=True), lambda a: a.mean(1, keepdims=True),
              [_normal((3, 4))]),
     "softmax": (lambda a: ops.softmax(a, axis=-1), lambda a: _softmax64(a, 1), [_normal((4, 3))]),
+    "logsumexp": (lambda a: ops.logsumexp(a, axis=[0, 2], keepdims=False),
+                  lambda a: np.log(np.exp(a).sum(axis=(0, 2))), [_normal((2, 3, 4))]),
     "softmax_2d": (lambda a: ops.softmax(a, axis=1), lambda a: _softmax64(a, 1),
                    [_normal((2, 3, 4))]),
     "exp_log_sqrt": (lambda a: ops.exp(a) + ops.log(a) * ops.sqrt(a),

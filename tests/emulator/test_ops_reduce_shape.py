@@ -11,7 +11,12 @@ A = np.random.default_rng(7).standard_normal((2, 3, 4)).astype(np.float32)
 AI = np.arange(24, dtype=np.int32).reshape(2, 3, 4) - 10
 
 AXES = [None, 0, 1, 2, -1, -3, [0, 2], (1, -1), [0, 1, 2], []]
-REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}
+def _logsumexp64(a, axis=None, keepdims=False):
+    return np.log(np.sum(np.exp(a.astype(np.float64)), axis=axis, keepdims=keepdims))
+
+
+REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean,
+              "logsumexp": _logsumexp64}
 
 
 def _np_axis(axis):
@@ -54,6 +59,26 @@ def test_max_min_are_reductions_not_elementwise():
     a = np.array([[1.0, 5.0], [7.0, 2.0]], np.float32)
     r = run_fn(lambda t: ops.max(t, axis=0), a)
     np.testing.assert_array_equal(r, np.array([7.0, 5.0], np.float32))
+
+
+def test_logsumexp_is_stable_and_keeps_the_input_dtype():
+    """PopXL 3.4 ``ops.logsumexp`` lowers as ``log(sum(exp(x - max))) + max``
+    (``ReduceLogSumExpOpx``): finite for scores far beyond exp's range, in the input's dtype."""
+    big = np.array([[1000.0, 999.0, -1e30], [-3.0e38, -3.0e38, -3.0e38]], np.float32)
+    got = run_fn(lambda t: ops.logsumexp(t, axis=-1), big)
+    np.testing.assert_allclose(got, [1000.0 + np.log1p(np.exp(-1.0)), -3.0e38 + 0.0],
+                               rtol=1e-6)
+    half = A.astype(np.float16)
+    got = run_fn(lambda t: ops.logsumexp(t, axis=1, keepdims=True), half)
+    assert got.dtype == np.float16 and got.shape == (2, 1, 4)
+    # float16 maps (exp, log) round to 2^-11 relative; the sum of 3 terms adds no more.
+    np.testing.assert_allclose(got, _logsumexp64(half, axis=1, keepdims=True), rtol=3e-3)
+
+
+def test_logsumexp_of_zero_elements_is_refused():
+    """As max: the lowering's reduce_max over nothing has no specified result."""
+    with pytest.raises(IR_ERRORS):
+        run_fn(lambda t: ops.logsumexp(t, axis=1), np.zeros((2, 0), np.float32))
 
 
 # --- reshape ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Reductions (sum, mean, max, min, prod) and softmax.
+"""Reductions (sum, mean, max, min, prod, logsumexp) and softmax.
 
 Axes follow PopART's ``ReduceOp::setup`` (``willow/src/op/reduce.cpp``): out-of-range axes are an
 IR error; duplicate axes pass setup (the output drops the axis once) and are refused when the
@@ -8,6 +8,11 @@ and ``elementwisex.cpp``): it normalises over all axes from ``axis`` on, flatten
 
 float16 sums/means/products/softmax accumulate in float32 and round once to float16 (the IPU
 reduces half tensors with float partials); float32 inputs compute in float32.
+
+``logsumexp`` follows ``ReduceLogSumExpOpx::grow`` (``willow/src/popx/op/reducelogsumexpx.cpp``):
+``m = reduce_max(x)``, ``e = exp(x - m)`` (a map in the input's dtype), ``s = reduce_add(e)``,
+``log(s) + m`` (a map in the input's dtype): stable for finite inputs; an all ``-inf`` slice
+gives ``exp(-inf - -inf)`` = NaN there, as on the device.
 """
 import numpy as np
 
@@ -44,7 +49,7 @@ def _check_reduce(op):
     _check_duplicate_axes(op)
     t = op.inputs[0]
     empty = any(t.shape[a] == 0 for a in op.attrs["axes"])
-    if op.kind in ("max", "min", "mean") and empty and op.outputs[0].nelms > 0:
+    if op.kind in ("max", "min", "mean", "logsumexp") and empty and op.outputs[0].nelms > 0:
         raise PopartError(f"{op.kind} of {t.id} {t.shape} over axes {list(op.attrs['axes'])} "
                           "reduces zero elements (result unspecified in PopART's lowering)")
 
@@ -89,8 +94,17 @@ def _min(a, axes, keepdims):
     return np.min(a, axis=axes, keepdims=keepdims)
 
 
+def _logsumexp(a, axes, keepdims):
+    m = np.max(a, axis=axes, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(a - m).astype(a.dtype, copy=False)  # popops::map in the input's dtype
+        s = _sum(e, axes, True)
+        out = (np.log(s) + m).astype(a.dtype, copy=False)
+    return out if keepdims else np.squeeze(out, axis=axes)
+
+
 _REDUCE = {"sum": (_sum, NUMERIC), "mean": (_mean, FLOATS), "max": (_max, NUMERIC),
-           "min": (_min, NUMERIC), "prod": (_prod, NUMERIC)}
+           "min": (_min, NUMERIC), "prod": (_prod, NUMERIC), "logsumexp": (_logsumexp, FLOATS)}
 for _kind, (_impl, _allowed) in _REDUCE.items():
     register(_kind, _reduce_rule(_kind, _allowed), _impl)
     COMPILE_CHECKS[_kind] = _check_reduce
@@ -108,7 +122,8 @@ def _reduce_op(kind):
     return op
 
 
-sum, mean, max, min, prod = map(_reduce_op, ("sum", "mean", "max", "min", "prod"))  # noqa: A001
+sum, mean, max, min, prod, logsumexp = map(  # noqa: A001
+    _reduce_op, ("sum", "mean", "max", "min", "prod", "logsumexp"))
 
 
 def _softmax_rule(t, axis):
