@@ -366,6 +366,15 @@ def test_explain_reports_score_mod_cost():
     plain = pf.explain(256, 256, head_dim=32, groups=4, causal=False, num_chunks_q=4,
                        num_chunks_kv=4)
     assert not hasattr(plain, "score_mod")
+    # a pass of one block calls it once, on the whole block
+    one = pf.explain(256, 256, head_dim=32, groups=4, causal=True, num_chunks_q=1,
+                     num_chunks_kv=1, score_mod=two_ops, score_mod_inputs=(spec,)).score_mod
+    assert one.steps == 1 and one.cells == 256 * 256
+    # inline groups of one step call it too: causal 2 x 2 is one full block and two diagonal
+    # halves (3 groups of one step, none looped)
+    two = pf.explain(256, 256, head_dim=32, groups=4, causal=True, num_chunks_q=2,
+                     num_chunks_kv=2, score_mod=two_ops, score_mod_inputs=(spec,)).score_mod
+    assert two.steps >= 3
 
 
 @pytest.mark.skipif(pf.BACKEND != "emulator", reason="op counts are an emulator feature")

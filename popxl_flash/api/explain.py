@@ -3,6 +3,7 @@ from popxl_flash.api.functional import score_mod_traced
 from popxl_flash.graph import score_mods
 from popxl_flash.plan import costmodel
 from popxl_flash.plan import schedule as _schedule
+from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.config import AttentionConfig
 from popxl_flash.plan.memory import check_budget
 
@@ -51,8 +52,10 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     chosen = choice.chosen
     sched = _schedule.plan(Lq, Lkv, chosen.chunk_q, chosen.chunk_kv, causal=causal,
                            window=cfg.window)
+    # every block step calls it once, looped or inline; the pass of one block once
+    calls = 1 if _steps.single_block(sched) else sum(g.steps for g in _steps.step_groups(sched))
     mod_cost = score_mod_traced(score_mods.cost, score_mod, groups=groups,
                                 chunk_q=chosen.chunk_q, chunk_kv=chosen.chunk_kv,
-                                steps=chosen.iterations, cells=sched.executed_elements,
+                                steps=calls, cells=_steps.executed_cells(sched),
                                 input_specs=tuple(score_mod_inputs))
     return score_mods.with_score_mod_cost(choice, mod_cost)

@@ -351,7 +351,8 @@ class ScoreModCost:
     Attributes:
         ops: ops of its graph on one block (forward; the backward runs them again).
         grad_ops: ops of its gradient graph (``popxl.transforms.autodiff``), backward only.
-        steps: loop steps per pass (each calls it once).
+        steps: block steps per pass, looped or inline (each calls it once; a pass of one
+            block: 1).
         cells: (query, key) cells per group the steps run on (``executed_elements``).
         forward_flops, backward_flops: ``ops (+ grad_ops) * G * cells``, counting one FLOP per
             op and score element: an upper bound (ops on the broadcast index tensors touch
