@@ -87,6 +87,12 @@ def test_pass_counts_equal_the_profile(case):
     (4, 2, 200, 150, 16, "float32", dict(num_chunks_q=3, num_chunks_kv=2, causal=False,
                                           window=(20, 7))),
     (2, 2, 256, 256, 16, "float16", dict(num_chunks_q=2, num_chunks_kv=4, causal=True)),
+    # one kv chunk: the forward's row passes (a chunk of rows that see nothing: Lq > Lkv)
+    (2, 1, 97, 50, 8, "float16", dict(num_chunks_q=4, num_chunks_kv=1, causal=True)),
+    (2, 2, 60, 20, 8, "float16", dict(num_chunks_q=3, num_chunks_kv=1, causal=True)),
+    (2, 2, 130, 64, 16, "float32", dict(num_chunks_q=3, num_chunks_kv=1, causal=False,
+                                        window=(10, 3))),
+    (1, 1, 64, 100, 3, "float16", dict(num_chunks_q=8, num_chunks_kv=1, causal=False)),
 ])
 def test_pass_counts_named_cases(G, Gk, Lq, Lkv, D, dtype, options):
     assert_counts_hold(G, Gk, Lq, Lkv, D, dtype, options)

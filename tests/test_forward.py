@@ -180,11 +180,17 @@ def test_executed_flops_and_iterations_equal_planner_count(case):
     the same q; a pass of one block runs it whole, unsplit), and the steps are exactly one per
     visited block and one more per split block (its second sub-block): loop iterations, and
     one inline step per group of one step (no loop); none for a pass of one block, a
-    straight line. No skip iterations, whatever the mask."""
+    straight line, or for row passes (one kv chunk), whose matmuls run on the columns each q
+    chunk sees. No skip iterations, whatever the mask."""
     session, cfg = check_forward(case)
     schedule = cfg.schedule
     flops = counts.pass_flops(schedule, cfg.head_dim, cfg.groups)
     assert session.profile.matmul_flops == flops
+    if steps.row_passes(schedule):
+        assert session.profile.loop_iterations == 0
+        assert flops == 4 * cfg.head_dim * cfg.groups * steps.row_pass_cells(schedule)
+        assert steps.row_pass_cells(schedule) <= schedule.chunk_q * schedule.nq * cfg.kv_len
+        return
     split = int((schedule.split[schedule.kind != SKIP] != WHOLE).sum())
     assert session.profile.loop_iterations == loop_steps(schedule)
     if steps.single_block(schedule):

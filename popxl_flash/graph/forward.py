@@ -6,6 +6,8 @@ Graph structure (all static; the op count does not grow with L or the chunk coun
       k = k * scale where the scale folds (blocks.scale_folds), once
       one block (steps.single_block): single_pass, a straight line on the whole tensors:
         out = softmax(s) v, lse = logsumexp(s)    # naive attention's ops plus the lse
+      one kv chunk, 2..8 q chunks (steps.row_passes): single_pass per q chunk on the columns
+        its rows see, in order; out, lse = concat   # no loop, no state
       else:
       pad q and [k; v] (stacked once) to whole chunks
       state = acc | l | m = 0 | 0 | INITIAL_MAX     # [G, Lq_pad, D + 2], float32
@@ -37,6 +39,7 @@ import numpy as np
 from popxl_flash.graph import blocks, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.graph.module import AttentionModule
+from popxl_flash.plan import steps
 
 ops = popxl.ops
 
@@ -117,8 +120,42 @@ def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
                                               partials_type=f32))  # [G, Lq, D]
     if seen is not None:
         out = ops.where(seen, out, blocks.scalar(0.0, v.dtype))
-        lse = ops.where(seen.reshape((1, cfg.q_len)), lse, blocks.scalar(-np.inf, f32))
+        lse = ops.where(seen.reshape((1, seen.shape[1])), lse, blocks.scalar(-np.inf, f32))
     return out, lse
+
+
+def row_passes(cfg, q, k, v, prepared=()):
+    """A forward pass of one kv chunk and a few q chunks (:func:`steps.row_passes`) as
+    straight-line row passes: :func:`single_pass` per q chunk on its rows and the kv columns
+    they see (static slices: views), in order, then one concat of each result.
+
+    Args:
+        cfg: the config; q: ``[G, Lq, D]``; k (scaled where the scale folds), v: ``[Gk, Lkv,
+            D]``; prepared: the prepared score-modifier extras (:func:`score_mods.prepare`).
+
+    Returns:
+        out ``[G, Lq, D]`` in the input dtype and lse float32 ``[G, Lq]``.
+    """
+    outs, lses = [], []
+    for rp in steps.row_pass_plan(cfg.schedule):
+        (r0, r1), (lo, hi) = rp.rows, rp.cols
+        if lo == hi:  # the chunk's rows see nothing: out 0, lse -inf
+            outs.append(popxl.constant(np.zeros((cfg.groups, r1 - r0, cfg.head_dim),
+                                                np.dtype(cfg.dtype)), dtype=q.dtype))
+            lses.append(popxl.constant(np.full((cfg.groups, r1 - r0), -np.inf, np.float32)))
+            continue
+        q_i = ops.slice(q, start=[r0], stop=[r1], axis=[1])  # [G, rows, D] view
+        k_j, v_j = (ops.slice(t, start=[lo], stop=[hi], axis=[1]) for t in (k, v))
+        extra = ()
+        if cfg.mods is not None:
+            extra = score_mods.step_operands(cfg, prepared, blocks.counter(r0),
+                                             blocks.counter(lo), (r1 - r0, hi - lo))
+        visible = None if rp.pattern is None else popxl.constant(rp.pattern[None])
+        seen = None if rp.seen is None else popxl.constant(rp.seen.reshape(1, -1, 1))
+        out, lse = single_pass(cfg, q_i, k_j.transpose((0, 2, 1)), v_j, extra, visible, seen)
+        outs.append(out)
+        lses.append(lse)
+    return ops.concat(outs, axis=1), ops.concat(lses, axis=1)
 
 
 def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
@@ -214,6 +251,10 @@ class FlashAttention(AttentionModule):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
                                    single_pass(cfg, q, k.transpose((0, 2, 1)), v, extra,
                                                visible, blocks.seen_rows(cfg)))
+        if self.row_passes(cfg):
+            prepared = [] if cfg.mods is None else score_mods.prepare(cfg, extras)
+            with blocks.in_order():  # one chunk's scores at a time
+                return row_passes(cfg, q, k, v, prepared)
         q_pad = blocks.pad_rows(q, Lq_pad)
         kv = blocks.pad_rows(blocks.stack([k, v]), cfg.padded_kv_len, axis=2)  # [2, Gk, L, D]
         # acc | l | m, float32 [G, Lq_pad, D + 2]: zeros, m at the masked score

@@ -59,6 +59,14 @@ class AttentionModule(popxl.Module):
         return steps.single_block(cfg.schedule, cfg.segments is not None)
 
     @staticmethod
+    def row_passes(cfg):
+        """Whether the forward runs as row passes (:func:`popxl_flash.plan.steps.row_passes`;
+        not with dropout, whose masks are drawn per loop step and redrawn by the looped
+        backward)."""
+        no_dropout = cfg.mods is None or cfg.mods.dropout == 0
+        return steps.row_passes(cfg.schedule, cfg.segments is not None) and no_dropout
+
+    @staticmethod
     def run_single(cfg, segment_inputs, extras, build):
         """The pass of one block (:meth:`single_block`): ``build(seg, extra, visible)`` on the
         whole (unpadded) tensors, with the block's modifier operands (static offsets 0) and

@@ -120,7 +120,10 @@ EMPTY_ROWS = {False: dict(supersteps=3, gL=3), True: dict(supersteps=2, gL=2)}
 def pass_flops(sched, head_dim, groups, backward=False, segments=False):
     """Executed matmul FLOPs of one pass: 2 block matmuls forward, 5 backward (stash mode),
     2 FLOPs per multiply-add, over :func:`popxl_flash.plan.steps.executed_cells` (the
-    schedule's executed count, the whole block for a pass of one block)."""
+    schedule's executed count, the whole block for a pass of one block, the columns each q
+    chunk sees for row passes)."""
+    if not backward and _steps.row_passes(sched, segments):
+        return 2 * 2 * head_dim * groups * _steps.row_pass_cells(sched)
     matmuls = 5 if backward else 2
     return 2 * matmuls * head_dim * groups * _steps.executed_cells(sched, segments)
 
@@ -170,6 +173,8 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         supersteps += times * weights.get("supersteps", 0)
         elements += times * _dot(weights, terms)
 
+    if not backward and _steps.row_passes(sched):
+        return _row_pass_counts(sched, G, Gk, D, dtype, folds)
     single = _steps.single_block(sched)
     if sched.empty_rows.size:
         add(SINGLE_EMPTY_ROWS if single and not backward else EMPTY_ROWS[backward], pass_terms)
@@ -208,6 +213,29 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         supersteps += s
         elements += e
     return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
+
+
+def _row_pass_counts(sched, G, Gk, D, dtype, folds):
+    """A forward of row passes (:func:`popxl_flash.plan.steps.row_passes`): per pass with
+    columns the one-block pass's ops on its ``rows x cols`` (:data:`SINGLE` less the call and
+    ``k * scale``, :data:`SINGLE_MASKED` with a pattern, :data:`SINGLE_EMPTY_ROWS` where a
+    row sees nothing); then the call, ``k * scale`` and the two concats. A pass whose rows see
+    nothing is two constants."""
+    half = dtype == "float16"
+    supersteps, elements = 1 + 2, G * sched.Lq * (D + 1)
+    if folds:
+        supersteps, elements = supersteps + 1, elements + Gk * sched.Lkv * D
+    for rp in _steps.row_pass_plan(sched):
+        rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
+        if not cols:
+            continue
+        score_ops = 1 + half + (rp.pattern is not None) + (not folds)  # softmax, cast, where
+        supersteps += 3 + score_ops  # two matmuls, logsumexp
+        elements += score_ops * G * rows * cols + G * rows
+        if rp.seen is not None:
+            supersteps, elements = supersteps + 2, elements + G * rows * (D + 1)
+    return PassCounts(supersteps=supersteps, matmul_flops=pass_flops(sched, D, G),
+                      vector_elements=int(elements), bytes_copied=0, iterations=0)
 
 
 def _result(sched, supersteps, elements, D, G, Gk, dtype, backward):

@@ -18,6 +18,7 @@ choice says so (``pf.explain``), and an explicit ``memory_budget`` raises ``Valu
 import numbers
 
 from popxl_flash.plan import ipu_time
+from popxl_flash.plan import steps as _steps
 
 #: Fraction of one IPU's memory a call may hold by default (assumption, see module docstring).
 DEFAULT_MEMORY_FRACTION = 1 / 4
@@ -52,6 +53,10 @@ TABLE_BYTES_PER_STEP = 12
 #: cast, plus the float32 gradients.
 SINGLE_BYTES = {("float16", False): (8.0, 0.0, 0.5), ("float16", True): (12.0, 0.5, 2.0),
                 ("float32", False): (8.0, 0.0, 1.5), ("float32", True): (12.0, 0.0, 1.0)}
+#: Row passes: float32 k/v-row elements ``[Gk, Lkv, D]`` live across the passes (the scaled
+#: k they slice, and a pass's copies of its k/v columns), by dtype: the least upper bound of
+#: the emulator's peak over 150 drawn shapes and chunkings, rounded up.
+ROW_PASS_KV_ROWS = {"float16": 1.5, "float32": 2.0}
 #: Proportional margin of the one-block bound (its terms are fitted, not summed).
 SINGLE_MARGIN = 1.02
 #: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
@@ -109,6 +114,8 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
                  + (per_q * G * sched.Lq + per_kv * Gk * sched.Lkv) * D * _F32)
         return int(SINGLE_MARGIN * terms + sched.patterns.nbytes + 8 * G * sched.Lq
                    + FIXED_BYTES)
+    if not backward and _steps.row_passes(sched):
+        return _row_pass_bytes(sched, G, Gk, D, dtype)
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
     pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
     tables = sched.patterns.nbytes + TABLE_BYTES_PER_STEP * steps
@@ -126,6 +133,26 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
             G * sched.chunk_q + Gk * sched.chunk_kv) * D * _F32
         temps += (BACKWARD_FULL_ROWS * G * lq + BACKWARD_FULL_KV_ROWS * Gk * lkv) * D * _F32
     return int(MARGIN * (state + padded + tables + temps) + FIXED_BYTES)
+
+
+def _row_pass_bytes(sched, G, Gk, D, dtype):
+    """Row passes (:func:`popxl_flash.plan.steps.row_passes`) run one after another: the
+    largest pass's one-block bound, the scaled k they all slice, every pass's results until
+    the concats, and the constants (patterns, selects, the results of rows that see nothing)."""
+    per_score, per_q, per_kv = SINGLE_BYTES[dtype, False]
+    item, worst, constants = _item(dtype), 0.0, 0
+    for rp in _steps.row_pass_plan(sched):
+        rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
+        if not cols:
+            constants += G * rows * (D * item + _F32)
+            continue
+        worst = max(worst, per_score * G * rows * cols + (per_q * G * rows + per_kv * Gk * cols)
+                    * D * _F32)
+        constants += sum(a.nbytes for a in (rp.pattern, rp.seen) if a is not None)
+    results = G * sched.Lq * (D * item + _F32)  # out and lse of every pass
+    kv_rows = ROW_PASS_KV_ROWS[dtype] * Gk * sched.Lkv * D * _F32
+    return int(SINGLE_MARGIN * worst + kv_rows + results + constants + 8 * G * sched.Lq
+               + FIXED_BYTES)
 
 
 def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):

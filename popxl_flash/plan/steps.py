@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from popxl_flash.plan.schedule import FULL, LOWER, UPPER
+from popxl_flash.plan.schedule import FULL, LOWER, SKIP, UPPER
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,6 +134,76 @@ def single_block(schedule, segments=False):
     (a split block is not split)."""
     return (schedule.nq == 1 and schedule.nkv == 1 and schedule.visited_blocks == 1
             and not segments)
+
+
+#: Most q chunks a forward pass with one kv chunk runs as straight-line row passes
+#: (:func:`row_passes`); the graph grows with them, so more run as loops.
+MAX_ROW_PASSES = 8
+
+
+def row_passes(schedule, segments=False):
+    """Whether a forward pass of ``schedule`` runs as straight-line **row passes**: one kv
+    chunk and 2 to :data:`MAX_ROW_PASSES` q chunks, without segment ids. Each q chunk then sees
+    every key it sees in one block, so its pass is the one-block pass on its rows and the
+    columns they see (:func:`row_pass_plan`): no loop, no running state. (The modules also
+    need no dropout: its masks are drawn per loop step, which the looped backward redraws.)"""
+    return schedule.nkv == 1 and 1 < schedule.nq <= MAX_ROW_PASSES and not segments
+
+
+@dataclass(frozen=True, eq=False)
+class RowPass:
+    """One q chunk's straight-line pass (:func:`row_pass_plan`).
+
+    Attributes:
+        rows: ``(r0, r1)``, its real q rows.
+        cols: ``(lo, hi)``, the kv columns any of its rows sees (``lo == hi``: none).
+        pattern: bool ``[r1 - r0, hi - lo]`` visibility, ``None`` where all is visible.
+        seen: bool ``[r1 - r0]``, the rows that see a key, ``None`` where all do.
+    """
+
+    rows: tuple
+    cols: tuple
+    pattern: Optional[np.ndarray]
+    seen: Optional[np.ndarray]
+
+
+def row_pass_plan(schedule):
+    """The row passes of a :func:`row_passes` schedule, in q order.
+
+    Returns:
+        tuple of :class:`RowPass`.
+    """
+    passes = []
+    for i in range(schedule.nq):
+        r0 = i * schedule.chunk_q
+        r1 = min(r0 + schedule.chunk_q, schedule.Lq)
+        visible = _block_visibility(schedule, i)[: r1 - r0, : schedule.Lkv]
+        columns = np.flatnonzero(visible.any(axis=0))
+        if not columns.size:
+            passes.append(RowPass((r0, r1), (0, 0), None, np.zeros(r1 - r0, bool)))
+            continue
+        lo, hi = int(columns[0]), int(columns[-1]) + 1
+        pattern = visible[:, lo:hi]
+        seen = pattern.any(axis=1)
+        passes.append(RowPass((r0, r1), (lo, hi), None if pattern.all() else pattern,
+                              None if seen.all() else seen))
+    return tuple(passes)
+
+
+def _block_visibility(schedule, i):
+    kind = schedule.kind[i, 0]
+    shape = (schedule.chunk_q, schedule.chunk_kv)
+    if kind == SKIP:
+        return np.zeros(shape, bool)
+    if kind == FULL:
+        return np.ones(shape, bool)
+    return schedule.patterns[schedule.pattern_id[i, 0]]
+
+
+def row_pass_cells(schedule):
+    """(query, key) cells the row passes' matmuls run on."""
+    return sum((p.rows[1] - p.rows[0]) * (p.cols[1] - p.cols[0])
+               for p in row_pass_plan(schedule))
 
 
 def runs_inline(group, segments=False):
