@@ -104,6 +104,25 @@ def test_relative_bias_table_via_score_mod_inputs(mask):
            dict(score_mod=ref_mod, score_mod_grad=lambda s, g, qi, kj: np.ones_like(s)))
 
 
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_row_passes_offset_the_modifiers(mask):
+    """One kv chunk, 3 q chunks: the forward's row passes slice each chunk's rows and the
+    columns they see, so ALiBi's distances and a score_mod's positions must carry both
+    offsets (grouped-query, float16, with softcap)."""
+    slopes = alibi_slopes(4)
+    _check(mask, "float16", [slopes], lambda s: dict(alibi_slopes=s, softcap=3.0),
+           dict(alibi_slopes=slopes, softcap=3.0), chunks=(3, 1))
+    Lq, Lkv = 21, 30
+    table = np.random.default_rng(6).standard_normal(Lq + Lkv - 1).astype(np.float32)
+
+    def ref_mod(s, g, qi, kj):
+        return s + table[qi - kj + (Lkv - 1)]
+    _check(mask, "float32", [table, np.array(Lkv - 1, np.int32)],
+           lambda t, o: dict(score_mod=_table_mod, score_mod_inputs=(t, o)),
+           dict(score_mod=ref_mod, score_mod_grad=lambda s, g, qi, kj: np.ones_like(s)),
+           chunks=(3, 1))
+
+
 def _temperature_mod(score, g, q_idx, kv_idx, temps):
     """Per-head temperature: ``score * temps[g]`` (``g`` picks the group's entry)."""
     return score * ops.gather(temps, g)
