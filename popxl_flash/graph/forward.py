@@ -1,6 +1,7 @@
 """FlashAttention forward as a ``popxl.Module``: the seed's algorithm as PopXL graph code.
 
-Graph structure (all static; the op count does not grow with L or the chunk counts)::
+Graph structure (all static; the loops' op count does not grow with L or the chunk counts, and
+row passes are at most steps.MAX_ROW_PASSES)::
 
     build(q, k, v)                          # module graph
       k = k * scale where the scale folds (blocks.scale_folds), once
