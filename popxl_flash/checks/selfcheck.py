@@ -77,6 +77,8 @@ CASES = (
          dict(causal=False, window=(0, 0), num_chunks_q=4, num_chunks_kv=3)),
     Case("causal-lq>lkv-empty-rows", 2, 200, 77, 32, "float16",
          dict(causal=True, num_chunks_q=7, num_chunks_kv=4)),
+    Case("row-passes-empty-chunk", 2, 200, 77, 32, "float16",
+         dict(causal=True, num_chunks_q=4, num_chunks_kv=1)),
     Case("chunk-length-1", 1, 12, 9, 8, "float32",
          dict(causal=True, num_chunks_q=12, num_chunks_kv=9)),
     Case("single-query", 3, 1, 97, 64, "float16", dict(causal=False)),
