@@ -58,25 +58,23 @@ def test_iterations_and_flops_equal_planner_count(case):
     skip iterations; groups of one step inline, a pass of one block a straight line) and
     exactly the planner's executed FLOPs (the whole block for a pass of one block), 2.5x the
     forward's. The run holds the forward (for out and lse) and the backward: the same steps
-    twice, except that a forward of row passes (one kv chunk) runs no loop and its matmuls only
-    the columns each q chunk sees."""
+    twice. Row passes (one kv chunk) run no loop either way, and their matmuls run on the
+    columns each q chunk sees."""
     _, session, cfg = check_backward(case)
     schedule = cfg.schedule
-    rows = steps.row_passes(schedule)
-    assert session.profile.loop_iterations == (1 if rows else 2) * loop_steps(schedule)
+    assert session.profile.loop_iterations == 2 * loop_steps(schedule)
     assert len(schedule.block_list("kv_major")) == schedule.visited_blocks
     forward = counts.pass_flops(schedule, cfg.head_dim, cfg.groups)
     backward = counts.pass_flops(schedule, cfg.head_dim, cfg.groups, backward=True)
-    if not steps.single_block(schedule):
+    if steps.row_passes(schedule):
+        assert loop_steps(schedule) == 0
+        assert forward == 4 * cfg.head_dim * cfg.groups * steps.row_pass_cells(schedule)
+    elif not steps.single_block(schedule):
+        assert forward == schedule.forward_flops(cfg.head_dim, cfg.groups).executed
         assert backward == schedule.backward_flops(cfg.head_dim, cfg.groups,
                                                    mode="stash").executed
-    if not (steps.single_block(schedule) or rows):
-        assert forward == schedule.forward_flops(cfg.head_dim, cfg.groups).executed
     assert session.profile.matmul_flops == forward + backward
-    if not rows:
-        assert 2 * backward == 5 * forward
-    else:
-        assert 2 * backward >= 5 * forward
+    assert 2 * backward == 5 * forward
 
 
 @given(attention_cases(max_len=40, max_dim=8))

@@ -187,7 +187,7 @@ def test_executed_flops_and_iterations_equal_planner_count(case):
     flops = counts.pass_flops(schedule, cfg.head_dim, cfg.groups)
     assert session.profile.matmul_flops == flops
     if steps.row_passes(schedule):
-        assert session.profile.loop_iterations == 0
+        assert session.profile.loop_iterations == loop_steps(schedule) == 0
         assert flops == 4 * cfg.head_dim * cfg.groups * steps.row_pass_cells(schedule)
         assert steps.row_pass_cells(schedule) <= schedule.chunk_q * schedule.nq * cfg.kv_len
         return

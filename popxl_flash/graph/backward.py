@@ -10,6 +10,8 @@ Graph structure::
       lse = where(lse > MASKED_SCORE, lse, 0)     once, where rows may see nothing
       k = k * scale where the scale folds (blocks.scale_folds), once
       one block (steps.single_block): grad_block on the whole tensors, then the results
+      one kv chunk, 2..8 q chunks (steps.row_passes): the steps below inline, one per q chunk
+        on the kv columns its rows see (blocks.row_steps), on the unpadded tensors
       else:
       stack and pad [do; q], lse | Dvec, [k; v] to whole chunks
       dq, [dv; dk] = 0                             float32 accumulators, full length
@@ -203,11 +205,17 @@ class FlashAttentionGrad(AttentionModule):
                                    _finish(cfg, *grad_block(cfg, q, dout, lse, dvec, k,
                                                             v.transpose((0, 2, 1)),
                                                             extra=extra, visible=visible)))
+        rows = self.row_passes(cfg)
+        if rows:  # straight-line row steps on the unpadded tensors
+            Lq_pad, Lkv_pad = Lq, cfg.kv_len
         qdo = blocks.pad_rows(blocks.stack([dout, q]), Lq_pad, axis=2)  # [2, G, Lq_pad, D]
         stats = blocks.pad_rows(ops.concat([lse, dvec], axis=2), Lq_pad)  # [G, Lq_pad, 2]
         kv = blocks.pad_rows(blocks.stack([k, v]), Lkv_pad, axis=2)  # [2, Gk, Lkv_pad, D]
         state = [ops.init((G, Lq_pad, D), f32, init_type="zero"),  # dq
                  ops.init((2, Gk, Lkv_pad, D), f32, init_type="zero")]  # [dv; dk]
+        def finish(dq, dkdv):
+            return _finish(cfg, dq, blocks.part(dkdv, 1), blocks.part(dkdv, 0))
+        if rows:
+            return self.run_rows(cfg, loop_spec(), (qdo, stats, kv), state, finish, extras)
         return self.run_pass(cfg, loop_spec(), "kv_major", (qdo, stats, kv), state,
-                             segment_inputs, lambda dq, dkdv: _finish(
-                                 cfg, dq, blocks.part(dkdv, 1), blocks.part(dkdv, 0)), extras)
+                             segment_inputs, finish, extras)

@@ -313,6 +313,32 @@ def block_step(spec, cfg, group, operands, state, q_offset, kv_offset, visible, 
                             no_overlap=True)
 
 
+@dataclass(frozen=True)
+class _RowStep:
+    """The sub-block shape :func:`block_step` reads from a group: one row pass's."""
+    rows: int
+    cols: int
+
+
+def row_steps(spec, cfg, operands, state, extras=()):
+    """The steps of row passes (:func:`popxl_flash.plan.steps.row_passes`) inline, in q order:
+    :func:`block_step` per q chunk on its rows and the kv columns they see (static offsets and
+    a constant pattern), the state written back in place; chunks whose rows see nothing run
+    nothing. Call inside :func:`in_order`.
+
+    Args:
+        spec: the pass's :class:`LoopSpec`; operands, state: the unpadded operands and state.
+        extras: with score modifiers, their prepared tensors.
+    """
+    for rp in steps.row_pass_plan(cfg.schedule):
+        (r0, r1), (lo, hi) = rp.rows, rp.cols
+        if lo == hi:
+            continue
+        visible = None if rp.pattern is None else popxl.constant(rp.pattern[None])
+        block_step(spec, cfg, _RowStep(r1 - r0, hi - lo), operands, state, r0, lo, visible,
+                   extras=extras)
+
+
 def _unmasked_step(spec, cfg, *inputs):
     """Branch of a segment-id step whose block is visible throughout at run time (class
     ``RT_FULL``) in a group without a static pattern: the unmasked update. Inputs: state

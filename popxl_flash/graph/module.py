@@ -88,6 +88,20 @@ class AttentionModule(popxl.Module):
         return build((), extra, visible)
 
     @staticmethod
+    def run_rows(cfg, spec, operands, state, finish, extras=()):
+        """The backward's row passes (:meth:`row_passes`): :func:`blocks.row_steps` in order,
+        then ``finish`` on the state (as :meth:`run_pass`).
+
+        Returns:
+            ``finish``'s results.
+        """
+        prepared = [] if cfg.mods is None else score_mods.prepare(cfg, extras)
+        with blocks.in_order():
+            blocks.row_steps(spec, cfg, operands, state, prepared)
+            with blocks.in_order(False):
+                return finish(*state)
+
+    @staticmethod
     def run_pass(cfg, spec, order, operands, state, segment_inputs, finish, extras=()):
         """Build and run a pass's loops, then ``finish`` on the state.
 

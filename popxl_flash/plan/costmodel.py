@@ -369,7 +369,7 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
     if segments is not None and classes is None:
         classes = np.full((sched.nq, sched.nkv), RT_MASKED)
     seg = segments is not None
-    if _steps.single_block(sched, seg) or (not backward and _steps.row_passes(sched, seg)):
+    if _steps.single_block(sched, seg) or _steps.row_passes(sched, seg):
         return copies  # a straight line: no loop, no branch
     for group in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
         if _steps.runs_inline(group, seg):

@@ -122,10 +122,9 @@ def pass_flops(sched, head_dim, groups, backward=False, segments=False):
     2 FLOPs per multiply-add, over :func:`popxl_flash.plan.steps.executed_cells` (the
     schedule's executed count, the whole block for a pass of one block, the columns each q
     chunk sees for row passes)."""
-    if not backward and _steps.row_passes(sched, segments):
-        return 2 * 2 * head_dim * groups * _steps.row_pass_cells(sched)
-    matmuls = 5 if backward else 2
-    return 2 * matmuls * head_dim * groups * _steps.executed_cells(sched, segments)
+    cells = (_steps.row_pass_cells(sched) if _steps.row_passes(sched, segments)
+             else _steps.executed_cells(sched, segments))
+    return 2 * (5 if backward else 2) * head_dim * groups * cells
 
 
 def _dot(weights, terms):
@@ -164,6 +163,9 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
     mantissa, _ = math.frexp(abs(scale))
     folds = mantissa == 0.5 and abs(scale) <= 1.0
     lq_pad, lkv_pad = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+    rows = _steps.row_passes(sched)
+    if rows:  # the backward's row steps run on the unpadded tensors
+        lq_pad, lkv_pad = Lq, Lkv
     pass_terms = dict(gl=G * lq_pad, gld=G * lq_pad * D, gL=G * Lq, gLd=G * Lq * D,
                       gkld=Gk * lkv_pad * D, gkLd=Gk * Lkv * D, gLL=G * Lq * Lkv)
     supersteps = elements = 0
@@ -173,7 +175,7 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         supersteps += times * weights.get("supersteps", 0)
         elements += times * _dot(weights, terms)
 
-    if not backward and _steps.row_passes(sched):
+    if rows and not backward:
         return _row_pass_counts(sched, G, Gk, D, dtype, folds)
     single = _steps.single_block(sched)
     if sched.empty_rows.size:
@@ -193,6 +195,9 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         add(dict(supersteps=-1, gkLd=-1), pass_terms)
         if backward:
             add(dict(supersteps=1, gld=1), pass_terms)
+    if rows:
+        _row_steps(sched, add, G, Gk, D, dtype, folds)
+        return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
     for g in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
         terms = dict(grc=G * g.rows * g.cols, rc=g.rows * g.cols, grd=G * g.rows * D,
                      gr=G * g.rows, gkcd=Gk * g.cols * D, one=1)
@@ -213,6 +218,22 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         supersteps += s
         elements += e
     return _result(sched, supersteps, elements, D, G, Gk, dtype, backward)
+
+
+def _row_steps(sched, add, G, Gk, D, dtype, folds):
+    """The backward's row steps: one :data:`INLINE_STEP` per q chunk that sees a key, on its
+    ``rows x cols`` (:data:`MASKED` with a pattern)."""
+    for rp in _steps.row_pass_plan(sched):
+        rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
+        if not cols:
+            continue
+        terms = dict(grc=G * rows * cols, rc=rows * cols, grd=G * rows * D, gr=G * rows,
+                     gkcd=Gk * cols * D, one=1)
+        add(INLINE_STEP[True, dtype], terms)
+        if not folds:
+            add(UNFOLDED_STEP, terms)
+        if rp.pattern is not None:
+            add(MASKED[True], terms)
 
 
 def _row_pass_counts(sched, G, Gk, D, dtype, folds):

@@ -26,9 +26,16 @@ DEFAULT_MEMORY_FRACTION = 1 / 4
 _F32 = 4
 
 #: Float32 block-sized temporaries live at once at the peak of a step ``[G, cq, ckv]``
-#: (forward: scores and probabilities; backward: P, dP, dS and a cast; the steps of a group run
-#: inline can overlap), an upper bound of the emulator's liveness on this version's graphs.
-FORWARD_BLOCKS, BACKWARD_BLOCKS = 2.0, 3.0
+#: (forward: scores and probabilities; backward: P, dP, dS, the stacked ``[P; dS]`` and its
+#: cast or transposed copy, by dtype), an upper bound of the emulator's liveness on this
+#: version's graphs: at float32 blocks of 512 x 512 a backward step holds about 4 (measured
+#: 3.5-4.0 over the margin), float16 about 3.
+FORWARD_BLOCKS = 2.0
+BACKWARD_BLOCKS = {"float16": 3.25, "float32": 4.25}
+#: Added for the backward's row steps (inline, one per q chunk, on the unpadded tensors, so no
+#: padded copies): blocks and float32 k/v-row elements ``[Gk, cols, D]`` (a step's ``[dv;
+#: dk]`` product and sum), fitted to the emulator's peak over 600 drawn row-pass shapes.
+ROW_STEP_BLOCKS, ROW_STEP_KV_ROWS = 0.25, 3.0
 #: Float32 row-sized temporaries ``[G, cq, D]`` and ``[Gk, ckv, D]`` at once.
 FORWARD_ROWS, BACKWARD_ROWS = 2.0, 2.0
 #: Float32 q-row-sized tensors ``[G, Lq_pad, D]`` live at the peak besides the state (the
@@ -55,8 +62,8 @@ SINGLE_BYTES = {("float16", False): (8.0, 0.0, 0.5), ("float16", True): (12.0, 0
                 ("float32", False): (8.0, 0.0, 1.5), ("float32", True): (12.0, 0.0, 1.0)}
 #: Row passes: float32 k/v-row elements ``[Gk, Lkv, D]`` live across the passes (the scaled
 #: k they slice, and a pass's copies of its k/v columns), by dtype: the least upper bound of
-#: the emulator's peak over 150 drawn shapes and chunkings, rounded up.
-ROW_PASS_KV_ROWS = {"float16": 1.5, "float32": 2.0}
+#: the emulator's peak over 950 drawn shapes and chunkings, rounded up.
+ROW_PASS_KV_ROWS = {"float16": 1.75, "float32": 2.5}
 #: Proportional margin of the one-block bound (its terms are fitted, not summed).
 SINGLE_MARGIN = 1.02
 #: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
@@ -117,20 +124,28 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
     if not backward and _steps.row_passes(sched):
         return _row_pass_bytes(sched, G, Gk, D, dtype)
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
+    cq, ckv = sched.chunk_q, sched.chunk_kv
     tables = sched.patterns.nbytes + TABLE_BYTES_PER_STEP * steps
-    block = G * sched.chunk_q * sched.chunk_kv * _F32
+    rows = backward and _steps.row_passes(sched)
+    if rows:  # inline steps on the unpadded tensors, the largest one's block
+        plan = _steps.row_pass_plan(sched)
+        lq, lkv = sched.Lq, sched.Lkv
+        cq, ckv = max(((p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]) for p in plan),
+                      key=lambda rc: rc[0] * rc[1])
+        tables = sum(p.pattern.nbytes for p in plan if p.pattern is not None)
+    pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
+    block = G * cq * ckv * _F32
     if not backward:
         state = G * lq * (D + 2) * _F32  # m, l, acc
         padded = pad_q * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
-        temps = FORWARD_BLOCKS * block + FORWARD_ROWS * (
-            G * sched.chunk_q + Gk * sched.chunk_kv) * D * _F32
+        temps = FORWARD_BLOCKS * block + FORWARD_ROWS * (G * cq + Gk * ckv) * D * _F32
         temps += (FORWARD_FULL_ROWS * G * lq + FORWARD_FULL_KV_ROWS * Gk * lkv) * D * _F32
     else:
         state = (G * lq * D + 2 * Gk * lkv * D + 2 * G * lq) * _F32  # dq, dk, dv; Dvec, lse
         padded = pad_q * 3 * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
-        temps = BACKWARD_BLOCKS * block + BACKWARD_ROWS * (
-            G * sched.chunk_q + Gk * sched.chunk_kv) * D * _F32
+        temps = (BACKWARD_BLOCKS[dtype] + rows * ROW_STEP_BLOCKS) * block + (
+            BACKWARD_ROWS * G * cq + (BACKWARD_ROWS + rows * ROW_STEP_KV_ROWS) * Gk * ckv) \
+            * D * _F32
         temps += (BACKWARD_FULL_ROWS * G * lq + BACKWARD_FULL_KV_ROWS * Gk * lkv) * D * _F32
     return int(MARGIN * (state + padded + tables + temps) + FIXED_BYTES)
 
@@ -161,7 +176,10 @@ def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, he
     it without planning them (a block as long as a 32K sequence would make the planner
     materialise its mask)."""
     state = (groups * q_len * head_dim + 2 * kv_groups * kv_len * head_dim) * _F32
-    return int(state + BACKWARD_BLOCKS * groups * chunk_q * chunk_kv * _F32)
+    # the least of any structure's block term, either dtype: one block's, or a step's
+    blocks = min(min(BACKWARD_BLOCKS.values()),
+                 min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32)
+    return int(state + blocks * groups * chunk_q * chunk_kv * _F32)
 
 
 def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
