@@ -143,9 +143,12 @@ def _run(rt, op, args):
 
 def _check(op):
     offset = op.inputs[-1]
-    if offset.dtype != dtypes.uint32 or offset.nelms != 1:
-        raise PopartError(f"{op.kind}: offset {offset.id} must be one uint32 element, got "
-                          f"{offset.dtype.name} {list(offset.shape)}")
+    # Poplar's remote-buffer Copy takes an integer offset tensor: PopXL's own int offsets
+    # are uint32 constants, PopART's tests pass int32 constants (popxl.constant(0)) and
+    # popxl-addons' remote graphs an int32 graph input
+    if offset.dtype not in (dtypes.uint32, dtypes.int32) or offset.nelms != 1:
+        raise PopartError(f"{op.kind}: offset {offset.id} must be one int32 or uint32 element, "
+                          f"got {offset.dtype.name} {list(offset.shape)}")
     if op.attrs["buffer"]._ir is not op.graph.ir:
         raise PopartError(f"{op.kind}: remote buffer of another Ir")
 
