@@ -142,13 +142,15 @@ class Context:
     A view over this module's graph stack, name scopes and ``in_sequence`` state, with the
     attributes third-party PopXL code reads: ``graph``, ``main_graph``, ``ir``, ``ipu_id``,
     ``io_tile_set``, ``name_scopes``, ``push/pop_name_scope``, ``push/pop_graph`` and
-    ``in_sequence``. Debug-info bookkeeping (``_debug_context_frame_offset``,
-    ``_execution_context``) is kept as PopXL keeps it; the emulator records no debug info.
+    ``in_sequence``. ``_debug_context_frame_offset`` is kept as PopXL keeps it (the emulator
+    records no debug info); ``_execution_context`` (an ``_ir.ExecutionContext``) is each new
+    op's program fragment (:func:`_execution_context`).
     """
 
     def __init__(self):
+        from ._internal_ir import ExecutionContext
         self._debug_context_frame_offset = 0
-        self._execution_context = "Normal"
+        self._execution_context = ExecutionContext.Normal
 
     graph = property(lambda self: gcg())
 
@@ -239,11 +241,40 @@ def op_debug_context(name):
 
 @contextmanager
 def _execution_context(execution_context):
-    """PopXL's private ``_execution_context``: ops built inside go to another program
-    fragment (weights-from-host, ...), which the emulator does not model."""
-    raise NotImplementedError(f"popxl.context._execution_context({execution_context!r}) is not "
-                              "implemented by the emulator")
-    yield  # pragma: no cover
+    """PopXL's private ``_execution_context`` (``context.py``): ops built inside go to another
+    program than the main one. In the main graph the emulator runs
+    ``WeightsFromHostFragment`` ops in ``Session.weights_from_host`` (after the weights are
+    written) and ``WeightsToHostFragment`` ops in ``weights_to_host`` (before they are read),
+    as PopART's ``weightsFromHost``/``weightsToHost`` programs; other fragments, and fragment
+    ops in subgraphs, raise ``NotImplementedError`` when an op is created (see
+    :func:`op_context`). As in PopXL, nothing restores the previous context when the body
+    raises."""
+    ctx = get_current_context()
+    prev = ctx._execution_context
+    ctx._execution_context = execution_context
+    yield execution_context
+    ctx._execution_context = prev
+
+
+#: the program fragments the emulator runs, in PopART's schedule order (its scheduler bins:
+#: weights-from-host ops first, then the main program's, then weights-to-host)
+FRAGMENTS = ("WeightsFromHostFragment", "Normal", "WeightsToHostFragment")
+
+
+def op_context(graph):
+    """The execution context name of an op created now in ``graph`` (from
+    ``Context._execution_context``). Raises: NotImplementedError for a fragment the emulator
+    does not run, or a fragment op outside the main graph."""
+    ec = _CONTEXT._execution_context
+    name = getattr(ec, "name", ec)
+    if name not in FRAGMENTS:
+        raise NotImplementedError(f"ops in execution context {ec!r} are not implemented by the "
+                                  "emulator (it runs Normal, WeightsFromHostFragment and "
+                                  "WeightsToHostFragment ops of the main graph)")
+    if name != "Normal" and graph is not graph.ir.main_graph:
+        raise NotImplementedError(f"an op of execution context {ec!r} in subgraph {graph.name}: "
+                                  "the emulator runs program fragments of the main graph only")
+    return name
 
 
 class OpSettings:

@@ -44,6 +44,8 @@ class Runtime:
         ops, elements = {}, {}
         for graph, runs in self.graph_runs.values():
             for op in graph._ops:
+                if op.context != "Normal":  # the main graph's other programs' ops
+                    continue
                 ops[op.kind] = ops.get(op.kind, 0) + runs
                 pos = WORK_INPUT.get(op.kind)
                 n = sum(t.nelms for t in op.outputs) if pos is None else op.inputs[pos].nelms

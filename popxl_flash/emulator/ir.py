@@ -15,16 +15,19 @@ class Op:
     ``alias``: None, "modify" (in place on input 0) or "view" (output aliases input 0 unchanged).
     ``modifies``: input positions whose parent storage the op writes (in-place, by-ref calls).
     ``after``: indices of ops that must run first (in_sequence topological constraints).
+    ``context``: the program fragment it runs in (``context.FRAGMENTS``; "Normal": the main
+    program, or a subgraph's).
     """
 
     __slots__ = ("kind", "inputs", "attrs", "outputs", "graph", "index", "alias", "modifies",
-                 "after", "subgraphs", "flops", "op_id")
+                 "after", "subgraphs", "flops", "op_id", "context")
 
     def __init__(self, kind, inputs, attrs, graph, alias=None, modifies=(), subgraphs=()):
         self.kind, self.inputs, self.attrs, self.graph = kind, tuple(inputs), attrs, graph
         self.alias, self.modifies, self.subgraphs = alias, tuple(modifies), tuple(subgraphs)
         self.outputs, self.after, self.flops, self.index = (), [], 0, -1
         self.op_id = -1  # Ir-wide, from 100 in creation order (PopART's Ir::opsCounter)
+        self.context = "Normal"
 
     def __repr__(self):
         return f"Op[{self.kind} #{self.index} in {self.graph.name}]"
@@ -137,6 +140,7 @@ class Graph:
         return t
 
     def _add_op(self, op, out_specs, out_names):
+        op.context = context.op_context(self)
         op.index = len(self._ops)
         op.op_id, self._ir._op_counter = self._ir._op_counter, self._ir._op_counter + 1
         outs = []

@@ -24,6 +24,10 @@ def _view(fn):
             raise NotImplementedError("emulator: in-place view op could not alias its input "
                                       "(non-contiguous source)")
         return out
+    # When no op writes the storage (plan.py: not a modified root), a copy holds the same
+    # values as a view would, so a view numpy cannot make (a reshape of a transposed view)
+    # may be a copy.
+    impl.unmodified = fn
     return impl
 
 

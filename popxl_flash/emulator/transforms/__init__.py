@@ -3,10 +3,12 @@
 ``decompose_sum`` is PopART's DecomposeSum pass: it rewrites autodiff's variadic gradient
 sums into trees of two-input adds. The emulator's autodiff already builds its gradient sums
 from two-input adds, so the pass changes nothing here and returns the graph.
-``merge_exchange`` and ``io_tile_exchange`` exist but raise ``NotImplementedError``.
+``merge_exchange`` (``merge_exchange.py``) keeps the exchange ops and refuses what merging
+them leaves unspecified; ``io_tile_exchange`` exists but raises ``NotImplementedError``.
 """
 from ..unsupported import stub
 from .autodiff import ExpectedConnection, ExpectedConnectionType, GradGraphInfo, autodiff
+from .merge_exchange import merge_exchange
 
 
 
@@ -22,7 +24,6 @@ def decompose_sum(graph):
     return graph
 
 
-merge_exchange = stub("popxl.transforms.merge_exchange")
 io_tile_exchange = stub("popxl.transforms.io_tile_exchange")
 
 __all__ = ["ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "autodiff",
