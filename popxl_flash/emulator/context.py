@@ -85,7 +85,9 @@ def op_created(op):
     mode = _state["in_sequence"]
     if mode is None:
         return
-    prev = _state["previous"][id(op.graph)]
+    # PopXL keys the previous ops by (graph, execution context): each program fragment has its
+    # own sequence
+    prev = _state["previous"][(id(op.graph), op.context)]
     if mode:
         op.after.extend(i for i in prev if i >= 0)
         prev.clear()

@@ -12,7 +12,7 @@ from .interpreter import Runtime
 from .plan import build_plans
 from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
-from .remote import check_remote_variables
+from .remote import check_remote_variables, gather_shards, shard_of
 from .replication import run_replicas
 from .tensor import Constant, Variable
 
@@ -105,7 +105,9 @@ class Session:
             for v, value in values.items():
                 if getattr(v, "_remote", None) is not None:
                     buffer, offset = v._remote
-                    self._remote[replica][(buffer.remote_buffer_id, offset)] = value.copy()
+                    value = shard_of(v, value, replica) if getattr(v, "_sharded", False) \
+                        else value.copy()
+                    self._remote[replica][(buffer.remote_buffer_id, offset)] = value
         self._run_fragment("WeightsFromHostFragment")
         self._host_in_sync = True
 
@@ -120,7 +122,9 @@ class Session:
             for v in values:
                 if getattr(v, "_remote", None) is not None:
                     buffer, offset = v._remote
-                    values[v] = self._remote[replica][(buffer.remote_buffer_id, offset)]
+                    key = (buffer.remote_buffer_id, offset)
+                    values[v] = gather_shards(v, [rem[key] for rem in self._remote], replica) \
+                        if getattr(v, "_sharded", False) else self._remote[replica][key]
         self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
         self._all_replicas = {v: np.stack([rv[v] for rv in self._replica_vars])
                               for v in self._on_device if _returns_all_replicas(v)}

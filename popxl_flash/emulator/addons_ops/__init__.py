@@ -15,6 +15,7 @@ gradient op and replica behaviour:
   (``tensor_parallel.py``)
 * ``rotary_pos_embed_binding.RotaryPosEmbedOp`` (``rotary.py``)
 * ``layer_norm_distributed_binding.LayerNormDistributedOp`` (``layer_norm_distributed.py``)
+* ``crossentropysharded_binding.CrossEntropyShardedOp`` (``cross_entropy_sharded.py``)
 
 and one op of Graphcore's examples that has a popxl-addons op's file names but other semantics,
 recognised by its sources (:data:`SOURCES`):
@@ -30,7 +31,8 @@ import os
 import re
 import types
 
-from . import examples_rotary, layer_norm_distributed, rotary, tensor_parallel
+from . import (cross_entropy_sharded, examples_rotary, layer_norm_distributed, rotary,
+               tensor_parallel)
 
 _BINDINGS = {
     "replicated_all_reduce_TP_binding": {
@@ -44,6 +46,8 @@ _BINDINGS = {
     "rotary_pos_embed_binding": {"RotaryPosEmbedOp": rotary.RotaryPosEmbedOp},
     "layer_norm_distributed_binding": {
         "LayerNormDistributedOp": layer_norm_distributed.LayerNormDistributedOp},
+    "crossentropysharded_binding": {
+        "CrossEntropyShardedOp": cross_entropy_sharded.CrossEntropyShardedOp},
 }
 
 

@@ -15,7 +15,7 @@ from .matmul import matmul
 from .misc import init
 from .nn import gelu, gelu_, group_norm, layer_norm, swish, swish_
 from .random import dropout, random_normal, random_uniform, split_random_seed
-from .reduce import max, mean, min, prod, softmax, sum
+from .reduce import argmax, argmin, max, mean, min, prod, softmax, sum
 from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
                     reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
                     transpose_)
