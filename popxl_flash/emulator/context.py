@@ -130,11 +130,10 @@ def ipu(ipu):
     yield ipu
 
 
-@contextmanager
-def io_tiles(*args, **kwargs):
-    """Not supported by the emulator."""
-    raise NotImplementedError("popxl.io_tiles is not implemented by the emulator")
-    yield  # pragma: no cover
+def io_tiles():
+    """``popxl.io_tiles()``: ops created inside run on the IO tiles (``tiles.py``)."""
+    from .tiles import io_tiles as _io_tiles
+    return _io_tiles()
 
 
 # -- popxl.context's object API (PopXL 3.4 ``python_files/context.py``) ----------------------
@@ -169,7 +168,19 @@ class Context:
         return _graphs[0].ir
 
     ipu_id = property(lambda self: _state["ipu"])
-    io_tile_set = property(lambda self: False)
+    @property
+    def io_tile_set(self):
+        from .tiles import _state as tiles_state
+        return tiles_state["io"]
+
+    @property
+    def _io_tile_set(self):
+        return self.io_tile_set
+
+    @_io_tile_set.setter
+    def _io_tile_set(self, value):
+        from .tiles import _state as tiles_state
+        tiles_state["io"] = bool(value)
     name_scopes = property(lambda self: list(_state["scopes"]))
 
     def push_name_scope(self, name):

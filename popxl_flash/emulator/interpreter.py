@@ -37,6 +37,7 @@ class Runtime:
         # Remote buffers (remote.py): this replica's storage {(buffer id, entry): array}, kept
         # by the Session across runs, and the bytes loaded from and stored to it.
         self.remote, self.remote_loaded, self.remote_stored = {}, 0, 0
+        self.merged = {}  # merged exchanges: {group: {op id: entry}} (remote.py)
 
     def by_kind(self):
         """Returns: (ops_by_kind, elements_by_kind): {op kind: executions}, {op kind: output

@@ -128,7 +128,24 @@ def _read(rt, op, offset):
     return value
 
 
+def _check_merged(rt, op, key):
+    """A merged exchange (transforms/merge_exchange.py): an unordered store and load of one
+    entry in one execution raise."""
+    token, first, unordered = op.attrs["merged"]
+    log = rt.merged.setdefault(token, {})
+    if first:
+        log.clear()
+    for other in unordered:
+        if log.get(other) == key:
+            raise RuntimeError(f"{op.kind}: entry {key[1]} of remote buffer {key[0]} is also "
+                               "accessed by an op merged into the same exchange (merge_exchange) "
+                               "with no data dependency: their order is not specified")
+    log[op.op_id] = key
+
+
 def _run(rt, op, args):
+    if "merged" in op.attrs:
+        _check_merged(rt, op, _entry(op, args[1] if op.kind == "remote_store" else args[-1]))
     if op.kind == "remote_store":
         t, offset = args
         rt.remote[_entry(op, offset)] = np.array(t, copy=True)

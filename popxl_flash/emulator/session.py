@@ -14,6 +14,7 @@ from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
 from .remote import check_remote_variables, gather_shards, shard_of
 from .replication import run_replicas
+from .tiles import check_io_tiles
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
@@ -50,6 +51,7 @@ class Session:
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
+        check_io_tiles(ir, ir._graphs, self._device.tilesPerIPU)
         _check_variable_groupings(ir)
         check_remote_variables(ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit

@@ -167,17 +167,69 @@ def test_merge_exchange_keeps_the_values():
 
 
 @emulator_only
-def test_merge_exchange_refuses_an_unordered_store_and_load_of_one_buffer():
+def test_merge_exchange_refuses_an_unordered_store_and_load_of_one_entry():
     """Merging strips the constraints between the merged exchanges: a store and a load of one
-    buffer that only in_sequence ordered have no defined order."""
-    ir = popxl.Ir()
-    with ir.main_graph:
-        buf = popxl.remote_buffer((2,), popxl.float32)
-        x = popxl.variable(np.ones(2, np.float32))
-        with pytest.raises(NotImplementedError):
+    buffer entry that only in_sequence ordered have no defined order (raised when they run);
+    other entries of the buffer are fine (popxl-addons' overlapped batch serialisation)."""
+    def build(load_entry):
+        ir = popxl.Ir()
+        with ir.main_graph:
+            buf = popxl.remote_buffer((2,), popxl.float32, entries=2)
+            x = popxl.variable(np.ones(2, np.float32))
+            ops.remote_store(buf, 1, x)
             with popxl.transforms.merge_exchange(), popxl.in_sequence(True):
                 ops.remote_store(buf, 0, x)
-                ops.remote_load(buf, 0)
+                s = _store(ops.remote_load(buf, load_entry))
+        return ir, s
+
+    ir, s = build(1)
+    with popxl.Session(ir, "ipu_model") as session:
+        np.testing.assert_array_equal(session.run()[s], [1.0, 1.0])
+    ir, _ = build(0)
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.raises(RuntimeError):
+            session.run()
+
+
+def test_io_tile_exchange_and_io_tile_copy():
+    """Loads on the IO tiles in one exchange, copied to the compute tiles (popxl-addons'
+    remote graphs with IO tiles)."""
+    ir = popxl.Ir()
+    ir._pb_ir.getSessionOptions().numIOTiles = 32
+    with ir.main_graph:
+        a = popxl.remote_buffer((2,), popxl.float32)
+        b = popxl.remote_buffer((2,), popxl.float32)
+        popxl.remote_variable(np.array([1, 2], np.float32), a)
+        popxl.remote_variable(np.array([3, 4], np.float32), b)
+        with popxl.transforms.io_tile_exchange():
+            la, lb = ops.remote_load(a, 0), ops.remote_load(b, 0)
+        assert la.tile_set == "io"
+        ca, cb = ops.io_tile_copy(la), ops.io_tile_copy(lb)
+        assert ca.tile_set == "compute"
+        s = _store(ca + cb)
+    with popxl.Session(ir, "ipu_hw") as session:
+        np.testing.assert_array_equal(session.run()[s], [4, 6])
+
+
+def test_tile_sets_must_match():
+    """PopXL's ``check_tensor_ipu_and_tile_set``: an op reading tensors of the IO and the
+    compute tiles is refused (ValueError); ``io_tile_exchange`` leaving more than one op
+    raises RuntimeError; ops on IO tiles need ``numIOTiles``."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.ones(2, np.float32))
+        y = x * 2.0
+        with popxl.io_tiles():
+            z = ops.io_tile_copy(y)
+        with pytest.raises(ValueError):
+            y + z
+        with pytest.raises(RuntimeError):
+            with popxl.transforms.io_tile_exchange():
+                z * 2.0
+                z * 3.0
+        _store(ops.io_tile_copy(z))
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_hw")
 
 
 # -- views of storage nothing writes -----------------------------------------------------------

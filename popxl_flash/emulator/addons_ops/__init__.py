@@ -16,6 +16,7 @@ gradient op and replica behaviour:
 * ``rotary_pos_embed_binding.RotaryPosEmbedOp`` (``rotary.py``)
 * ``layer_norm_distributed_binding.LayerNormDistributedOp`` (``layer_norm_distributed.py``)
 * ``crossentropysharded_binding.CrossEntropyShardedOp`` (``cross_entropy_sharded.py``)
+* ``grad_reduce_square_add_binding.GradReduceSquareAddOp`` (``grad_reduce_square_add.py``)
 
 and one op of Graphcore's examples that has a popxl-addons op's file names but other semantics,
 recognised by its sources (:data:`SOURCES`):
@@ -31,8 +32,8 @@ import os
 import re
 import types
 
-from . import (cross_entropy_sharded, examples_rotary, layer_norm_distributed, rotary,
-               tensor_parallel)
+from . import (cross_entropy_sharded, examples_rotary, grad_reduce_square_add,
+               layer_norm_distributed, rotary, tensor_parallel)
 
 _BINDINGS = {
     "replicated_all_reduce_TP_binding": {
@@ -48,6 +49,8 @@ _BINDINGS = {
         "LayerNormDistributedOp": layer_norm_distributed.LayerNormDistributedOp},
     "crossentropysharded_binding": {
         "CrossEntropyShardedOp": cross_entropy_sharded.CrossEntropyShardedOp},
+    "grad_reduce_square_add_binding": {
+        "GradReduceSquareAddOp": grad_reduce_square_add.GradReduceSquareAddOp},
 }
 
 

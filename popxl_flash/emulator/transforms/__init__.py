@@ -4,11 +4,11 @@
 sums into trees of two-input adds. The emulator's autodiff already builds its gradient sums
 from two-input adds, so the pass changes nothing here and returns the graph.
 ``merge_exchange`` (``merge_exchange.py``) keeps the exchange ops and refuses what merging
-them leaves unspecified; ``io_tile_exchange`` exists but raises ``NotImplementedError``.
+them leaves unspecified; ``io_tile_exchange`` is ``io_tiles``, ``merge_exchange`` and
+``in_sequence(False)`` with PopXL's check that one op remains.
 """
-from ..unsupported import stub
 from .autodiff import ExpectedConnection, ExpectedConnectionType, GradGraphInfo, autodiff
-from .merge_exchange import merge_exchange
+from .merge_exchange import io_tile_exchange, merge_exchange
 
 
 
@@ -24,7 +24,6 @@ def decompose_sum(graph):
     return graph
 
 
-io_tile_exchange = stub("popxl.transforms.io_tile_exchange")
 
 __all__ = ["ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "autodiff",
            "merge_exchange", "io_tile_exchange", "decompose_sum"]
