@@ -20,13 +20,18 @@ from .errors import PopartError
 _state = {"io": False}
 
 #: emulator op kinds whose PopXL wrapper calls ``check_tensor_ipu_and_tile_set`` on all its
-#: tensor inputs (PopXL 3.4 ``ops/*.py``)
+#: tensor inputs (PopXL 3.4 ``ops/*.py``, ``ops/var_updates/*.py``; the collectives, host and
+#: remote IO, call, repeat and conditional do not check)
 CHECKED = frozenset((
     "abs", "add", "add_", "argmax", "argmin", "concat", "concat_", "cos", "div", "dropout",
     "dynamic_slice", "dynamic_update", "dynamic_update_", "equal", "fmod", "gather",
     "tied_gather", "greater", "group_norm", "logical_and", "logical_or", "matmul", "max",
     "maximum", "mul", "nll_loss", "nll_loss_with_softmax_grad", "pow", "modify_random_seed",
     "scaled_add", "scaled_add_", "sin", "sub", "subsample", "swish", "swish_", "where",
+    # ops/var_updates/*.py
+    "accumulate_", "accumulate_square_", "accumulate_mean_", "accumulate_moving_average_",
+    "accumulate_moving_average_square_", "accumulator_scale_", "adam_updater",
+    "copy_var_update_",
 ))
 
 
