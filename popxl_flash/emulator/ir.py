@@ -145,6 +145,8 @@ class Graph:
         op.context = context.op_context(self)
         if op.tile_set is None:
             op.tile_set = tiles.current()
+        if op.tile_set == "io":
+            self._ir._uses_io_tiles = True
         op.index = len(self._ops)
         op.op_id, self._ir._op_counter = self._ir._op_counter, self._ir._op_counter + 1
         outs = []
@@ -178,6 +180,7 @@ class Ir:
         self._session_options = SessionOptions()  # read when a Session compiles the Ir
         self._remote_buffers = {}  # remote buffer id -> RemoteBuffer (remote.py)
         self._call_sites = {}  # id(graph) -> the call/repeat/conditional ops calling it
+        self._uses_io_tiles = False  # whether any op is on the IO tiles (tiles.py)
         for name, value in POPXL_IR.items():  # what PopXL's Ir() sets
             setattr(self._session_options, name, value)
         self.replication_factor = replication

@@ -60,6 +60,9 @@ def io_tile_copy(t):
         raise TypeError(f"The input `t` is not a Tensor. Type: {type(t)}. Value: {t}.")
     source = tile_set_of(t)
     out = emit("io_tile_copy", {"t": t}, {}, names=[t.name + "_iotilecopy"])[0]
-    gcg()._ops[-1].tile_set = current() if source == "undefined" else \
+    op = gcg()._ops[-1]
+    op.tile_set = current() if source == "undefined" else \
         ("io" if source == "compute" else "compute")
+    if op.tile_set == "io":
+        op.graph.ir._uses_io_tiles = True
     return out
