@@ -1,7 +1,8 @@
 """The model tests of Graphcore's PopXL BERT, T5, GPT-J, Llama, Dolly, GPT-3 2.7B and BLOOM
-(graphcore/examples ``nlp/<model>/popxl/tests``), run unmodified on the emulator with the pytest plugin, each
-suite in its own interpreter. A suite passes here when at least the tests the emulator README
-lists as passing ("Graphcore's examples") pass, so a regression in the emulator fails it.
+(graphcore/examples ``nlp/<model>/popxl/tests``), run unmodified on the emulator with the
+pytest plugin, each suite in its own interpreter. A suite passes here when at least the
+tests the emulator README lists as passing ("Graphcore's examples") pass, so a regression in
+the emulator fails it.
 
 The models' configuration dataclasses use mutable defaults that Python 3.11 refuses, and they
 import ``examples_utils`` (graphcore/examples-utils, not on PyPI), torch and transformers (GPT-3
