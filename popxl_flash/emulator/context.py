@@ -85,7 +85,9 @@ def op_created(op):
     mode = _state["in_sequence"]
     if mode is None:
         return
-    prev = _state["previous"][id(op.graph)]
+    # PopXL keys the previous ops by (graph, execution context): each program fragment has its
+    # own sequence
+    prev = _state["previous"][(id(op.graph), op.context)]
     if mode:
         op.after.extend(i for i in prev if i >= 0)
         prev.clear()
@@ -128,11 +130,10 @@ def ipu(ipu):
     yield ipu
 
 
-@contextmanager
-def io_tiles(*args, **kwargs):
-    """Not supported by the emulator."""
-    raise NotImplementedError("popxl.io_tiles is not implemented by the emulator")
-    yield  # pragma: no cover
+def io_tiles():
+    """``popxl.io_tiles()``: ops created inside run on the IO tiles (``tiles.py``)."""
+    from .tiles import io_tiles as _io_tiles
+    return _io_tiles()
 
 
 # -- popxl.context's object API (PopXL 3.4 ``python_files/context.py``) ----------------------
@@ -142,13 +143,15 @@ class Context:
     A view over this module's graph stack, name scopes and ``in_sequence`` state, with the
     attributes third-party PopXL code reads: ``graph``, ``main_graph``, ``ir``, ``ipu_id``,
     ``io_tile_set``, ``name_scopes``, ``push/pop_name_scope``, ``push/pop_graph`` and
-    ``in_sequence``. Debug-info bookkeeping (``_debug_context_frame_offset``,
-    ``_execution_context``) is kept as PopXL keeps it; the emulator records no debug info.
+    ``in_sequence``. ``_debug_context_frame_offset`` is kept as PopXL keeps it (the emulator
+    records no debug info); ``_execution_context`` (an ``_ir.ExecutionContext``) is each new
+    op's program fragment (:func:`_execution_context`).
     """
 
     def __init__(self):
+        from ._internal_ir import ExecutionContext
         self._debug_context_frame_offset = 0
-        self._execution_context = "Normal"
+        self._execution_context = ExecutionContext.Normal
 
     graph = property(lambda self: gcg())
 
@@ -165,7 +168,19 @@ class Context:
         return _graphs[0].ir
 
     ipu_id = property(lambda self: _state["ipu"])
-    io_tile_set = property(lambda self: False)
+    @property
+    def io_tile_set(self):
+        from .tiles import _state as tiles_state
+        return tiles_state["io"]
+
+    @property
+    def _io_tile_set(self):
+        return self.io_tile_set
+
+    @_io_tile_set.setter
+    def _io_tile_set(self, value):
+        from .tiles import _state as tiles_state
+        tiles_state["io"] = bool(value)
     name_scopes = property(lambda self: list(_state["scopes"]))
 
     def push_name_scope(self, name):
@@ -239,11 +254,40 @@ def op_debug_context(name):
 
 @contextmanager
 def _execution_context(execution_context):
-    """PopXL's private ``_execution_context``: ops built inside go to another program
-    fragment (weights-from-host, ...), which the emulator does not model."""
-    raise NotImplementedError(f"popxl.context._execution_context({execution_context!r}) is not "
-                              "implemented by the emulator")
-    yield  # pragma: no cover
+    """PopXL's private ``_execution_context`` (``context.py``): ops built inside go to another
+    program than the main one. In the main graph the emulator runs
+    ``WeightsFromHostFragment`` ops in ``Session.weights_from_host`` (after the weights are
+    written) and ``WeightsToHostFragment`` ops in ``weights_to_host`` (before they are read),
+    as PopART's ``weightsFromHost``/``weightsToHost`` programs; other fragments, and fragment
+    ops in subgraphs, raise ``NotImplementedError`` when an op is created (see
+    :func:`op_context`). As in PopXL, nothing restores the previous context when the body
+    raises."""
+    ctx = get_current_context()
+    prev = ctx._execution_context
+    ctx._execution_context = execution_context
+    yield execution_context
+    ctx._execution_context = prev
+
+
+#: the program fragments the emulator runs, in PopART's schedule order (its scheduler bins:
+#: weights-from-host ops first, then the main program's, then weights-to-host)
+FRAGMENTS = ("WeightsFromHostFragment", "Normal", "WeightsToHostFragment")
+
+
+def op_context(graph):
+    """The execution context name of an op created now in ``graph`` (from
+    ``Context._execution_context``). Raises: NotImplementedError for a fragment the emulator
+    does not run, or a fragment op outside the main graph."""
+    ec = _CONTEXT._execution_context
+    name = getattr(ec, "name", ec)
+    if name not in FRAGMENTS:
+        raise NotImplementedError(f"ops in execution context {ec!r} are not implemented by the "
+                                  "emulator (it runs Normal, WeightsFromHostFragment and "
+                                  "WeightsToHostFragment ops of the main graph)")
+    if name != "Normal" and graph is not graph.ir.main_graph:
+        raise NotImplementedError(f"an op of execution context {ec!r} in subgraph {graph.name}: "
+                                  "the emulator runs program fragments of the main graph only")
+    return name
 
 
 class OpSettings:

@@ -24,6 +24,7 @@ NO_GRAD = frozenset((
     "detach", "init", "scaled_add", "increment_mod", "host_load", "greater", "equal",
     "logical_and", "logical_or", "logical_not", "isnan", "isinf", "isfinite", "floor", "ceil",
     "sign", "replicated_all_reduce", "random_uniform", "random_normal", "modify_random_seed",
+    "io_tile_copy",
 ))
 
 
@@ -335,3 +336,4 @@ RULES = {
     "replicated_reduce_scatter": (_all, _reduce_scatter),
     "dropout": (lambda op: (0,), _dropout),
 }
+RULES["concat_"] = RULES["concat"]  # ConcatInplaceOp's grad ops are ConcatOp's

@@ -37,6 +37,7 @@ class Runtime:
         # Remote buffers (remote.py): this replica's storage {(buffer id, entry): array}, kept
         # by the Session across runs, and the bytes loaded from and stored to it.
         self.remote, self.remote_loaded, self.remote_stored = {}, 0, 0
+        self.merged = {}  # merged exchanges: {group: {op id: entry}} (remote.py)
 
     def by_kind(self):
         """Returns: (ops_by_kind, elements_by_kind): {op kind: executions}, {op kind: output
@@ -44,6 +45,8 @@ class Runtime:
         ops, elements = {}, {}
         for graph, runs in self.graph_runs.values():
             for op in graph._ops:
+                if op.context != "Normal":  # the main graph's other programs' ops
+                    continue
                 ops[op.kind] = ops.get(op.kind, 0) + runs
                 pos = WORK_INPUT.get(op.kind)
                 n = sum(t.nelms for t in op.outputs) if pos is None else op.inputs[pos].nelms

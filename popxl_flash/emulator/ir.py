@@ -4,7 +4,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from . import context, dtypes
+from . import context, dtypes, tiles
 from .context import gcg
 from .tensor import Tensor, TensorByRef, TensorSpec
 
@@ -15,16 +15,20 @@ class Op:
     ``alias``: None, "modify" (in place on input 0) or "view" (output aliases input 0 unchanged).
     ``modifies``: input positions whose parent storage the op writes (in-place, by-ref calls).
     ``after``: indices of ops that must run first (in_sequence topological constraints).
+    ``context``: the program fragment it runs in (``context.FRAGMENTS``; "Normal": the main
+    program, or a subgraph's). ``tile_set``: "compute" or "io" (``tiles.py``).
     """
 
     __slots__ = ("kind", "inputs", "attrs", "outputs", "graph", "index", "alias", "modifies",
-                 "after", "subgraphs", "flops", "op_id")
+                 "after", "subgraphs", "flops", "op_id", "context", "tile_set")
 
     def __init__(self, kind, inputs, attrs, graph, alias=None, modifies=(), subgraphs=()):
         self.kind, self.inputs, self.attrs, self.graph = kind, tuple(inputs), attrs, graph
         self.alias, self.modifies, self.subgraphs = alias, tuple(modifies), tuple(subgraphs)
         self.outputs, self.after, self.flops, self.index = (), [], 0, -1
         self.op_id = -1  # Ir-wide, from 100 in creation order (PopART's Ir::opsCounter)
+        self.context = "Normal"
+        self.tile_set = None  # set when added to a graph (tiles.current() unless preset)
 
     def __repr__(self):
         return f"Op[{self.kind} #{self.index} in {self.graph.name}]"
@@ -42,6 +46,7 @@ class Graph:
         self._ir, self._name = ir, name
         self._inputs, self._outputs, self._ops = [], [], []
         self._tensors = {}
+        self._producers = {}  # tensor id -> the op that outputs it
         self._by_ref_inputs = set()
         self._can_be_recursively_autodiffed = True
         ir._graphs.append(self)
@@ -137,12 +142,21 @@ class Graph:
         return t
 
     def _add_op(self, op, out_specs, out_names):
+        op.context = context.op_context(self)
+        if op.tile_set is None:
+            op.tile_set = tiles.current()
+        if op.tile_set == "io":
+            self._ir._uses_io_tiles = True
         op.index = len(self._ops)
         op.op_id, self._ir._op_counter = self._ir._op_counter, self._ir._op_counter + 1
         outs = []
         for (shape, dt), nm in zip(out_specs, out_names):
             outs.append(self._new_tensor(Tensor, nm, dt, shape))
         op.outputs = tuple(outs)
+        for t in outs:
+            self._producers[t.id] = op
+        for sg in op.subgraphs:
+            self._ir._call_sites.setdefault(id(sg), []).append(op)
         self._ops.append(op)
         context.op_created(op)
         return op
@@ -165,6 +179,8 @@ class Ir:
         from .popart import POPXL_IR, SessionOptions
         self._session_options = SessionOptions()  # read when a Session compiles the Ir
         self._remote_buffers = {}  # remote buffer id -> RemoteBuffer (remote.py)
+        self._call_sites = {}  # id(graph) -> the call/repeat/conditional ops calling it
+        self._uses_io_tiles = False  # whether any op is on the IO tiles (tiles.py)
         for name, value in POPXL_IR.items():  # what PopXL's Ir() sets
             setattr(self._session_options, name, value)
         self.replication_factor = replication

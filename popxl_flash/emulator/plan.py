@@ -8,6 +8,7 @@ import copy
 from collections import defaultdict
 
 from . import dtypes
+from .context import FRAGMENTS
 from .copies import Aliases as _Aliases, CopyModel
 from .errors import PopartError
 from .fpchecks import checking
@@ -33,6 +34,11 @@ class Plan:
         self.branch_copies = self.all_out_bytes = 0
         self.call_copies, self.loop_once, self.loop_step = 0, {}, {}
         self.shared_in = ()  # inputs whose storage is the caller's (AliasZeroCopy)
+        # The main graph's program fragments (context.FRAGMENTS): {name: Plan running that
+        # fragment's steps} when any op is outside "Normal" (``steps`` then holds the Normal
+        # ones), and the slots of tensors that one program produces and a later one reads,
+        # whose device values outlive the program ({slot: fragment that produces it}).
+        self.fragments, self.carried = {}, {}
 
     def with_repeat(self, count):
         """Returns: a shallow copy carrying the repeat trip count."""
@@ -92,15 +98,17 @@ def _build(g, plan_of, fp_checks, model, invariant_from=None):
     for op in g._ops:
         if op.kind in COMPILE_CHECKS:
             COMPILE_CHECKS[op.kind](op)
+    bins = _fragment_bins(g)
+    order = sorted(g._ops, key=lambda op: bins[op.index]) if bins else g._ops
     al = _Aliases(g)
-    check_ambiguity(g, al)
+    check_ambiguity(g, al, bins)
     plan = Plan(g)
     tensors = list(g._tensors.values())
     slot = {id(t): i for i, t in enumerate(tensors)}
     plan.template = [None] * len(tensors)
     pinned = _pinned(g, tensors, plan, slot)
     modified = _modified_roots(g, al, pinned)
-    last, members = _liveness(g, al, slot)
+    last, members = _liveness(order, g, al, slot)
     out_roots = {id(al.find(o)) for o in g._outputs}
     plan.shared_in = model.shared(g)
     _plan_inputs(g, plan, slot, modified, last, out_roots)
@@ -110,14 +118,72 @@ def _build(g, plan_of, fp_checks, model, invariant_from=None):
     if invariant_from is not None:  # inputs sharing the caller's storage (the caller frees them)
         held.update(id(al.find(t)) for t in g._inputs[invariant_from:])
     held.update(id(al.find(t)) for t, s in zip(g._inputs, plan.shared_in) if s)
-    for k, op in enumerate(g._ops):
-        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of, model)
+    if bins:  # and what one program fragment leaves for a later one
+        held.update(_carry(plan, g, order, bins, al, slot, members, pinned))
+    steps = []
+    for k, op in enumerate(order):
+        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of, model, modified)
         if fp_checks and step[4] != CONTROL:  # a control op's callee ops check themselves
             step = (checking(step[0], op),) + step[1:]
-        plan.steps.append(step)
-    plan.n_ops = len(g._ops)
-    plan.flops = sum(FLOPS[op.kind](op) for op in g._ops if op.kind in FLOPS)
+        steps.append(step)
+    if not bins:
+        plan.steps, plan.n_ops = steps, len(g._ops)
+        plan.flops = sum(FLOPS[op.kind](op) for op in g._ops if op.kind in FLOPS)
+        return plan
+    for b, name in enumerate(FRAGMENTS):
+        part = [op for op in order if bins[op.index] == b]
+        frag = copy.copy(plan)
+        frag.steps = [st for st, op in zip(steps, order) if bins[op.index] == b]
+        frag.n_ops = len(part)
+        frag.flops = sum(FLOPS[op.kind](op) for op in part if op.kind in FLOPS)
+        frag.fragments = {}
+        plan.fragments[name] = frag
+    normal = plan.fragments["Normal"]
+    plan.steps, plan.n_ops, plan.flops = normal.steps, normal.n_ops, normal.flops
     return plan
+
+
+def _fragment_bins(g):
+    """The program fragment of each op of ``g`` as an index into ``context.FRAGMENTS`` (by op
+    index), or None when every op is "Normal". PopART's scheduler puts each fragment's ops in
+    a bin, weights-from-host first, weights-to-host last (``ShiftGraphGrower::
+    annotateExecutionContext``): an op reading a tensor of a later bin, or constrained after an
+    op of one, cannot be scheduled. Raises: PopartError for that; NotImplementedError for host
+    streams in a fragment."""
+    bins = [FRAGMENTS.index(op.context) for op in g._ops]
+    if all(b == 1 for b in bins):
+        return None
+    producer = {id(t): op for op in g._ops for t in op.outputs}
+    for op in g._ops:
+        if bins[op.index] != 1 and op.kind in ("host_load", "host_store"):
+            raise NotImplementedError(f"{op} in {op.context}: host streams in a program "
+                                      "fragment are not implemented by the emulator")
+        before = [producer.get(id(t)) for t in op.inputs] + [g._ops[i] for i in op.after]
+        for p in before:
+            if p is not None and bins[p.index] > bins[op.index]:
+                raise PopartError(f"{op} ({op.context}) must run after {p} ({p.context}), "
+                                  "which PopART schedules in a later program fragment: no "
+                                  "schedule satisfies both")
+    return bins
+
+
+def _carry(plan, g, order, bins, al, slot, members, pinned):
+    """Record in ``plan.carried`` the slots of the (non-pinned) storage that ops of more than
+    one program fragment use: its value stays on the device from the program that writes it
+    to the later ones that read it (PopART's liveness keeps a tensor used across fragments
+    live). Returns: those storage roots."""
+    used = defaultdict(set)
+    first = {}
+    for op in order:
+        for t in op.inputs + op.outputs:
+            rid = id(al.find(t))
+            used[rid].add(bins[op.index])
+            first.setdefault(rid, op.context)
+    roots = {rid for rid, b in used.items() if len(b) > 1 and rid not in pinned}
+    for rid in roots:
+        for s in members[rid]:
+            plan.carried[s] = first[rid]
+    return roots
 
 
 def _pinned(g, tensors, plan, slot):
@@ -148,11 +214,11 @@ def _modified_roots(g, al, pinned):
     return modified
 
 
-def _liveness(g, al, slot):
+def _liveness(order, g, al, slot):
     last, members = {}, defaultdict(list)
     for t in g._tensors.values():
         members[id(al.find(t))].append(slot[id(t)])
-    for k, op in enumerate(g._ops):
+    for k, op in enumerate(order):
         for t in op.inputs + op.outputs:
             last[id(al.find(t))] = k
     return last, members
@@ -186,9 +252,10 @@ def _plan_outputs(g, plan, slot, al, pinned):
         seen.add(root)
 
 
-def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model):
+def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model, modified=()):
     """One step tuple of a plan (module docstring). ``held``: storage roots no step frees
-    (pinned storage, and a repeat body's loop-invariant inputs)."""
+    (pinned storage, and a repeat body's loop-invariant inputs). ``modified``: storage roots
+    some op writes (a view of other storage may be computed as a copy)."""
     alloc = 0 if op.alias else sum(t._nbytes for t in op.outputs)
     freed, free = 0, []
     roots = {id(al.find(t)): al.find(t) for t in op.inputs + op.outputs}
@@ -203,7 +270,10 @@ def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model):
         code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, held, out_roots)
     else:
         code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
-    return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)
+    fn = IMPLS[op.kind]
+    if op.alias == "view" and id(al.find(op.inputs[0])) not in modified:
+        fn = getattr(fn, "unmodified", fn)
+    return (fn, ins, outs, attrs, code, alloc, freed, tuple(free), data)
 
 
 def _with_copies(op, data, model):
@@ -248,9 +318,10 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
     return sum(release.values()), entry
 
 
-def check_ambiguity(g, al):
+def check_ambiguity(g, al, bins=None):
     """Raise PopartError for a read/modify (or modify/modify) pair of aliased storage that no
-    data dependency or ``in_sequence`` constraint orders (PopXL's inplacing ambiguity check).
+    data dependency, ``in_sequence`` constraint or program fragment (``bins``, by op index:
+    an earlier fragment's ops run first) orders (PopXL's inplacing ambiguity check).
 
     A modifier is an op input that is modified *and* aliases an output: PopART's alias model
     (``Op::growAliasModelMulti``) adds a modifying edge only there. A call or repeat that
@@ -258,9 +329,13 @@ def check_ambiguity(g, al):
     map), nor has ``adam_updater``'s in-place step, so those count as readers only."""
     ops = g._ops
     producer = {id(t): k for k, op in enumerate(ops) for t in op.outputs}
-    anc = []
+    anc, lower = [], [0] * len(FRAGMENTS)
+    for b in range(len(FRAGMENTS)):
+        for k, op in enumerate(ops):
+            if bins is not None and bins[k] < b:
+                lower[b] |= 1 << k
     for op in ops:
-        a = 0
+        a = lower[bins[op.index]] if bins is not None else 0
         for p in [producer.get(id(t)) for t in op.inputs] + op.after:
             if p is not None:
                 a |= anc[p] | (1 << p)

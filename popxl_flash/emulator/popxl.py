@@ -16,7 +16,8 @@ from .dtypes import (bool, complex64, complex128, double, dtype, float, float8_1
 from .ir import (DeviceToHostStream, Graph, HostToDeviceStream, Ir, Module, d2h_stream,
                  graph_input, graph_output, h2d_stream)
 from .random_seed import create_seeds
-from .remote import RemoteBuffer, remote_buffer, remote_variable
+from .remote import (RemoteBuffer, remote_buffer, remote_replica_sharded_variable,
+                     remote_variable, replica_sharded_buffer, replica_sharded_variable)
 from .replica_grouping import ReplicaGrouping
 from .session import Session
 from .tensor import Tensor, TensorByRef, TensorSpec, constant, variable
@@ -34,6 +35,9 @@ ops = _surface("popxl.ops", _names.OPS, _ops, doc=_ops.__doc__, children={
 tensor = _surface("popxl.tensor", _names.TENSOR + _names.TENSOR_TYPES, _tensor,
                   children={"graph_input": graph_input, "graph_output": graph_output,
                             "remote_variable": remote_variable,
+                            "remote_replica_sharded_variable": remote_replica_sharded_variable,
+                            "replica_sharded_variable": replica_sharded_variable,
+                            "replica_sharded_buffer": replica_sharded_buffer,
                             "TensorLike": _tensor.HostScalarTensor | Tensor})
 # popxl.transforms: autodiff and GradGraphInfo implemented, the other passes stubs.
 transforms = _surface("popxl.transforms", _names.TRANSFORMS, _transforms)

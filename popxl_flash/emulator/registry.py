@@ -4,6 +4,7 @@
 raises there. ``IMPLS[kind](*arrays, **attrs) -> array | tuple`` computes. Runtime-aware kinds
 (``RUNTIME``: call, repeat, conditional, host IO) get ``(runtime, step_data, arrays)`` instead.
 """
+from . import tiles
 from .context import gcg
 from .errors import PopartError
 from .ir import Op, check_in_graph
@@ -44,6 +45,7 @@ def emit(kind, tensors, attrs=None, names=None, modifies=None, subgraphs=()):
     g = gcg()
     g.ir._check_mutable()
     check_in_graph(g, **tensors)
+    tiles.check_tile_sets(kind, tensors)
     attrs = attrs or {}
     inputs = tuple(tensors.values())
     specs = SHAPE_RULES[kind](*inputs, **attrs)

@@ -128,7 +128,24 @@ def _read(rt, op, offset):
     return value
 
 
+def _check_merged(rt, op, key):
+    """A merged exchange (transforms/merge_exchange.py): an unordered store and load of one
+    entry in one execution raise."""
+    token, first, unordered = op.attrs["merged"]
+    log = rt.merged.setdefault(token, {})
+    if first:
+        log.clear()
+    for other in unordered:
+        if log.get(other) == key:
+            raise RuntimeError(f"{op.kind}: entry {key[1]} of remote buffer {key[0]} is also "
+                               "accessed by an op merged into the same exchange (merge_exchange) "
+                               "with no data dependency: their order is not specified")
+    log[op.op_id] = key
+
+
 def _run(rt, op, args):
+    if "merged" in op.attrs:
+        _check_merged(rt, op, _entry(op, args[1] if op.kind == "remote_store" else args[-1]))
     if op.kind == "remote_store":
         t, offset = args
         rt.remote[_entry(op, offset)] = np.array(t, copy=True)
@@ -143,9 +160,12 @@ def _run(rt, op, args):
 
 def _check(op):
     offset = op.inputs[-1]
-    if offset.dtype != dtypes.uint32 or offset.nelms != 1:
-        raise PopartError(f"{op.kind}: offset {offset.id} must be one uint32 element, got "
-                          f"{offset.dtype.name} {list(offset.shape)}")
+    # Poplar's remote-buffer Copy takes an integer offset tensor: PopXL's own int offsets
+    # are uint32 constants, PopART's tests pass int32 constants (popxl.constant(0)) and
+    # popxl-addons' remote graphs an int32 graph input
+    if offset.dtype not in (dtypes.uint32, dtypes.int32) or offset.nelms != 1:
+        raise PopartError(f"{op.kind}: offset {offset.id} must be one int32 or uint32 element, "
+                          f"got {offset.dtype.name} {list(offset.shape)}")
     if op.attrs["buffer"]._ir is not op.graph.ir:
         raise PopartError(f"{op.kind}: remote buffer of another Ir")
 
@@ -206,6 +226,122 @@ def remote_variable(data, remote_buffer, offset=0, dtype=None, name=None, downca
     return var
 
 
+# -- replicated tensor sharding (PopXL 3.4 ``tensor.py``: ``replica_sharded_buffer``,
+# ``remote_replica_sharded_variable``, ``replica_sharded_variable``) ------------------------
+def replica_sharded_buffer(shape, dtype, replica_grouping=None, shard_over=None, entries=1):
+    """A RemoteBuffer of one shard of a tensor of ``shape`` sharded over ``shard_over``
+    members of each replica group (default: the whole group): shape
+    ``(ceil(nelms / shard_over),)``, meta shape the tensor's (``shape`` without the groups
+    dimension when the grouping has several groups). Raises: ValueError as PopXL."""
+    g = gcg()
+    replica_grouping = replica_grouping if replica_grouping else g.ir.replica_grouping()
+    replica_grouping = replica_grouping.const_rg
+    group_size = replica_grouping.group_size
+    shard_over = shard_over if shard_over is not None else group_size
+    if shard_over > group_size:
+        raise ValueError(f"The sharding group size ({shard_over}) must be less than or equal to "
+                         f"the replica group size ({group_size}).")
+    if group_size % shard_over != 0:
+        raise ValueError(f"The replica group size ({group_size}) must be divisible by the "
+                         f"sharding group size ({shard_over}).")
+    tensor_shape = tuple(shape[1 if replica_grouping.num_groups > 1 else 0:])
+    nelms = int(np.prod(tensor_shape, dtype=np.int64))
+    buffer = remote_buffer((-(nelms // -shard_over),), dtype, entries)
+    buffer.meta_shape = tensor_shape
+    buffer._shard_over = shard_over
+    return buffer
+
+
+def remote_replica_sharded_variable(data, remote_buffer, offset=0, dtype=None, name=None,
+                                    downcast=True, replica_grouping=None,
+                                    retrieval_mode="one_per_group", log2_scale=None,
+                                    nan_on_overflow=None):
+    """A remote variable whose value each replica holds one shard of in ``remote_buffer``:
+    the group's value flattened, zero padded to ``shard_over`` buffer shapes, chunk k on the
+    k-th replica of each ``shard_over`` consecutive members of the group (see
+    :func:`shard_of`). Raises: ValueError without replication or for a buffer meta shape
+    already set to another shape, as PopXL."""
+    from .tensor import _host_data
+    rf = gcg().ir.replication_factor
+    if rf <= 1:
+        raise ValueError(f"The IR's global replication factor is {rf}. It must be greater than "
+                         "1 to create a replica sharded variable.")
+    arr, _ = _host_data(data, dtype, downcast, "remote_replica_sharded_variable")
+    grouped = replica_grouping is not None and replica_grouping.num_groups > 1
+    required = tuple(arr.shape[1:] if grouped else arr.shape)
+    if remote_buffer.meta_shape == ():
+        remote_buffer.meta_shape = required
+    elif remote_buffer.meta_shape != required:
+        raise ValueError(f"Cannot use RemoteBuffer[id={remote_buffer.remote_buffer_id}] for "
+                         f"replica sharded variable of shape {required}. The buffer's meta_shape "
+                         f"has already been set to: {remote_buffer.meta_shape}.")
+    var = remote_variable(data, remote_buffer, offset, dtype, name, downcast, replica_grouping,
+                          retrieval_mode, log2_scale, nan_on_overflow)
+    var._sharded = True
+    return var
+
+
+def replica_sharded_variable(data, dtype=None, name=None, downcast=True, replica_grouping=None,
+                             shard_over=None, retrieval_mode="one_per_group", log2_scale=None,
+                             nan_on_overflow=None):
+    """A replica-sharded variable kept on chip: its remote variable (for the Session's
+    get/set) and the shard, loaded in the weights-from-host program and stored back in the
+    weights-to-host program (PopXL's construction). Returns: (Variable, shard Tensor)."""
+    from . import ops
+    from ._internal_ir import ExecutionContext
+    from .context import _execution_context, gmg
+    from .tensor import _host_data
+    arr, dt = _host_data(data, dtype, downcast, "replica_sharded_variable")
+    buffer = replica_sharded_buffer(arr.shape, dt, replica_grouping, shard_over)
+    var = remote_replica_sharded_variable(data, buffer, 0, dtype, name, downcast,
+                                          replica_grouping, retrieval_mode, log2_scale,
+                                          nan_on_overflow)
+    with gmg():
+        with _execution_context(ExecutionContext.WeightsFromHostFragment):
+            shard = ops.remote_load(buffer, 0, var.name + "_rts")
+        with _execution_context(ExecutionContext.WeightsToHostFragment):
+            ops.remote_store(buffer, 0, shard)
+    return var, shard
+
+
+def shard_count(var):
+    """How many replicas share one copy of sharded remote variable ``var``: the buffer's
+    ``shard_over`` (``replica_sharded_buffer``), else the variable's replica group size."""
+    buffer = var._remote[0]
+    return getattr(buffer, "_shard_over", None) or var.replica_grouping.const_rg.group_size
+
+
+def shard_of(var, value, replica):
+    """Replica ``replica``'s shard of ``value`` (its group's value of sharded ``var``)."""
+    k, (length,) = shard_count(var), var._remote[0].tensor_shape
+    flat = np.zeros(k * length, value.dtype)
+    flat[:value.size] = value.reshape(-1)
+    return flat[_shard_rank(var, replica) * length:][:length].copy()
+
+
+def gather_shards(var, shards, replica):
+    """The value of sharded ``var`` that ``replica``'s shard group holds, from the replicas'
+    shards (``shards[r]``)."""
+    members = _shard_members(var, replica)
+    flat = np.concatenate([shards[r] for r in members])
+    meta = var._remote[0].meta_shape
+    return flat[:int(np.prod(meta, dtype=np.int64))].reshape(meta)
+
+
+def _shard_members(var, replica):
+    """The replicas of ``replica``'s shard group in shard order: ``shard_count`` consecutive
+    members (by rank) of its replica group."""
+    rg = var.replica_grouping.const_rg
+    group = [r for r, a in enumerate(rg.assignment) if a == rg.assignment[replica]]
+    k = shard_count(var)
+    start = group.index(replica) // k * k
+    return group[start:start + k]
+
+
+def _shard_rank(var, replica):
+    return _shard_members(var, replica).index(replica)
+
+
 def check_remote_variables(ir):
     """Session compile: a remote variable read by an op (it is off chip), a variable and its
     buffer that differ, or two variables in one entry raise PopartError."""
@@ -215,7 +351,16 @@ def check_remote_variables(ir):
         if loc is None:
             continue
         buffer, offset = loc
-        buffer.validate_tensor_matches_buffer(v)
+        if getattr(v, "_sharded", False):
+            buffer.validate_tensor_matches_buffer(v, num_shards=shard_count(v))
+            k, (length,) = shard_count(v), buffer.tensor_shape
+            if -(v.nelms // -k) != length:
+                raise NotImplementedError(
+                    f"replica sharded variable {v.id}: its buffer holds {length} elements, not "
+                    f"a 1/{k} shard of its {v.nelms} (the emulator shards over the replica "
+                    "group or replica_sharded_buffer's shard_over)")
+        else:
+            buffer.validate_tensor_matches_buffer(v)
         if not 0 <= offset < buffer.entries:
             raise PopartError(f"remote variable {v.id}: offset {offset} outside the "
                               f"{buffer.entries} entries of its buffer")

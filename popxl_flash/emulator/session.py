@@ -12,8 +12,9 @@ from .interpreter import Runtime
 from .plan import build_plans
 from .popart import DeviceInfo, DeviceManager, ipu_hw_device
 from .profile import RunProfile
-from .remote import check_remote_variables
+from .remote import check_remote_variables, gather_shards, shard_of
 from .replication import run_replicas
+from .tiles import check_io_tiles
 from .tensor import Constant, Variable
 
 DEVICES = ("ipu_hw", "ipu_model", "cpu")
@@ -50,6 +51,7 @@ class Session:
 
     def __init__(self, ir, device_desc="cpu", weights_to_host_on_exit=True):
         self._device = _device_info(device_desc, ir)  # the DeviceInfo, as in PopXL
+        check_io_tiles(ir, ir._graphs, self._device.tilesPerIPU)
         _check_variable_groupings(ir)
         check_remote_variables(ir)
         self._ir, self.weights_to_host_on_exit = ir, weights_to_host_on_exit
@@ -62,6 +64,8 @@ class Session:
         self._on_device, self._depth, self._host_in_sync = {}, 0, True
         self._all_replicas = {}
         self._remote = [{} for _ in range(ir.replication_factor)]  # remote buffer storage
+        # device values one program leaves for a later one (Plan.carried), per replica
+        self._carried = [{} for _ in range(ir.replication_factor)]
         self.profile = None
 
     ir = property(lambda self: self._ir)
@@ -93,7 +97,8 @@ class Session:
     # -- weights -----------------------------------------------------------------------------
     def weights_from_host(self):
         """Copy all host variable values to the device: every replica gets its own copy, of
-        its group's row for a variable with several replica groups."""
+        its group's row for a variable with several replica groups. Then the main graph's
+        ``WeightsFromHostFragment`` ops run (PopART's weightsFromHost program)."""
         self._assert_attached()
         self._replica_vars = [{v: _replica_value(v, a, r) for v, a in self._host.items()}
                               for r in range(self._ir.replication_factor)]
@@ -102,18 +107,26 @@ class Session:
             for v, value in values.items():
                 if getattr(v, "_remote", None) is not None:
                     buffer, offset = v._remote
-                    self._remote[replica][(buffer.remote_buffer_id, offset)] = value.copy()
+                    value = shard_of(v, value, replica) if getattr(v, "_sharded", False) \
+                        else value.copy()
+                    self._remote[replica][(buffer.remote_buffer_id, offset)] = value
+        self._run_fragment("WeightsFromHostFragment")
         self._host_in_sync = True
 
     def weights_to_host(self):
-        """Copy all device variable values to the host: PopXL's "one_per_group" retrieval
-        (the first replica of each group; one group of all replicas: replica 0's value)."""
+        """Run the main graph's ``WeightsToHostFragment`` ops, then copy all device variable
+        values to the host (PopART's weightsToHost program): PopXL's "one_per_group"
+        retrieval (the first replica of each group; one group of all replicas: replica 0's
+        value)."""
         self._assert_attached()
+        self._run_fragment("WeightsToHostFragment")
         for replica, values in enumerate(self._replica_vars):  # remote variables: off chip
             for v in values:
                 if getattr(v, "_remote", None) is not None:
                     buffer, offset = v._remote
-                    values[v] = self._remote[replica][(buffer.remote_buffer_id, offset)]
+                    key = (buffer.remote_buffer_id, offset)
+                    values[v] = gather_shards(v, [rem[key] for rem in self._remote], replica) \
+                        if getattr(v, "_sharded", False) else self._remote[replica][key]
         self._host = {v: _host_value(v, self._replica_vars) for v in self._on_device}
         self._all_replicas = {v: np.stack([rv[v] for rv in self._replica_vars])
                               for v in self._on_device if _returns_all_replicas(v)}
@@ -268,12 +281,53 @@ class Session:
             d2h = {s: a[:, replica] for s, a in d2h.items()}
         rt = Runtime(h2d, d2h, self._const_bytes)
         rt.replica, rt.rendezvous, rt.remote = replica, rendezvous, self._remote[replica]
+        env = self._env(replica)
+        with np.errstate(all="ignore"):
+            rt.run_env(self._main, env)
+        self._keep(replica, env, "Normal")
+        return rt
+
+    def _env(self, replica):
+        """A main-graph environment for ``replica``: constants, its variables and the values
+        earlier programs left on the device."""
         env = self._main.template[:]
         for slot, var in self._main.var_slots:
             env[slot] = self._replica_vars[replica][var]
-        with np.errstate(all="ignore"):
-            rt.run_env(self._main, env)
-        return rt
+        for slot, value in self._carried[replica].items():
+            env[slot] = value
+        return env
+
+    def _keep(self, replica, env, fragment):
+        """Keep the values ``fragment`` wrote that a later program reads."""
+        for slot, producer in self._main.carried.items():
+            if producer == fragment and env[slot] is not None:
+                self._carried[replica][slot] = env[slot]
+
+    def _run_fragment(self, name):
+        """Run the main graph's ops of program fragment ``name`` on every replica (nothing
+        when it has none). Raises: RuntimeError when it reads a value the main program
+        writes and no run has written it yet (device memory not written: unspecified)."""
+        plan = self._main.fragments.get(name)
+        if plan is None or not plan.steps:
+            return
+        reads = {i for st in plan.steps for i in st[1]}
+        tensors = list(self._main.graph._tensors.values())  # the plan's slot order
+        unwritten = [tensors[s].id for s, f in self._main.carried.items()
+                     if f == "Normal" and s in reads and s not in self._carried[0]]
+        if unwritten:
+            raise RuntimeError(f"{name} reads {unwritten}, which the main program writes, "
+                               "before any run wrote them (unspecified device memory)")
+
+        def one(replica, rendezvous):
+            rt = Runtime({}, {}, self._const_bytes)
+            rt.replica, rt.rendezvous, rt.remote = replica, rendezvous, self._remote[replica]
+            env = self._env(replica)
+            with np.errstate(all="ignore"):
+                rt.run_env(plan, env)
+            self._keep(replica, env, name)
+            return rt
+
+        run_replicas(self._ir.replication_factor, one)
 
     def _full_shape(self, stream, always=False):
         """``(num_host_transfers, replicas, *stream.shape)``, the first two dims left out when

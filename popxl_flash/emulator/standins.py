@@ -12,7 +12,8 @@ custom C++ ops). ``popxl_flash.emulator.install(standins=True)`` applies them.
   would compile the ops against PopART's headers, which the emulator does not have). Like the
   real one, importing it installs a finder for modules that exist as ``<name>.cpp`` source
   whose first line names cppimport.
-  For the popxl-addons ops the emulator models (:mod:`popxl_flash.emulator.addons_ops`), the
+  For the popxl-addons ops the emulator models (:mod:`popxl_flash.emulator.addons_ops`), and
+  the other packages' C++ sources it recognises (Dolly's and Llama's rotary embedding), the
   finder gives that model; for any other C++ source, a module whose every attribute raises
   ``NotImplementedError``, so the package imports and the op fails when it is built.
 """
@@ -67,12 +68,13 @@ class CppFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         leaf = fullname.rpartition(".")[2]
         for folder in path or []:
-            if _is_cppimport_source(os.path.join(folder, leaf + ".cpp")):
-                return importlib.machinery.ModuleSpec(fullname, self)
+            source = os.path.join(folder, leaf + ".cpp")
+            if _is_cppimport_source(source):
+                return importlib.machinery.ModuleSpec(fullname, self, origin=source)
         return None
 
     def create_module(self, spec):
-        model = addons_ops.binding(spec.name)
+        model = addons_ops.binding(spec.name, spec.origin)
         return model if model is not None else _CppBinding(spec.name)
 
     def exec_module(self, module):

@@ -97,7 +97,26 @@ class Tensor:
     nelms = property(lambda self: self._nelms)
     ir = property(lambda self: self._graph.ir)
     ipu = property(lambda self: 0)
-    tile_set = property(lambda self: "compute")
+    @property
+    def tile_set(self):
+        """"compute" or "io" (PopART's introspection, ``tiles.tile_set_of``). Raises:
+        UndefinedValue when neither is determined."""
+        from .errors import UndefinedValue
+        from .tiles import tile_set_of
+        ts = tile_set_of(self)
+        if ts == "undefined":
+            raise UndefinedValue("Tensor's tile set is undefined.")
+        return ts
+
+    def _get_ipu_and_tile_set(self, raise_on_undefined_tile_set=True,
+                              raise_on_undefined_ipu=True):
+        """PopXL's private helper: ``(ipu, tile set)``; the emulator has IPU 0 only."""
+        from .errors import UndefinedValue
+        from .tiles import tile_set_of
+        ts = tile_set_of(self)
+        if raise_on_undefined_tile_set and ts == "undefined":
+            raise UndefinedValue("Tensor's tile set is undefined.")
+        return 0, ts
 
     @property
     def scope(self):

@@ -80,10 +80,11 @@ def table_to_string(rows, delimiter=" | ", header=True):
 
 
 def check_tensor_ipu_and_tile_set(*args, **tensors):
-    """``popxl.ops.utils.check_tensor_ipu_and_tile_set``: every emulated tensor is on IPU 0 and
-    the compute tiles, so only the calling convention is checked: keyword arguments, at least
-    one (PopXL unpacks ``zip(*[])`` into three names), each a Tensor (PopXL reads
-    ``t._get_ipu_and_tile_set``)."""
+    """``popxl.ops.utils.check_tensor_ipu_and_tile_set``: keyword arguments, at least one
+    (PopXL unpacks ``zip(*[])`` into three names), each a Tensor (PopXL reads
+    ``t._get_ipu_and_tile_set``); every emulated tensor is on IPU 0, and tensors on different
+    tile sets (undefined ones skipped) raise ValueError (``tiles.py``)."""
+    from .tiles import check_same_tile_set
     if args:
         raise Exception("Internal error: please specify all tensors as keyword arguments.")
     if not tensors:
@@ -92,6 +93,7 @@ def check_tensor_ipu_and_tile_set(*args, **tensors):
         if not isinstance(t, Tensor):
             raise AttributeError(f"'{type(t).__name__}' object has no attribute "
                                  "'_get_ipu_and_tile_set'")
+    check_same_tile_set(tensors)
 
 
 def check_in_graph(graph, *args, **tensors):

@@ -28,7 +28,6 @@ emulator.install(standins=True)
 #: {test id fragment (file or file::test): why the emulator cannot run it}. Mirrored in
 #: ``popxl_flash/emulator/README.md`` ("popxl-addons' own tests").
 _CUSTOM = "custom C++ op (cppimport-compiled PopART op, created through `_get_op_settings`)"
-_REPL = "replica-sharded variables"
 OUT_OF_SCOPE = {
     **{f"unit/test_route_tensor.py::test_route_tensor_into_graph{case}":
        "IR surgery (`route_tensor_into_graph`: `_ir.view.Region`, `CallOp.hasInputTensor`, "
@@ -51,20 +50,14 @@ OUT_OF_SCOPE = {
     "integration/layers/test_linear_gq.py": _CUSTOM + " and uint16 tensors",
     "integration/ops/test_group_quantize_decompress.py": _CUSTOM + " (and two of its tests "
                                                          "call a helper without its `dim`)",
-    "integration/ops/test_cross_entropy_sharded": _CUSTOM,
-    "integration/ops/test_grad_norm_reduce.py": _CUSTOM,
+    "integration/ops/test_cross_entropy_sharded_wr_loss.py": "multi-IPU (`popxl.ipu(1)`)",
     "integration/ops/test_linear_layout.py": _CUSTOM,
     "integration/ops/test_sparse_matmul.py": _CUSTOM,
-    "integration/test_batch_serialisation.py": "IO tiles (`popxl.io_tiles`)",
-    "integration/test_phased_execution.py": "IO tiles and program fragments",
-    "integration/test_tensor_parallel_rts.py": _REPL,
     "integration/test_memmap.py": "`np.memmap` variables shared with the host and remote "
                                   "variables",
     "integration/test_pipelining.py": "multi-IPU pipelining (op-created hooks, IPU copies)",
     **{f"integration/test_repeat_graph.py::{case}": "IR surgery (`Op.cloneIntoGraph`)"
        for case in ("test_basic[5]", "test_variables", "test_topological_constraints")},
-    "integration/test_seed_variable.py": "program fragments (`_execution_context`: "
-                                         "weights-from-host)",
 }
 
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+import popxl_flash
 from conftest import IR_ERRORS, run, run_fn
 from popxl_flash import popxl
 
@@ -233,3 +234,56 @@ def test_shape_attributes_reject_floats(make):
             make(x)
         assert ops.slice(x, [np.int64(1)], [3]).shape == (2, 6)  # numpy ints are fine
         assert all(type(d) is int for d in ops.slice(x, [np.int64(1)], [3]).shape)
+
+
+# -- argmax / argmin (PopXL ops/argminmax.py, PopART op/argextrema.cpp) -----------------------
+def test_argmax_argmin_dims_and_keepdim():
+    a = np.array([[1.0, 5.0, 2.0], [7.0, 0.0, 3.0]], np.float32)
+    outs = run_fn(lambda t: [ops.argmax(t, 1), ops.argmin(t, 0, keepdim=True),
+                             ops.argmax(t, -1, True)], a)
+    np.testing.assert_array_equal(outs[0], [1, 0])
+    np.testing.assert_array_equal(outs[1], [[0, 1, 0]])
+    np.testing.assert_array_equal(outs[2], [[1], [0]])
+    assert all(o.dtype == np.int32 for o in outs)
+
+
+def test_argmax_refusals():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        t = popxl.variable(np.zeros((2, 3), np.float32))
+        with pytest.raises(IR_ERRORS):
+            ops.argmax(t, 2)
+        with pytest.raises(IR_ERRORS):
+            ops.argmin(popxl.variable(np.float32(1.0)), 0)
+
+
+@pytest.mark.parametrize("data", [[[1.0, 3.0, 3.0]], [[1.0, np.nan, 0.0]]],
+                         ids=["tie", "nan"])
+def test_argmax_of_ties_or_nan_raises(data):
+    """popnn's argMax does not specify which index it returns for ties or NaN: the emulator
+    raises when the op runs."""
+    if popxl_flash.BACKEND != "emulator":
+        pytest.skip("the emulator raises on unspecified behaviour")
+    with pytest.raises(RuntimeError):
+        run_fn(lambda t: ops.argmax(t, 1), np.array(data, np.float32))
+
+
+# -- concat_ (ConcatInplaceOp: the output aliases the inputs) --------------------------------
+def test_concat_inplace_values():
+    a, b = np.ones((2, 2), np.float32), np.zeros((1, 2), np.float32)
+    out = run_fn(lambda x, y: ops.concat_([x, y], 0) + 0.0, a, b)
+    np.testing.assert_array_equal(out, np.concatenate([a, b]))
+
+
+def test_concat_inplace_with_a_write_to_its_storage_is_not_modelled():
+    if popxl_flash.BACKEND != "emulator":
+        pytest.skip("an emulator limit")
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence(True):
+        x = popxl.variable(np.ones(2, np.float32))
+        y = ops.concat_([x, x + 1.0], 0)
+        ops.var_updates.accumulate_(x, popxl.constant(np.ones(2, np.float32)))
+        s = popxl.d2h_stream(y.shape, y.dtype)
+        ops.host_store(s, y)
+    with pytest.raises(NotImplementedError):
+        popxl.Session(ir, "ipu_model")

@@ -78,6 +78,30 @@ def test_remote_variable_read_directly_and_bad_offsets_are_refused():
             session.run()
 
 
+def test_int32_and_uint32_offset_tensors():
+    """Offsets as one-element int32 tensors (PopART's own remote-buffer test passes
+    ``popxl.constant(0)``; popxl-addons an int32 graph input) or uint32; others are refused."""
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        buf = popxl.remote_buffer((2,), f32, entries=2)
+        ops.remote_store(buf, popxl.constant(1), popxl.constant(np.array([3.0, 4.0], np.float32)))
+        s = store(ops.remote_load(buf, popxl.constant(np.uint32(1))))
+    with popxl.Session(ir, "ipu_model") as session:
+        np.testing.assert_array_equal(session.run()[s], [3.0, 4.0])
+    ir = popxl.Ir()
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), f32, entries=2)
+        store(ops.remote_load(buf, popxl.constant(np.array([0, 1], np.int32))))
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+    ir = popxl.Ir()
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), f32, entries=2)
+        store(ops.remote_load(buf, popxl.constant(0.0)))
+    with pytest.raises(COMPILE_ERRORS):
+        popxl.Session(ir, "ipu_model")
+
+
 def test_remote_buffers_are_per_replica():
     ir = popxl.Ir(replication=2)
     with ir.main_graph, popxl.in_sequence():

@@ -26,10 +26,9 @@ NOT_IN_POPXL = {
 
 #: PopXL names the emulator does not implement: present, raising when used.
 STUBS = {
-    popxl: ("remote_replica_sharded_variable", "replica_sharded_buffer",
-            "replica_sharded_variable", "TileSet"),
+    popxl: ("TileSet",),
     popxl.ops: ("conv_pow2scaled", "conv_transpose_pow2scaled", "PadType", "topk", "cumsum",
-                "remote_code_load", "argmax"),
+                "remote_code_load"),
     popxl.ops.collectives: ("all_reduce", "CommGroup"),
     popxl.ops.var_updates: ("lamb_updater", "sparse_accumulate_"),
 }

@@ -42,9 +42,12 @@ def require_paths(*names):
 
 def run_emulated(args, cwd, python_path, timeout):
     """Run ``python -m popxl_flash.emulator.run *args`` in ``cwd`` with ``python_path``
-    prepended to ``PYTHONPATH``. Returns: CompletedProcess (text output)."""
+    prepended to ``PYTHONPATH`` and this interpreter's folder to ``PATH`` (the suites' tests
+    start ``python3 script.py``: it must be this interpreter, as in the virtual environment
+    Graphcore's tests run in). Returns: CompletedProcess (text output)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(list(python_path) + [ROOT, env.get("PYTHONPATH", "")])
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.setdefault("TQDM_DISABLE", "1")
     return subprocess.run([sys.executable, "-m", "popxl_flash.emulator.run", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)

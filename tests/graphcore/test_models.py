@@ -1,11 +1,13 @@
-"""The model tests of Graphcore's PopXL BERT, T5, GPT-J, Llama and Dolly (graphcore/examples
-``nlp/<model>/popxl/tests``), run unmodified on the emulator with the pytest plugin, each
-suite in its own interpreter. A suite passes here when at least the tests the emulator README
-lists as passing ("Graphcore's examples") pass, so a regression in the emulator fails it.
+"""The model tests of Graphcore's PopXL BERT, T5, GPT-J, Llama, Dolly, GPT-3 2.7B and BLOOM
+(graphcore/examples ``nlp/<model>/popxl/tests``), run unmodified on the emulator with the
+pytest plugin, each suite in its own interpreter. A suite passes here when at least the
+tests the emulator README lists as passing ("Graphcore's examples") pass, so a regression in
+the emulator fails it.
 
 The models' configuration dataclasses use mutable defaults that Python 3.11 refuses, and they
-import ``examples_utils`` (graphcore/examples-utils, not on PyPI), torch and transformers: the
-suites are skipped on Python 3.11 or later, or without ``EXAMPLES_UTILS_PATH``.
+import ``examples_utils`` (graphcore/examples-utils, not on PyPI), torch and transformers (GPT-3
+2.7B's data loader also ``tfrecord``): the suites are skipped on Python 3.11 or later, or
+without ``EXAMPLES_UTILS_PATH``.
 """
 import os
 import re
@@ -20,9 +22,14 @@ from graphcore_run import require_paths, run_emulated
 #: with the transformers release they were recorded with (the HF reference side differs in
 #: others)
 TRANSFORMERS = {"bert": "4.25.1", "t5": "4.25.1", "gpt_j": "4.25.1", "llama": "4.31.0",
-                "dolly": "4.25.1"}
+                "dolly": "4.25.1", "gpt3_2.7B": "4.25.1", "bloom": "4.25.1"}
+#: modules a suite needs besides torch, transformers and simple-parsing (skipped without)
+NEEDS = {"gpt3_2.7B": ("tfrecord",)}
 EXPECTED = {
     "bert": {
+        "tests.integration.execution.test_execution.TestPretraining::test_training_phased",
+        "tests.integration.execution.test_execution.TestSquad::test_inference_phased",
+        "tests.integration.execution.test_execution.TestSquad::test_training_phased",
         "tests.integration.layer.test_attention::test_attention_cmp_huggingface",
         "tests.integration.layer.test_embedding::test_embedding_cmp_huggingface",
         "tests.integration.layer.test_feed_forward::test_feed_forward_cmp_huggingface",
@@ -60,6 +67,7 @@ EXPECTED = {
         "tests.integration.layers.test_t5_TP::test_t5_to_hf",
     },
     "gpt_j": {
+        "tests.integration.execution.test_execution.TestPretraining::test_finetuning",
         "tests.integration.layers.test_attention_TP::test_attention_TP_cmp_huggingface",
         "tests.integration.layers.test_attention_TP::test_attention_to_hf",
         "tests.integration.layers.test_decoder_block_TP::test_decoder_block_TP_cmp_huggingface",
@@ -77,7 +85,26 @@ EXPECTED = {
         "tests.integration.layers.test_feed_forward_TP::test_feed_forward_TP_cmp_huggingface",
     },
     "dolly": {
+        "tests.integration.execution.test_execution.TestExecution::test_inference",
+        "tests.integration.layers.test_attention_TP::test_attention_TP_cmp_huggingface",
+        "tests.integration.layers.test_decoder_block_TP::test_decoder_block_TP_cmp_huggingface",
         "tests.integration.layers.test_feed_forward_TP::test_feed_forward_TP_cmp_huggingface",
+        "tests.integration.layers.test_lm_TP::test_lm_TP_cmp_huggingface",
+        "tests.integration.layers.test_model_TP::test_model_TP_cmp_huggingface",
+    },
+    "gpt3_2.7B": {
+        "tests.integration.execution.test_execution.TestPretraining::test_training_phased",
+        "tests.integration.layers.test_decoder_block_TP::test_decoder_block_TP_cmp_huggingface",
+        "tests.integration.layers.test_gpt_TP::test_gpt_TP_cmp_huggingface",
+        "tests.integration.layers.test_lm_TP::test_lm_TP_cmp_huggingface",
+    },
+    "bloom": {
+        "tests.integration.execution.test_execution.TestExecution::test_inference",
+        "tests.integration.layers.test_attention::test_attention",
+        "tests.integration.layers.test_decoder_block::test_decoder_block",
+        "tests.integration.layers.test_embedding::test_embedding",
+        "tests.integration.layers.test_feed_forward::test_feed_forward",
+        "tests.integration.layers.test_lm::test_lm",
     },
 }
 
@@ -93,13 +120,14 @@ def _outcomes(junit):
     return out
 
 
-@pytest.mark.parametrize("model", ["bert", "t5", "gpt_j", "llama", "dolly"])
+@pytest.mark.parametrize("model", ["bert", "t5", "gpt_j", "llama", "dolly", "gpt3_2.7B",
+                                   "bloom"])
 def test_model_suite(model, tmp_path):
     if sys.version_info >= (3, 11):
         pytest.skip("the models' config dataclasses have mutable defaults (Python < 3.11)")
     examples, addons, utils = require_paths("GRAPHCORE_EXAMPLES_PATH", "POPXL_ADDONS_PATH",
                                             "EXAMPLES_UTILS_PATH")
-    for module in ("torch", "simple_parsing"):
+    for module in ("torch", "simple_parsing", *NEEDS.get(model, ())):
         pytest.importorskip(module)
     transformers = pytest.importorskip("transformers")
     if transformers.__version__ != TRANSFORMERS[model]:

@@ -6,13 +6,15 @@ refuses ranks other than 4 and 3). The first ``rotary_dim`` features are taken a
 (real, imaginary) pairs and rotated by the angle whose sine and cosine the tables hold for
 that sequence position: ``y_re = x_re cos - x_im sin``, ``y_im = x_im cos + x_re sin``; the
 other features pass through. The grad op (``RotaryPosEmbedGradOp``, reading the tables) rotates
-the incoming gradient by the opposite angle.
+the incoming gradient by the opposite angle. When the Session compiles, the Opx's slicing and
+``popops::map`` refuse (:func:`check_lowering`) an odd number of features to rotate, tables
+that do not broadcast to the rotated pairs and tables of a dtype other than ``x``'s.
 """
 import numpy as np
 
 from .. import grads
 from ..errors import PopartError
-from ..registry import emit, register
+from ..registry import COMPILE_CHECKS, emit, register
 from ._binding import create
 
 _KIND, _GRAD = "addons_rotary_pos_embed", "addons_rotary_pos_embed_grad"
@@ -42,8 +44,34 @@ def rotate(x, sin, cos, rotary_dim, sign=1.0):
     return np.concatenate([out.reshape(part.shape), x[..., rotary_dim:]], axis=-1)
 
 
+def check_lowering(op):
+    """What Poplar refuses when either Opx (this op's or popxl-addons', whose grow has the
+    same slicing and ``popops::map`` calls) grows: an odd number of features to rotate (all
+    ``hh`` of them when ``rotary_dim >= hh``), tables that do not broadcast to the rotated
+    halves or pairs ``[b, seq, heads, rotary_dim / 2]``, tables of a dtype other than ``x``'s."""
+    x, sin, cos = op.inputs
+    part = x.shape[3] if op.attrs["rotary_dim"] >= x.shape[3] else op.attrs["rotary_dim"]
+    if part % 2:
+        raise PopartError(f"{op.kind}: an odd number ({part}) of features to rotate: they "
+                          "do not split into halves or pairs (Poplar lowering)")
+    half = (*x.shape[:3], part // 2)
+    for name, t in (("sin", sin), ("cos", cos)):
+        if t.dtype != x.dtype:
+            raise PopartError(f"{op.kind}: {name} is {t.dtype}, x is {x.dtype}: popops::map "
+                              "needs operands of one type (Poplar lowering)")
+        table = (t.shape[0], t.shape[1], 1, t.shape[2])
+        try:
+            shape = np.broadcast_shapes(half, table)
+        except ValueError:
+            shape = None
+        if shape != half:
+            raise PopartError(f"{op.kind}: {name} of shape {tuple(t.shape)} does not broadcast "
+                              f"to the rotated halves {half} (Poplar lowering)")
+
+
 register(_KIND, _rule, lambda x, sin, cos, rotary_dim: rotate(x, sin, cos, rotary_dim))
 register(_GRAD, _rule, lambda dy, sin, cos, rotary_dim: rotate(dy, sin, cos, rotary_dim, -1.0))
+COMPILE_CHECKS[_KIND] = COMPILE_CHECKS[_GRAD] = check_lowering
 
 
 def _grad(ctx, i):

@@ -12,11 +12,11 @@ from .fused import increment_mod, increment_mod_, scaled_add, scaled_add_
 from .io import host_load, host_store
 from .loss import nll_loss, nll_loss_with_softmax_grad
 from .matmul import matmul
-from .misc import init
+from .misc import init, io_tile_copy
 from .nn import gelu, gelu_, group_norm, layer_norm, swish, swish_
 from .random import dropout, random_normal, random_uniform, split_random_seed
-from .reduce import logsumexp, max, mean, min, prod, softmax, sum
-from .shape import (concat, detach, detach_, flatten, flatten_, gather, identity, rename,
-                    reshape, reshape_, slice, slice_, split, squeeze, subsample, transpose,
-                    transpose_)
+from .reduce import argmax, argmin, logsumexp, max, mean, min, prod, softmax, sum
+from .shape import (concat, concat_, detach, detach_, flatten, flatten_, gather, identity,
+                    rename, reshape, reshape_, slice, slice_, split, squeeze, subsample,
+                    transpose, transpose_)
 from ..remote import remote_load, remote_load_, remote_store  # noqa: E402

@@ -78,9 +78,17 @@ def _check_specs(kind, graph, parents):
     for g_t, p_t in zip(graph.inputs, parents):
         if (g_t.shape, g_t.dtype, g_t.meta_shape) != (p_t.shape, p_t.dtype, p_t.meta_shape):
             raise PopartError(f"{kind}: parent tensor {p_t.id} {p_t.dtype.name}{list(p_t.shape)}"
-                              f" does not match graph input {g_t.id} "
-                              f"{g_t.dtype.name}{list(g_t.shape)} (no casting/broadcasting at "
-                              "call boundaries)")
+                              f" (meta shape {list(p_t.meta_shape)}) does not match graph input "
+                              f"{g_t.id} {g_t.dtype.name}{list(g_t.shape)} (meta shape "
+                              f"{list(g_t.meta_shape)}) (no casting/broadcasting at call "
+                              "boundaries)")
+
+
+def _meta_shapes(outs, graph_outputs):
+    """A call's, repeat's or conditional's outputs take the (then-)graph outputs' whole tensor
+    info, meta shape included (PopART's ``CallOp``/``LoopOp``/``IfOp::setup``)."""
+    for o, g_o in zip(outs, graph_outputs):
+        o._meta_shape = tuple(g_o.meta_shape)
 
 
 def _out_rule(graph, count=None):
@@ -257,8 +265,9 @@ def call_with_info(graph, *inputs, inputs_dict=None, check_inputs=True):
         raise PopartError(f"call: graph {graph} cannot call itself")
     _check_by_ref_unique("call", parents, _by_ref_positions(graph))
     tensors = {f"input_{i}": t for i, t in enumerate(parents)}
-    emit("call", tensors, {"graph": graph}, names=[o.name for o in graph.outputs],
+    outs = emit("call", tensors, {"graph": graph}, names=[o.name for o in graph.outputs],
                 modifies=_by_ref_positions(graph), subgraphs=(graph,))
+    _meta_shapes(outs, graph.outputs)
     return CallSiteInfo(parent._ops[-1])
 
 
@@ -353,8 +362,9 @@ def repeat_with_info(graph, repeat_count, *inputs, inputs_dict=None, check_input
     _check_repeat_wrapper_ids(graph, parents)
     by_ref = _by_ref_positions(graph)
     tensors = {f"input_{i}": t for i, t in enumerate(parents)}
-    emit("repeat", tensors, {"graph": graph, "count": int(repeat_count)},
+    outs = emit("repeat", tensors, {"graph": graph, "count": int(repeat_count)},
                 names=[o.name for o in graph.outputs], modifies=by_ref, subgraphs=(graph,))
+    _meta_shapes(outs, graph.outputs)
     return RepeatSiteInfo(parent._ops[-1])
 
 
@@ -436,9 +446,10 @@ def conditional_with_info(cond, then_branch, else_branch, then_inputs=None, else
     tensors.update({f"then_{i}": t for i, t in enumerate(then_all)})
     tensors.update({f"else_{i}": t for i, t in enumerate(else_all)})
     names = [f"{a.name}_or_{b.name}" for a, b in zip(then_branch.outputs, else_branch.outputs)]
-    emit("conditional", tensors, {"then": then_branch, "else": else_branch,
-                                         "n_then": len(then_all)},
+    outs = emit("conditional", tensors, {"then": then_branch, "else": else_branch,
+                                                "n_then": len(then_all)},
                 names=names, subgraphs=(then_branch, else_branch))
+    _meta_shapes(outs, then_branch.outputs)
     return ConditionalSiteInfo(parent._ops[-1])
 
 

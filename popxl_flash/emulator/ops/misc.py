@@ -38,3 +38,31 @@ def init(shape, dtype, name=None, init_type="zero", meta_shape=None):
     shape = dtypes.check_shape(shape, "init")
     return emit("init", {}, {"shape": shape, "dtype": dtype, "init_type": init_type},
                 names=[name or "init"])[0]
+
+
+# -- io_tile_copy (PopXL ``ops/io_tile_copy.py``, PopART ``op/iotilecopy.cpp``) ---------------
+def _copy_rule(t):
+    return [(t.shape, t.dtype)]
+
+
+register("io_tile_copy", _copy_rule, lambda t: np.array(t, copy=True))
+
+
+def io_tile_copy(t):
+    """Copy ``t`` to the other tile set of the IPU (IO tiles to compute tiles or back: the
+    op's tile set is the opposite of ``t``'s; when ``t``'s is undefined, the current one,
+    ``popxl.io_tiles()`` or not). Returns: the copy (same values). No grad op (PopART's
+    IoTileCopyOp defines none)."""
+    from ..context import gcg
+    from ..tensor import Tensor
+    from ..tiles import current, tile_set_of
+    if not isinstance(t, Tensor):
+        raise TypeError(f"The input `t` is not a Tensor. Type: {type(t)}. Value: {t}.")
+    source = tile_set_of(t)
+    out = emit("io_tile_copy", {"t": t}, {}, names=[t.name + "_iotilecopy"])[0]
+    op = gcg()._ops[-1]
+    op.tile_set = current() if source == "undefined" else \
+        ("io" if source == "compute" else "compute")
+    if op.tile_set == "io":
+        op.graph.ir._uses_io_tiles = True
+    return out

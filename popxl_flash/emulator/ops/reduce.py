@@ -178,3 +178,61 @@ def softmax(t, axis):
 
 
 _ = dtypes
+
+
+# -- argmax / argmin (PopXL ``ops/argminmax.py``; PopART ``op/argextrema.cpp``,
+# ``popx/op/argextremax.cpp``: popnn::argMax/argMin over the axis, cast to int32) ----------
+def _arg_rule(kind):
+    def rule(t, dim, keepdims):
+        require(kind, t, NUMERIC)
+        if t.rank == 0:  # ArgExtremaOp::validateAxis
+            raise PopartError(f"ArgExtremaOp input rank must be greater than 0, invalid "
+                              f"ArgExtremaOp {kind}.")
+        if not -t.rank <= dim < t.rank:
+            raise PopartError(f"Axis {dim} is out of acceptable range [{-t.rank}, "
+                              f"{t.rank - 1}]")
+        axis = dim % t.rank
+        shape = tuple(1 if i == axis else d for i, d in enumerate(t.shape)
+                      if keepdims or i != axis)
+        return [(shape, dtypes.int32)]
+    return rule
+
+
+def _arg_impl(kind):
+    pick = np.argmax if kind == "argmax" else np.argmin
+    extreme = np.max if kind == "argmax" else np.min
+
+    def impl(a, dim, keepdims):
+        axis = dim % a.ndim
+        if a.shape[axis] == 0:
+            raise RuntimeError(f"{kind} over an empty axis (unspecified)")
+        if a.dtype.kind == "f" and np.isnan(a).any():
+            raise RuntimeError(f"{kind} of a tensor holding NaN: which index popnn returns is "
+                               "not specified")
+        best = extreme(a, axis=axis, keepdims=True)
+        if ((a == best).sum(axis=axis) > 1).any():
+            raise RuntimeError(f"{kind}: several elements tie for the extreme value along axis "
+                               f"{axis}: which index popnn returns is not specified")
+        return pick(a, axis=axis, keepdims=bool(keepdims)).astype(np.int32)
+    return impl
+
+
+for _kind in ("argmax", "argmin"):
+    register(_kind, _arg_rule(_kind), _arg_impl(_kind))
+
+
+def _arg_op(kind):
+    def op(t, dim=0, keepdim=False):
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise TypeError(f"{kind}: dim must be an int, got {dim!r}")  # int64_t binding
+        return emit(kind, {"t": t}, {"dim": int(dim), "keepdims": _keepdims(kind, keepdim)})[0]
+    op.__name__ = kind
+    op.__doc__ = (f"The indices (int32) of the {kind[3:]}imum elements of ``t`` along ``dim`` "
+                  "(PopXL's ``ops.{kind}``).\n\nArgs:\n    t: Tensor (rank >= 1).\n    dim: "
+                  "int in [-rank, rank).\n    keepdim: keep the axis as size 1.\nReturns:\n    "
+                  "int32 Tensor. Ties and NaN raise RuntimeError when the op runs (popnn does "
+                  "not specify the index).")
+    return op
+
+
+argmax, argmin = _arg_op("argmax"), _arg_op("argmin")

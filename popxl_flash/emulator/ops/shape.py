@@ -24,6 +24,10 @@ def _view(fn):
             raise NotImplementedError("emulator: in-place view op could not alias its input "
                                       "(non-contiguous source)")
         return out
+    # When no op writes the storage (plan.py: not a modified root), a copy holds the same
+    # values as a view would, so a view numpy cannot make (a reshape of a transposed view)
+    # may be a copy.
+    impl.unmodified = fn
     return impl
 
 
@@ -212,6 +216,36 @@ def concat(ts, axis=0):
         raise TypeError("All inputs to a concat operation must have the same type: "
                         f"{[t.dtype for t in ts]}")
     return emit("concat", {f"ts_{i}": t for i, t in enumerate(ts)}, {"axis": axis})[0]
+
+
+def _check_concat_inplace(op):
+    """``concat_``'s output aliases all its inputs (ConcatInplaceOp); the emulator computes it
+    as a copy, which holds the same values unless some op writes one of those storages in
+    place: then NotImplementedError."""
+    from ..copies import Aliases
+    g = op.graph
+    al = Aliases(g)
+    written = {id(al.find(o.inputs[p])) for o in g._ops for p in o.modifies}
+    for t in op.inputs + op.outputs:
+        if id(al.find(t)) in written:
+            raise NotImplementedError(f"concat_ {op.outputs[0].id}: an op writes {t.id} (or an "
+                                      "alias of it) in place; the emulator does not model the "
+                                      "inputs and output of concat_ sharing storage")
+
+
+register("concat_", _concat_rule, _concat)
+COMPILE_CHECKS["concat_"] = _check_concat_inplace
+
+
+def concat_(ts, axis=0):
+    """``ops.concat_``: concat whose output aliases the inputs (see
+    :func:`_check_concat_inplace`). Returns: Tensor."""
+    ts = list(ts)
+    if len({t.dtype for t in ts if isinstance(t, Tensor)}) > 1:
+        raise TypeError("All inputs to a concat operation must have the same type: "
+                        f"{[t.dtype for t in ts]}")
+    return emit("concat_", {f"ts_{i}": t for i, t in enumerate(ts)}, {"axis": axis},
+                names=["concat_out"])[0]
 
 
 def _split_rule(t, axis, splits):

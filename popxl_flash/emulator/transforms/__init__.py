@@ -3,10 +3,12 @@
 ``decompose_sum`` is PopART's DecomposeSum pass: it rewrites autodiff's variadic gradient
 sums into trees of two-input adds. The emulator's autodiff already builds its gradient sums
 from two-input adds, so the pass changes nothing here and returns the graph.
-``merge_exchange`` and ``io_tile_exchange`` exist but raise ``NotImplementedError``.
+``merge_exchange`` (``merge_exchange.py``) keeps the exchange ops and refuses what merging
+them leaves unspecified; ``io_tile_exchange`` is ``io_tiles``, ``merge_exchange`` and
+``in_sequence(False)`` with PopXL's check that one op remains.
 """
-from ..unsupported import stub
 from .autodiff import ExpectedConnection, ExpectedConnectionType, GradGraphInfo, autodiff
+from .merge_exchange import io_tile_exchange, merge_exchange
 
 
 
@@ -22,8 +24,6 @@ def decompose_sum(graph):
     return graph
 
 
-merge_exchange = stub("popxl.transforms.merge_exchange")
-io_tile_exchange = stub("popxl.transforms.io_tile_exchange")
 
 __all__ = ["ExpectedConnectionType", "ExpectedConnection", "GradGraphInfo", "autodiff",
            "merge_exchange", "io_tile_exchange", "decompose_sum"]
