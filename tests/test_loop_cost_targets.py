@@ -197,3 +197,34 @@ def test_one_block_forward_is_naive_attention_plus_its_lse(dtype, causal):
     flash_steps, naive_steps = _supersteps(flash.profile), _supersteps(naive.profile)
     assert flash_steps == naive_steps + 2, (flash_steps, naive_steps)
     assert flash.profile.matmul_flops == naive.profile.matmul_flops
+
+
+def _priced(profile, dtype):
+    """The reference model's seconds for a run profile, host transfers left out."""
+    from popxl_flash.plan import ipu_time
+    counts = ipu_time.WorkCounts(_supersteps(profile), profile.matmul_flops,
+                                 profile.vector_elements, profile.bytes_copied)
+    return ipu_time.time(counts, dtype).seconds
+
+
+@emulator_only
+@pytest.mark.parametrize("G_, L, D_, causal", [(12, 128, 64, False), (4, 256, 64, True),
+                                               (2, 384, 32, True)])
+def test_automatic_choice_near_naive_measured(G_, L, D_, causal):
+    """Where naive attention fits, the automatic choice measured on the emulator and priced by
+    the reference model (modelled, not yet calibrated): forward within 1.75x of naive's
+    forward (which returns no lse), forward + backward within 1.35x of naive's (its backward
+    recomputes P)."""
+    from popxl_flash.checks.naive import naive_attention, naive_attention_grad
+    q, k, v = random_qkv(np.random.default_rng(1), G_, L, L, D_, "float16")
+    _, _, fwd = run_flash(q, k, v, causal=causal)
+    _, both = run_flash_grad(q, q, k, v, causal=causal)
+    _, nf = run_graph(lambda q, k, v: [naive_attention(q, k, v, causal=causal)], [q, k, v])
+    _, nb = run_graph(lambda do, q, k, v, o: list(naive_attention_grad(do, q, k, v, o,
+                                                                       causal=causal)),
+                      [q, q, k, v, q])
+    flash_f, naive_f = _priced(fwd.profile, "float16"), _priced(nf.profile, "float16")
+    flash_fb = _priced(both.profile, "float16")
+    naive_fb = naive_f + _priced(nb.profile, "float16")
+    assert flash_f <= 1.75 * naive_f, (flash_f, naive_f)
+    assert flash_fb <= 1.35 * naive_fb, (flash_fb, naive_fb)
