@@ -128,11 +128,17 @@ def classify(q_ids, kv_ids, q_pos, kv_pos, chunk_q, chunk_kv, *, causal=False,
     """Run-time class of every block (``RT_SKIP``, ``RT_FULL``, ``RT_MASKED``), int
     ``[nq, nkv]``: :func:`popxl_flash.graph.segments.classify_blocks` on the host (causal and
     window apply only with positions, as on the device)."""
-    qs0, qs1, q_pad, qp0, qp1 = (a[:, None] for a in chunk_stats(q_ids, q_pos, chunk_q))
-    ks0, ks1, k_pad, kp0, kp1 = (a[None, :] for a in chunk_stats(kv_ids, kv_pos, chunk_kv))
+    return classify_stats(chunk_stats(q_ids, q_pos, chunk_q), chunk_stats(kv_ids, kv_pos, chunk_kv),
+                          positions=q_pos is not None, causal=causal, window=window)
+
+
+def classify_stats(q_stats, kv_stats, *, positions, causal=False, window=(-1, -1)):
+    """:func:`classify` from the chunks' statistics (:func:`chunk_stats`)."""
+    qs0, qs1, q_pad, qp0, qp1 = (a[:, None] for a in q_stats)
+    ks0, ks1, k_pad, kp0, kp1 = (a[None, :] for a in kv_stats)
     skip = (ks0 > qs1) | (qs0 > ks1)
     full = (qs0 == qs1) & (ks0 == ks1) & (qs0 == ks0) & ~q_pad & ~k_pad
-    if q_pos is not None:
+    if positions:
         left, right = (min(side, MAX_LEN) for side in window)
         if causal:
             skip = skip | _lex_less(qs1, qp1, ks0, kp0)
