@@ -2,7 +2,8 @@
 (:mod:`popxl_flash.plan.context_parallel`).
 
 * The split (the layout's parts; per (part, round) no call where no replica sees a pair, a
-  plain call where every replica sees every pair) gives the whole sequence's attention and
+  plain call where every replica sees every pair) and the run-time step tables (each
+  replica's own blocks, picked by its replica index) give the whole sequence's attention and
   gradients under the tolerance rule, forced on and off over drawn cases.
 * The per-replica model against the emulator: forward FLOPs exact, loop iterations equal on
   every replica (SPMD), supersteps within ``SUPERSTEP_TOLERANCE``; the memory bound above
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import popxl_flash as pf
 from popxl_flash import popxl
 from popxl_flash.api import context_parallel as cp
 from popxl_flash.plan import context_parallel as pcp
@@ -36,6 +38,57 @@ def test_split_forward_matches_whole_sequence(case, split):
 @given(cp_cases(max_dim=6), st.booleans())
 def test_split_backward_matches_whole_sequence(case, split):
     check_backward(case, split=split)
+
+
+@st.composite
+def table_cases(draw):
+    """A drawn case with explicit chunk counts (every setting given: the run-time step tables
+    are used wherever they drop a step) and the split on or off."""
+    case = draw(cp_cases())
+    G, L, D = case["shape"]
+    local = L // case["R"]
+    cols = case["R"] * (local // case["steps"])
+    nq = draw(st.sampled_from([d for d in (1, 2, 4) if local % d == 0]))
+    nkv = draw(st.sampled_from([d for d in (1, 2, 4, 8) if cols % d == 0]))
+    return case, dict(num_chunks_q=nq, num_chunks_kv=nkv, split=draw(st.booleans()))
+
+
+@settings(max_examples=20, deadline=None)
+@given(table_cases())
+def test_step_tables_forward_match_whole_sequence(args):
+    case, options = args
+    check_forward(case, **options)
+
+
+@settings(max_examples=15, deadline=None)
+@given(table_cases())
+def test_step_tables_backward_match_whole_sequence(args):
+    case, options = args
+    check_backward(case, **options)
+
+
+@emulator_only
+def test_step_tables_loop_only_over_each_replicas_blocks():
+    """Zigzag, causal, one round, 8 x 16 blocks per call: every replica loops over the blocks
+    its positions run (padded to the longest list) instead of all 128; FLOPs and results are
+    unchanged, the trip counts equal on every replica."""
+    G, L, D, R = 2, 256, 8, 4
+    q, k, v = random_qkv(np.random.default_rng(7), G, L, L, D, np.float32)
+    options = dict(kv_gather_steps=1, num_chunks_q=8, num_chunks_kv=16, split=False)
+    out, lse, session = run_cp(q, k, v, R, "zigzag", **options)
+    cost = cp.explain(L, R, head_dim=D, groups=G, dtype="float32", **options)
+    table = cost.plan.tables[0, 0]
+    assert table.shape[1] < 8 * 16
+    reps = session.profile.replicas
+    assert [p.loop_iterations for p in reps] == [table.shape[1]] * R
+    assert [p.matmul_flops for p in reps] == list(cost.flops)
+    for p, m in zip(reps, pcp.replica_costs(cost.plan, False)):
+        modelled = sum(c.supersteps for c in m.counts)
+        assert abs(modelled - (p.supersteps - 5)) <= pcp.SUPERSTEP_TOLERANCE * p.supersteps
+    ref, _ = pf.reference.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    assert "run-time step tables" in cost.table() and "static schedule's steps" in cost.table()
+    assert cost.seconds < cost.static_tables[0]  # modelled: fewer steps, the same work
 
 
 def _plan(L, R, G=2, Gk=2, D=8, dtype="float32", **options):
@@ -64,7 +117,8 @@ def test_split_kinds_of_zigzag_with_two_rounds():
                                                      np.float16),
     (2, "zigzag", 1, False, True, None, np.float32), (4, "contiguous", 2, False, True, None,
                                                       np.float16),
-    (2, "zigzag", 2, True, False, (10, 10), np.float32)])
+    (2, "zigzag", 2, True, False, (10, 10), np.float32),
+    (4, "zigzag", 1, False, True, (24, -1), np.float32)])
 def test_model_per_replica_against_the_emulator(R, layout, steps, split, causal, window, dtype):
     G, L, D = 2, 128, 8
     q, k, v = random_qkv(np.random.default_rng(4), G, L, L, D, dtype)
@@ -137,7 +191,8 @@ def test_choice_is_the_least_modelled_time_within_the_budget():
     fitting = [c for c in choice.candidates if c.fits]
     assert choice.chosen.fits and choice.chosen.seconds == min(c.seconds for c in fitting)
     assert choice.over_budget > 0  # the budget binds
-    assert (plan.steps, plan.chunk_q, plan.chunk_kv, plan.split) == choice.chosen.setting
+    assert (plan.steps, plan.chunk_q, plan.chunk_kv, plan.split,
+            bool(plan.tables)) == choice.chosen.setting
     larger = _plan(4096, 4, G=4, Gk=4, D=64, dtype="float16", memory_budget=2 ** 30)
     assert larger.choice.chosen.seconds <= choice.chosen.seconds
 

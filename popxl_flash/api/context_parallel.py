@@ -14,7 +14,8 @@ attention output over the *whole* sequence:
    window ``q_pos - left <= kv_pos <= q_pos + right``. The static block schedule is the same on
    every replica (equal trip counts); blocks a replica's positions make invisible are skipped
    at run time (no matmul). With the plan's split, per part of the rows only the calls some
-   replica needs are built (:mod:`popxl_flash.plan.context_parallel`);
+   replica needs are built, and with per-replica step tables each replica loops only over the
+   blocks it runs (:mod:`popxl_flash.plan.context_parallel`);
 4. rounds combine by their logsumexp, as flash's online softmax does.
 
 The rounds, chunks and split are chosen by modelled IPU time within ``memory_budget``
@@ -182,7 +183,9 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             explicit budget no plan meets raises ``ValueError``.
         split: cut each replica's rows into the layout's parts and build per (part, round)
             only what some replica sees (zigzag: see :mod:`popxl_flash.plan.context_parallel`);
-            ``None``: by modelled time; score modifiers and dropout keep one part.
+            ``None``: by modelled time; score modifiers and dropout keep one part. The
+            per-replica step tables are chosen with the rest (used wherever they drop a step
+            when every setting is given).
         scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
         return_lse: also return the logsumexp.
         softcap, alibi_slopes, score_mod, score_mod_inputs: as

@@ -39,8 +39,8 @@ class AttentionModule(popxl.Module):
 
         Args:
             q, k, v: tensors or specs (``.shape``, ``.dtype``).
-            segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions)``,
-                ``None`` where absent.
+            segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                step_table)``, ``None`` where absent.
             extras: the score-modifier inputs (:func:`score_mods.split_inputs`).
 
         Returns:
@@ -51,9 +51,10 @@ class AttentionModule(popxl.Module):
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **options)
         automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        cfg = cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
-                                automatic=automatic, memory_budget=self.options["memory_budget"],
-                                packing=self.options["packing"])
+        seg = (tuple(segment_inputs) + (None,) * 5)[:5]
+        cfg = cfg.with_segments(*seg[:4], automatic=automatic,
+                                memory_budget=self.options["memory_budget"],
+                                packing=self.options["packing"], step_table=seg[4])
         return score_mods.check_extras(cfg, self.options["mods"], extras)
 
     @staticmethod

@@ -299,7 +299,8 @@ class AttentionConfig:
                              f"{expected_dtype}, got shape {tuple(shape)} and dtype {dtype}")
 
     def with_segments(self, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None,
-                      automatic=(False, False), memory_budget=None, packing=None):
+                      automatic=(False, False), memory_budget=None, packing=None,
+                      step_table=None):
         """Validate segment-id (and position) tensor specs; return the config with them.
 
         Args:
@@ -315,6 +316,10 @@ class AttentionConfig:
                 budget no chunking of the packed pass meets raises ``ValueError``.
             packing: the :class:`popxl_flash.plan.packed.Packing` assumption (``None``: one
                 sequence over the whole row, the most any packing runs).
+            step_table: ``None`` or the spec of a run-time step table, int32 ``[V, 3]``
+                (internal: context parallelism's per-replica block lists,
+                :class:`popxl_flash.plan.segments.SegmentConfig`); needs positions and a static
+                schedule of full blocks only.
 
         Returns:
             ``self`` without segment ids, else a copy whose ``segments`` is set.
@@ -337,7 +342,16 @@ class AttentionConfig:
             for name, ids, t in (("q_positions", q_segment_ids, q_positions),
                                  ("kv_positions", kv_segment_ids, kv_positions)):
                 self.check_like(name, t.shape, t.dtype.name, ids.shape, "int32")
-        segments = SegmentConfig(gq, gk, positions)
+        table_steps = 0
+        if step_table is not None:
+            shape = tuple(step_table.shape)
+            if step_table.dtype.name != "int32" or len(shape) != 2 or shape[1] != 3:
+                raise ValueError(f"step_table must be int32 [V, 3], got {shape} "
+                                 f"{step_table.dtype.name}")
+            if not positions or any(automatic):
+                raise ValueError("step_table needs positions and explicit chunk counts")
+            table_steps = shape[0]
+        segments = SegmentConfig(gq, gk, positions, table_steps)
         chunks = {}
         if any(automatic):
             chunks = self._packed_chunks(segments, automatic, memory_budget, packing)

@@ -16,7 +16,15 @@ positions, as without the split). Zigzag with two rounds is the case that gains:
 round is invisible to every replica's early chunk (not built) and the early round is fully
 visible to every replica's late chunk (plain). Whether to split, the rounds and the chunk
 lengths are the least modelled forward + backward time within ``memory_budget``
-(:func:`choose`); score modifiers and dropout keep one part.
+(:func:`_choose`); score modifiers and dropout keep one part.
+
+**Per-replica step tables.** A positions call's blocks that one replica skips at run time still
+cost it a loop step. With tables (:meth:`Plan.step_table`) each replica loops over its own
+list of the blocks it runs, an int32 ``[V, 3]`` run-time input its replica index picks from a
+constant ``[R, V, 3]``, padded to the longest list with blocks it skips (SPMD: one trip
+count). Every round ends at a collective, so a round still takes its slowest replica; the
+choice weighs tables on and off by modelled time (given every setting, they are used wherever
+they drop a step). Not with score modifiers or dropout.
 """
 import functools
 import itertools
@@ -30,6 +38,7 @@ from popxl_flash.plan import ipu_time as _ipu_time
 from popxl_flash.plan import memory as _memory
 from popxl_flash.plan import packed as _packed
 from popxl_flash.plan import schedule as _schedule
+from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.config import _check_int, check_bool, check_window
 from popxl_flash.plan.segments import SegmentConfig
 
@@ -251,11 +260,12 @@ class Plan:
                     _CHOICES.pop(next(iter(_CHOICES)))
                 _CHOICES[key] = _choose(self, steps, num_chunks_q, num_chunks_kv, split)
             self.choice = _CHOICES[key]
-            steps, cq, ckv, split = self.choice.chosen.setting
+            steps, cq, ckv, split, tables = self.choice.chosen.setting
         else:
             cq = -(-self.local_len // num_chunks_q)
             ckv = -(-replicas * (self.local_len // steps) // num_chunks_kv)
-        self._configure(steps, cq, ckv, split)
+            tables = True
+        self._configure(steps, cq, ckv, split, tables)
         if explicit_budget:
             need = (self.choice.chosen.memory_bytes if self.choice is not None
                     else max(replica_bytes(self, b) for b in (False, True)))
@@ -267,8 +277,9 @@ class Plan:
                     "the call's inputs and outputs); expected a budget of at least that: "
                     "raise memory_budget, or use more replicas or kv_gather_steps")
 
-    def _configure(self, steps, chunk_q, chunk_kv, split):
-        """Set the rounds, chunk lengths, parts and calls."""
+    def _configure(self, steps, chunk_q, chunk_kv, split, tables=False):
+        """Set the rounds, chunk lengths, parts and calls (and with ``tables`` each positions
+        call's per-replica step tables where they drop steps: :meth:`step_table`)."""
         self.steps = steps
         self.piece = self.local_len // steps
         cols = self.replicas * self.piece
@@ -295,6 +306,52 @@ class Plan:
         if not calls:  # nothing visible anywhere: keep one call (rows that see nothing)
             calls = [Call(0, self.parts[0], 0, "mixed")]
         self.calls = tuple(calls)
+        self.tables = {}
+        if tables and self.mods is None:
+            for call in self.calls:
+                table = self._replica_table(call) if call.kind == "mixed" else None
+                if table is not None:
+                    self.tables[call.part, call.step] = table
+
+    def _replica_table(self, call):
+        """int32 ``[R, V, 3]``: per replica the blocks of ``call`` its positions run (in
+        q-major order), padded with blocks it skips to the longest list, rows ``(first q row,
+        first kv column, q_chunk * nkv + kv_chunk)``; ``None`` when that drops no step or the
+        chunks do not divide the call (the run-time table needs whole unmasked blocks)."""
+        rows = call.rows[1] - call.rows[0]
+        cols = self.replicas * self.piece
+        cq, ckv = min(self.chunk_q, rows), self.chunk_kv
+        if rows % cq or cols % ckv:
+            return None
+        nq, nkv = rows // cq, cols // ckv
+        lists = []
+        for r in range(self.replicas):
+            cls = self.call_classes(call, r).reshape(-1)
+            run, skip = np.nonzero(cls != _packed.RT_SKIP)[0], np.nonzero(cls == _packed.RT_SKIP)[0]
+            lists.append((run, skip))
+        longest = max(len(run) for run, _ in lists)
+        if longest == nq * nkv:
+            return None
+        table = np.zeros((self.replicas, max(longest, 1), 3), np.int32)
+        for r, (run, skip) in enumerate(lists):
+            blocks = np.concatenate([run, skip[:max(longest, 1) - len(run)]])
+            table[r] = np.stack([blocks // nkv * cq, blocks % nkv * ckv, blocks], axis=1)
+        return table
+
+    def call_classes(self, call, replica):
+        """int ``[nq, nkv]``: the run-time block classes of a positions call on ``replica``
+        (the device's rule on the host, :func:`popxl_flash.plan.packed.classify_stats`)."""
+        rows = call.rows[1] - call.rows[0]
+        cq, ckv = min(self.chunk_q, rows), self.chunk_kv
+        q_stats = _stats(self.table[replica, call.rows[0]:call.rows[1]].tobytes(), cq)
+        kv_stats = _stats(self.kv_positions(call.step)[0].tobytes(), ckv)
+        return _packed.classify_stats(q_stats, kv_stats, positions=True, causal=self.causal,
+                                      window=self.window or (-1, -1))
+
+    def step_table(self, call):
+        """``None``, or the int32 ``[R, V, 3]`` per-replica step tables of a positions call
+        (each replica picks its row by its replica index)."""
+        return self.tables.get((call.part, call.step))
 
     def flash_options(self):
         """Options of a flash call over all ``local_len`` rows with run-time positions (the
@@ -329,7 +386,7 @@ class Plan:
         """Hashable identity (graph cache key)."""
         return (self.replicas, self.layout, self.causal, self.scale, self.window, self.steps,
                 self.num_chunks_q, self.num_chunks_kv, self.chunk_q, self.chunk_kv,
-                self.split, self.local_len, self.mods)
+                self.split, tuple(sorted(self.tables)), self.local_len, self.mods)
 
 
 # -- modelled time and memory per replica --------------------------------------------------------
@@ -370,12 +427,11 @@ def _call_counts(plan, call, replica, backward):
     if call.kind == "full":
         c = _full_counts(rows, cols, cq, ckv, dims)
         return c, c.iterations
-    q_stats = _stats(plan.table[replica, call.rows[0]:call.rows[1]].tobytes(), cq)
-    kv_stats = _stats(plan.kv_positions(call.step)[0].tobytes(), ckv)
-    classes = _packed.classify_stats(q_stats, kv_stats, positions=True, causal=plan.causal,
-                                     window=plan.window or (-1, -1))
+    classes = plan.call_classes(call, replica)
+    table = plan.step_table(call)
+    blocks = None if table is None else table[replica, :, 2].tobytes()
     c = _mixed_counts(rows, cols, cq, ckv, dims, plan.causal, plan.window or (-1, -1),
-                      classes.tobytes(), classes.shape)
+                      classes.tobytes(), classes.shape, blocks)
     return c, int((classes != _packed.RT_SKIP).sum())
 
 
@@ -395,13 +451,23 @@ def _full_counts(rows, cols, cq, ckv, dims):
 
 
 @functools.lru_cache(maxsize=8192)
-def _mixed_counts(rows, cols, cq, ckv, dims, causal, window, class_bytes, shape):
+def _mixed_counts(rows, cols, cq, ckv, dims, causal, window, class_bytes, shape, blocks=None):
+    """A positions call's counts (``blocks``: the bytes of a replica's run-time step table's
+    block indices, or ``None`` for the static schedule's steps)."""
     G, Gk, D, dtype, scale, backward = dims
     classes = np.frombuffer(class_bytes, np.int32).reshape(shape)
     sched = _schedule.plan(rows, cols, cq, ckv, causal=False, window=(-1, -1))
+    groups, seg = None, SegmentConfig(1, 1, True)
+    if blocks is not None:
+        index = np.frombuffer(blocks, np.int32)
+        nkv = shape[1]
+        q_chunk, kv_chunk = index // nkv, index % nkv
+        groups = [_steps.StepGroup(cq, ckv, False, q_chunk * cq, kv_chunk * ckv, q_chunk,
+                                   kv_chunk)]
+        seg = SegmentConfig(1, 1, True, len(index))
     return _packed.pass_counts(sched, classes, groups=G, head_dim=D, dtype=dtype,
-                               backward=backward, segments=SegmentConfig(1, 1, True),
-                               kv_groups=Gk, causal=causal, window=window, scale=scale)
+                               backward=backward, segments=seg, kv_groups=Gk, causal=causal,
+                               window=window, scale=scale, step_groups=groups)
 
 
 def replica_costs(plan, backward=False):
@@ -421,8 +487,9 @@ def replica_costs(plan, backward=False):
                 c, run = _call_counts(plan, call, r, backward)
                 rows = call.rows[1] - call.rows[0]
                 merges = int(not backward and _merged_before(plan, call))
+                table = int(plan.step_table(call) is not None)  # its row's dynamic_slice
                 total = total + _ipu_time.WorkCounts(
-                    c.supersteps + ops["call"] + merges * ops["merge"], c.matmul_flops,
+                    c.supersteps + ops["call"] + table + merges * ops["merge"], c.matmul_flops,
                     c.vector_elements + merges * 12 * G * rows * D, c.bytes_copied)
                 n_steps += c.iterations
                 n_run += run
@@ -489,7 +556,8 @@ def replica_bytes(plan, backward=False):
         accum = f32 * (G * local * D + 2 * G * local) * (plan.steps > 1 or plan.split)
         accum += f32 * G * local * D * 3 // _MERGE_SLICES
         final = (G * local * D * b + f32 * G * local) * (len(plan.parts) > 1)
-    total = GATHER_COPIES * gathered + work + accum + final + 4 * plan.table.size
+    tables = sum(t.nbytes for t in plan.tables.values())
+    total = GATHER_COPIES * gathered + work + accum + final + 4 * plan.table.size + tables
     return int(_memory.MARGIN * total + _memory.FIXED_BYTES)
 
 
@@ -503,7 +571,7 @@ GATHER_COPIES = 2
 # -- the choice ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CpCandidate:
-    """One setting priced: ``setting = (steps, chunk_q, chunk_kv, split)``; modelled forward
+    """One setting priced: ``setting = (steps, chunk_q, chunk_kv, split, tables)``; modelled forward
     and backward time (:class:`popxl_flash.plan.ipu_time.ModelledTime`), the larger pass's
     bytes per replica beyond the call's inputs and outputs, whether they fit the budget."""
     setting: tuple
@@ -531,14 +599,15 @@ class ContextParallelChoice:
 
     def table(self):
         """The fastest candidates as text (``*`` the chosen one), times modelled."""
-        lines = ["   rounds  chunks q x kv  split  MiB/replica  fits  modelled us f+b"]
+        lines = ["   rounds  chunks q x kv  split  tables  MiB/replica  fits  modelled us f+b"]
         shown = sorted(self.candidates, key=lambda c: c.seconds)[:10]
         if self.chosen not in shown:
             shown.append(self.chosen)
         for c in shown:
-            s, cq, ckv, split = c.setting
+            s, cq, ckv, split, tables = c.setting
             mark = "*" if c is self.chosen else " "
             lines.append(f"{mark}  {s:6d}  {cq:6d} x {ckv:<6d}  {'yes' if split else 'no':>5}"
+                         f"  {'yes' if tables else 'no':>6}"
                          f"  {c.memory_bytes / 2**20:11.2f}  {'yes' if c.fits else 'NO':>4}"
                          f"  {c.seconds * 1e6:15,.1f}")
         lines.append(f"chosen: {self.reason}; memory_budget {self.budget:,} bytes "
@@ -589,10 +658,14 @@ def _choose(plan, steps, num_chunks_q, num_chunks_kv, split):
     timed = fit or [x for x in settings if x[1] <= _NOTHING_FITS_SLACK * least]
     candidates = []
     for setting, mem in timed:
-        plan._configure(*setting)
-        candidates.append(CpCandidate(setting, modelled_time(plan, False),
-                                      modelled_time(plan, True), mem,
-                                      mem <= plan.memory_budget))
+        for tables in (False, True) if plan.mods is None else (False,):
+            plan._configure(*setting, tables)
+            if tables and not plan.tables:
+                continue  # no positions call where tables drop a step: as without
+            mem_t = mem + sum(t.nbytes for t in plan.tables.values())
+            candidates.append(CpCandidate(setting + (tables,), modelled_time(plan, False),
+                                          modelled_time(plan, True), mem_t,
+                                          mem_t <= plan.memory_budget))
     chosen = min(candidates, key=lambda c: (c.seconds, c.memory_bytes))
     if fit:
         reason = "least modelled forward + backward time within memory_budget"
@@ -629,10 +702,10 @@ class ContextParallelCost:
             outputs (:func:`replica_bytes`, upper bounds).
         unsplit: the same call without the split (one part), priced alike, when the plan
             splits (else ``None``): ``(modelled seconds, memory bytes)``.
-        skipped_steps: per replica, the loop steps its positions skip at run time (forward).
-        without_skipped: modelled forward + backward seconds were those steps not stepped
-            at all (per-replica step tables chosen at run time by the replica index, padded
-            to the longest; **not built**, see :func:`without_skipped_steps`).
+        skipped_steps: per replica, the loop steps its positions skip at run time (forward;
+            with run-time step tables only their padding).
+        static_tables: when the plan uses run-time step tables, the same plan with the
+            static schedule's steps instead: ``(modelled seconds, memory bytes)``.
     """
     plan: "Plan"
     chunk_q: int
@@ -650,7 +723,7 @@ class ContextParallelCost:
     memory_bytes: int = 0
     unsplit: tuple = None
     skipped_steps: tuple = ()
-    without_skipped: float = 0.0
+    static_tables: tuple = None
 
     @property
     def seconds(self):
@@ -682,9 +755,12 @@ class ContextParallelCost:
             lines.append(f"without the split (one part, every pair a positions call): "
                          f"{self.unsplit[0] * 1e6:,.1f} us modelled, "
                          f"{self.unsplit[1] / 2**20:.2f} MiB per replica")
-        lines.append(f"steps skipped at run time per replica: {list(self.skipped_steps)}; "
-                     f"were they not stepped (per-replica run-time step tables, not built): "
-                     f"{self.without_skipped * 1e6:,.1f} us modelled")
+        lines.append(f"run-time step tables (each replica's own blocks, picked by its replica "
+                     f"index): {'yes' if p.tables else 'no'}; steps skipped at run time per "
+                     f"replica: {list(self.skipped_steps)}")
+        if self.static_tables is not None:
+            lines.append(f"with the static schedule's steps instead: "
+                         f"{self.static_tables[0] * 1e6:,.1f} us modelled")
         if p.choice is not None:
             lines.append(p.choice.table())
         else:
@@ -731,13 +807,16 @@ def cost(plan):
     blocks = tuple(sum(rc.running) for rc in forward)
     seconds = tuple(sum(_ipu_time.time(c, plan.dtype).seconds for c in f.counts + b.counts)
                     for f, b in zip(forward, backward))
-    unsplit = None
-    if plan.split:
-        saved = (plan.steps, plan.chunk_q, plan.chunk_kv, plan.split)
-        plan._configure(plan.steps, plan.chunk_q, plan.chunk_kv, False)
-        unsplit = (modelled_time(plan, False).seconds + modelled_time(plan, True).seconds,
-                   max(replica_bytes(plan, b) for b in (False, True)))
+    saved = (plan.steps, plan.chunk_q, plan.chunk_kv, plan.split, bool(plan.tables))
+
+    def priced(split, tables):
+        plan._configure(plan.steps, plan.chunk_q, plan.chunk_kv, split, tables)
+        result = (modelled_time(plan, False).seconds + modelled_time(plan, True).seconds,
+                  max(replica_bytes(plan, b) for b in (False, True)))
         plan._configure(*saved)
+        return result
+    unsplit = priced(False, saved[4]) if plan.split else None
+    static = priced(plan.split, False) if plan.tables else None
     piece_kv = Gk * plan.piece * D
     skipped = tuple(sum(rc.steps) - sum(rc.running) for rc in forward)
     return ContextParallelCost(
@@ -750,27 +829,4 @@ def cost(plan):
         time_forward=modelled_time(plan, False), time_backward=modelled_time(plan, True),
         replica_seconds=seconds,
         memory_bytes=max(replica_bytes(plan, b) for b in (False, True)), unsplit=unsplit,
-        skipped_steps=skipped, without_skipped=without_skipped_steps(plan))
-
-
-def without_skipped_steps(plan):
-    """Modelled forward + backward seconds of ``plan`` were the steps each replica skips at
-    run time not stepped: what per-replica step tables could reach at best (each replica's
-    own list of the blocks it runs, picked at run time by the replica index; SPMD keeps the
-    trip count, so padded to the longest list, which zigzag balances). Each skipped step's
-    supersteps (:data:`popxl_flash.plan.packed.SEG_STEP` ``skip``, its position slices and
-    second-level flag) come off its round; the rounds still wait for the slowest replica.
-    Not built: the loops' step tables and their block-class gathers are constants of the
-    flash loop bodies, and would become run-time inputs of every flash pass."""
-    total = 0.0
-    for backward in (False, True):
-        costs = replica_costs(plan, backward)
-        skip = _packed.SEG_STEP[backward]["skip"] + 2 + (not backward)
-        for step in range(plan.steps):
-            cycles = []
-            for rc in costs:
-                t = _ipu_time.time(rc.counts[step], plan.dtype)
-                saved = (rc.steps[step] - rc.running[step]) * skip
-                cycles.append(t.cycles - saved * _ipu_time.current().superstep_cycles)
-            total += max(cycles) / _ipu_time.current().clock_hz
-    return total
+        skipped_steps=skipped, static_tables=static)

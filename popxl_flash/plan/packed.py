@@ -192,7 +192,7 @@ def _folds(scale, head_dim):
 
 
 def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
-                kv_groups=None, causal=False, window=(-1, -1), scale=None):
+                kv_groups=None, causal=False, window=(-1, -1), scale=None, step_groups=None):
     """Modelled run-profile counts of one packed (segment-id) pass for given block classes.
 
     Args:
@@ -204,6 +204,9 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
         segments: the call's :class:`~popxl_flash.plan.segments.SegmentConfig`.
         causal, window, scale: the call's options (causal and window act through positions
             when ``segments.positions``).
+        step_groups: the pass's :class:`~popxl_flash.plan.steps.StepGroup` list (``None``:
+            the static schedule's; context parallelism's run-time step tables give one group
+            of a replica's own blocks).
 
     Returns:
         :class:`popxl_flash.plan.counts.PassCounts`: FLOPs, bytes copied and iterations exact;
@@ -232,10 +235,17 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
                       gkld=Gk * lkv_pad * D, gkLd=Gk * sched.Lkv * D)
     elements = _counts._dot(_counts.FIXED[backward, dtype], pass_terms)
     cells = iterations = 0
-    for g in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
+    if step_groups is None:
+        step_groups = _steps.step_groups(sched, "kv_major" if backward else "q_major")
+    item = 2 if f16 else 4
+    copies = dict.fromkeys(_costmodel.COPY_KINDS, 0)
+    for g in step_groups:
         two = _costmodel.second_level(g, groups=G, head_dim=D, dtype=dtype, backward=backward,
                                       segments=segments, kv_groups=Gk, causal=causal,
                                       window=window)
+        _costmodel._loop_copies(g.steps, copies)
+        copies["branch"] += _costmodel._branch_copies(g, classes, G, Gk, D, item, backward,
+                                                      segments, two)
         cls = classes[g.q_chunk, g.kv_chunk]
         skipped, full = int((cls == RT_SKIP).sum()), int((cls == RT_FULL).sum())
         running = g.steps - skipped
@@ -257,9 +267,7 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
         elements += VEC_SEG["slices"] * g.steps * (g.rows + g.cols) * (1 + pos)
     elements += VEC_SEG["rows"] * (lq_pad + lkv_pad) * (1 + pos)
     elements += VEC_SEG["blocks"] * sched.nq * sched.nkv
-    copied = sum(_costmodel.pass_copies(sched, groups=G, head_dim=D, dtype=dtype,
-                                        backward=backward, kv_groups=Gk, segments=segments,
-                                        classes=classes, causal=causal, window=window).values())
+    copied = sum(copies.values())
     flops = 2 * (5 if backward else 2) * D * G * cells
     return _counts.PassCounts(supersteps=int(supersteps), matmul_flops=int(flops),
                               vector_elements=max(int(elements), 0), bytes_copied=int(copied),
