@@ -198,3 +198,23 @@ def test_varlen_prices_its_max_seqlen():
                            window=(-1, -1), segments=SegmentConfig(1, 1, True),
                            packing=packed.max_seqlen(200, 200))
     assert chunks == sorted([(choice.chosen.chunk_q, choice.chosen.chunk_kv), (64, 128)])
+
+
+@pytest.mark.parametrize("budget_kib", [2400, 3000])
+def test_varlen_keeps_to_the_budget_on_the_emulator(budget_kib):
+    """flash_attn_varlen_func's automatic chunks under an explicit budget: the emulator's peak
+    beyond the call's inputs and outputs is within it (and the budget binds: the default
+    chooses larger chunks)."""
+    total, H, D = 512, 2, 32
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((total, H, D)).astype(np.float16) for _ in range(3))
+    cu = np.array([0, 100, 250, 400, 512], np.int32)
+    budget = budget_kib * 1024
+    result = run_graph(lambda q, k, v, a, b: [pf.flash_attn_varlen_func(
+        q, k, v, a, b, 160, 160, causal=True, memory_budget=budget)], [q, k, v, cu, cu])
+    io = 4 * q.nbytes + 2 * cu.nbytes
+    assert result.profile.peak_live_bytes - io <= budget
+    chosen = pf.explain(total, total, head_dim=D, groups=H, causal=True, max_seqlen=160,
+                        memory_budget=budget).chosen
+    default = pf.explain(total, total, head_dim=D, groups=H, causal=True, max_seqlen=160).chosen
+    assert chosen.memory_bytes <= budget < default.memory_bytes
