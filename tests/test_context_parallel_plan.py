@@ -221,3 +221,43 @@ def test_budget_nothing_meets_is_a_value_error():
         _plan(256, 2, memory_budget=1000)
     with pytest.raises(ValueError, match="memory_budget=1,000 bytes"):
         _plan(256, 2, memory_budget=1000, steps=1, num_chunks_q=1, num_chunks_kv=1, split=False)
+
+
+@emulator_only
+@pytest.mark.parametrize("R,layout,steps,nkv", [(4, "zigzag", 1, 16), (2, "contiguous", 2, 8)])
+def test_step_tables_with_softcap_and_alibi_equal_flash(R, layout, steps, nkv):
+    """Score modifiers read each step's global positions from its offsets, so they are exact
+    over the per-replica step tables too (every setting given: tables used)."""
+    from test_context_parallel import _modifier_case, run_cp_modified, run_flash_modified
+    rng = np.random.default_rng(R + steps)
+    G, L, D = 4, 64, 8
+    q, k, v = random_qkv(rng, G, L, L, D, np.float32, kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    options = dict(kv_gather_steps=steps, num_chunks_q=4, num_chunks_kv=nkv, split=False)
+    assert cp.explain(L, R, head_dim=D, groups=G, kv_groups=2, dtype="float32", layout=layout,
+                      **options).plan.tables
+    shared, make = _modifier_case("softcap+alibi", rng, G, L)
+    out, lse, grads, _ = run_cp_modified(q, k, v, dout, R, layout, shared, make, **options)
+    f_out, f_lse, f_grads = run_flash_modified(q, k, v, dout, shared, make, causal=True)
+    np.testing.assert_allclose(out, f_out, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(lse, f_lse, atol=2e-6, rtol=0)
+    for name, g, f in zip(("dq", "dk", "dv"), grads, f_grads):
+        np.testing.assert_allclose(g, f, atol=2e-6 * max(1.0, np.abs(f).max()), rtol=0,
+                                   err_msg=name)
+
+
+@emulator_only
+def test_step_tables_with_dropout_match_the_reference_with_the_mask():
+    """Dropout draws a block's mask from its offsets, so the per-replica step tables draw the
+    masks the returned keep mask holds, and the backward regenerates them."""
+    from test_context_parallel import check_rule, run_cp_dropout
+    rng = np.random.default_rng(9)
+    G, L, D, R = 4, 64, 8, 4
+    q, k, v = random_qkv(rng, G, L, L, D, "float32", kv_groups=2)
+    dout = rng.standard_normal(q.shape).astype("float32")
+    options = dict(kv_gather_steps=1, num_chunks_q=4, num_chunks_kv=16, split=False)
+    assert cp.explain(L, R, head_dim=D, groups=G, kv_groups=2, dtype="float32",
+                      **options).plan.tables
+    out, lse, grads, keep = run_cp_dropout(q, k, v, dout, R, "zigzag", 0.3, **options)
+    check_rule(out, lse, grads, q, k, v, dout,
+               dict(causal=True, scale=None, window=None, keep=keep, dropout=0.3), "float32", 1)

@@ -24,7 +24,8 @@ list of the blocks it runs, an int32 ``[V, 3]`` run-time input its replica index
 constant ``[R, V, 3]``, padded to the longest list with blocks it skips (SPMD: one trip
 count). Every round ends at a collective, so a round still takes its slowest replica; the
 choice weighs tables on and off by modelled time (given every setting, they are used wherever
-they drop a step). Not with score modifiers or dropout.
+they drop a step). Score modifiers and dropout work over them unchanged: a step's positions and
+its dropout mask come from its offsets, which the table gives.
 """
 import functools
 import itertools
@@ -307,7 +308,7 @@ class Plan:
             calls = [Call(0, self.parts[0], 0, "mixed")]
         self.calls = tuple(calls)
         self.tables = {}
-        if tables and self.mods is None:
+        if tables:
             for call in self.calls:
                 table = self._replica_table(call) if call.kind == "mixed" else None
                 if table is not None:
@@ -658,7 +659,7 @@ def _choose(plan, steps, num_chunks_q, num_chunks_kv, split):
     timed = fit or [x for x in settings if x[1] <= _NOTHING_FITS_SLACK * least]
     candidates = []
     for setting, mem in timed:
-        for tables in (False, True) if plan.mods is None else (False,):
+        for tables in (False, True):
             plan._configure(*setting, tables)
             if tables and not plan.tables:
                 continue  # no positions call where tables drop a step: as without
