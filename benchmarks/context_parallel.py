@@ -66,7 +66,10 @@ def run_case(args, data, refs, R, S):
     cost = explain(args.seq_len, R, head_dim=args.head_dim, groups=args.heads,
                    kv_groups=args.kv_heads, dtype=args.dtype, causal=args.causal, layout=layout,
                    kv_gather_steps=S)
+    plan = cost.plan
     row = dict(R=R, S=S, rows=args.seq_len // R, t_fwd=fwd.seconds * 1e3,
+               plan=f"{plan.chunk_q} x {plan.chunk_kv}" + (", split" if plan.split else "")
+               + (", tables" if plan.tables else ""), modelled=cost.seconds * 1e6,
                err_fwd=_rel(back(fwd.outputs[0]), refs[0]))
     if fwd.profile is not None:
         stats = _replica_stats(fwd.profile)
@@ -91,6 +94,8 @@ def run_case(args, data, refs, R, S):
 
 
 COLUMNS = [("R", "R", "{}"), ("rounds S", "S", "{}"), ("rows / replica", "rows", "{}"),
+           ("chunks, split, step tables (chosen)", "plan", "{}"),
+           ("modelled fwd+bwd us / replica", "modelled", "{:,.0f}"),
            ("fwd GFLOP / replica (max)", "fwd_flops", "{:.4f}"),
            ("max/min replica FLOPs", "balance", "{:.3f}"),
            ("fwd peak MiB / replica", "fwd_peak", "{:.2f}"),
@@ -118,7 +123,10 @@ def markdown(argv, args, rows):
              "figures are the largest replica's, measured by the emulator; errors are max |x - "
              "ref| / max |ref| of the unsharded results against the float64 reference on the "
              "whole sequence. \"= explain\": every replica's executed FLOPs equal "
-             "`pf.context_parallel.explain`'s. Emulator wall time is not IPU time.", "",
+             "`pf.context_parallel.explain`'s. The chunks, the split and the per-replica step "
+             "tables are the plan's choice by modelled time within the default memory_budget "
+             "(the rounds S given); \"modelled\" is explain's forward + backward time, "
+             "reference IPU constants. Emulator wall time is not IPU time.", "",
              "A replica's forward peak holds its q, k, v (and out) shards, one round's gathered "
              "K/V (plus the transient reshape/transpose copies of PopXL's all-gather wrapper), "
              "with S > 1 the float32 accumulator of the output shard, and flash's block working "

@@ -21,7 +21,7 @@ import numpy as np
 import popxl_flash as pf
 from popxl_flash.checks import devices
 from popxl_flash.checks.harness import run_graph
-from popxl_flash.plan.config import SEGMENT_CHUNK_LEN
+from popxl_flash.plan.packed import EARLIER_CHUNK_LEN
 
 
 def packing(seq_len, num_seqs, seed):
@@ -132,7 +132,8 @@ def parse_args(argv):
                    help="input dtype (default: float16)")
     p.add_argument("--chunks", type=int, default=None,
                    help="chunk count each way, the same for the three graphs (default: "
-                        "ceil(L / 64), the automatic chunk length with segment ids)")
+                        "ceil(L / 64), the earlier automatic rule with segment ids; the automatic "
+                        "choice now prices the packing by modelled time)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default: 0)")
     p.add_argument("--device", choices=devices.NAMES, default=devices.default_device(),
                    help="PopXL device (default: ipu_hw with the Poplar SDK, else ipu_model)")
@@ -147,7 +148,7 @@ def parse_args(argv):
     if args.chunks is not None and not 1 <= args.chunks <= args.seq_len:
         p.error(f"--chunks must be in [1, {args.seq_len}], got {args.chunks}")
     if args.chunks is None:
-        args.chunks = -(-args.seq_len // SEGMENT_CHUNK_LEN)
+        args.chunks = -(-args.seq_len // EARLIER_CHUNK_LEN)
     return args
 
 

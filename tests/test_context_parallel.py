@@ -98,13 +98,15 @@ def _mask(case):
     return dict(causal=case["causal"], scale=None, window=case["window"])
 
 
-def check_forward(case):
+def check_forward(case, **options):
+    """The forward of ``case`` (``options``: more context-parallel options, e.g. ``split``)
+    against the whole sequence under the tolerance rule."""
     G, L, D = case["shape"]
     dtype, mask = case["dtype"], _mask(case)
     q, k, v = random_qkv(np.random.default_rng(case["seed"]), G, L, L, D, dtype,
                          case["kv_groups"])
     out, lse, session = run_cp(q, k, v, case["R"], case["layout"],
-                               kv_gather_steps=case["steps"], **mask)
+                               kv_gather_steps=case["steps"], **mask, **options)
     ref_out, ref_lse = pf.reference.attention(q, k, v, **mask)
     naive_out, _ = naive_attention(q, k, v, **mask)
     assert out.dtype == np.dtype(dtype) and out.shape == q.shape and lse.shape == (G, L)
@@ -127,13 +129,19 @@ def test_forward_matches_whole_sequence(case):
 
 @given(cp_cases(max_dim=6))
 def test_backward_matches_whole_sequence(case):
+    check_backward(case)
+
+
+def check_backward(case, **options):
+    """The gradients of ``case`` (``options`` as :func:`check_forward`) under the rule."""
     G, L, D = case["shape"]
     dtype, mask = case["dtype"], _mask(case)
     rng = np.random.default_rng(case["seed"])
     q, k, v = random_qkv(rng, G, L, L, D, dtype, case["kv_groups"])
     dout = rng.standard_normal(q.shape).astype(dtype)
     grads, _ = run_cp_grad(dout, q, k, v, case["R"], case["layout"],
-                           stash=bool(case["seed"] % 2), kv_gather_steps=case["steps"], **mask)
+                           stash=bool(case["seed"] % 2), kv_gather_steps=case["steps"], **mask,
+                           **options)
     for g, like in zip(grads, (q, k, v)):
         assert g.shape == like.shape and g.dtype == like.dtype
     assert_grads_within_rule(grads, dout, q, k, v, dtype=dtype,

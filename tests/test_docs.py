@@ -11,7 +11,6 @@ import popxl_flash as pf
 from attention_utils import (EPS32, assert_within_rule, naive_attention,
                              naive_attention_grad)
 from popxl_flash import popxl
-from popxl_flash.api import varlen
 from popxl_flash.plan.config import AttentionConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -138,8 +137,10 @@ def check_varlen(ns):
     q, k, v = (x.transpose(1, 0, 2) for x in _host_qkv(ns))  # [H, total, D]
     ids, pos = pf.reference.varlen_segments(cu, total)
     out = ns["result"].transpose(1, 0, 2)
-    chunks = varlen._auto_chunks(total, 40)
-    _forward_rule("out", out, q, k, v, chunks=(chunks, -(-total // chunks)), causal=True,
+    H, _, D = q.shape  # the automatic chunks: the packed choice for max_seqlen 40
+    chosen = pf.explain(total, total, head_dim=D, groups=H, dtype=q.dtype.name, causal=True,
+                        max_seqlen=40).chosen
+    _forward_rule("out", out, q, k, v, chunks=(chosen.num_chunks_kv, chosen.chunk_kv), causal=True,
                   q_segment_ids=ids, kv_segment_ids=ids, q_positions=pos, kv_positions=pos)
     ref, _ = pf.reference.attention_varlen(q, k, v, cu, cu, causal=True)
     assert (out[:, cu[-1]:] == 0).all() and (ref[:, cu[-1]:] == 0).all()

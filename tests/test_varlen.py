@@ -149,20 +149,28 @@ def test_grad_refuses_stash_of_a_call_with_other_segment_ids():
     assert len(build(lambda: fn(True, True))) == 3
 
 
-def test_segment_ids_cap_automatic_chunks():
-    """With segment ids, automatic chunks are at most SEGMENT_CHUNK_LEN (64) rows (the cost
-    model would pick 256 or more for a row of 4096); explicit counts are kept."""
-    from popxl_flash.plan.config import SEGMENT_CHUNK_LEN
-    assert SEGMENT_CHUNK_LEN == 64
+def test_segment_ids_choose_automatic_chunks_by_modelled_time():
+    """With segment ids, automatic chunks are the packed choice (the least modelled forward +
+    backward time within the budget, one sequence over the row assumed:
+    ``popxl_flash.plan.packed.choose``), forward and backward alike; explicit counts are kept
+    and only the automatic side is chosen."""
+    from popxl_flash.plan import packed
+    from popxl_flash.plan.segments import SegmentConfig
     spec = popxl.TensorSpec
     q = spec((2, 4096, 64), popxl.float16)
     ids = spec((1, 4096), popxl.int32)
-    plain = pf.FlashAttention(causal=True).config(q, q, q)
-    assert plain.chunk_q > 64
     cfg = pf.FlashAttention(causal=True).config(q, q, q, ids, ids)
-    assert (cfg.chunk_q, cfg.num_chunks_q, cfg.chunk_kv, cfg.num_chunks_kv) == (64, 64, 64, 64)
+    choice = packed.choose(4096, 4096, head_dim=64, groups=2, dtype="float16", causal=True,
+                           window=(-1, -1), segments=SegmentConfig(1, 1, False))
+    assert (cfg.chunk_q, cfg.chunk_kv) == (choice.chosen.chunk_q, choice.chosen.chunk_kv)
+    assert choice.chosen.seconds < choice.seed.seconds  # the earlier 64-row rule (modelled)
     grad = pf.FlashAttentionGrad(causal=True).config(q, q, q, q, q, spec((2, 4096), popxl.float32),
                                                      ids, ids)
-    assert (grad.chunk_q, grad.chunk_kv) == (64, 64)
+    assert (grad.chunk_q, grad.chunk_kv) == (cfg.chunk_q, cfg.chunk_kv)
     explicit = pf.FlashAttention(causal=True, num_chunks_q=8).config(q, q, q, ids, ids)
-    assert (explicit.chunk_q, explicit.chunk_kv) == (512, 64)
+    fixed = packed.choose(4096, 4096, head_dim=64, groups=2, dtype="float16", causal=True,
+                          window=(-1, -1), segments=SegmentConfig(1, 1, False), chunk_q=512)
+    assert (explicit.chunk_q, explicit.chunk_kv) == (512, fixed.chosen.chunk_kv)
+    both = pf.FlashAttention(causal=True, num_chunks_q=64, num_chunks_kv=64).config(
+        q, q, q, ids, ids)
+    assert (both.chunk_q, both.chunk_kv) == (64, 64)

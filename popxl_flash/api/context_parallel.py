@@ -13,8 +13,13 @@ attention output over the *whole* sequence:
    (:func:`popxl_flash.api.functional.segmented_attention`): causal is ``kv_pos <= q_pos``, the
    window ``q_pos - left <= kv_pos <= q_pos + right``. The static block schedule is the same on
    every replica (equal trip counts); blocks a replica's positions make invisible are skipped
-   at run time (no matmul);
+   at run time (no matmul). With the plan's split, per part of the rows only the calls some
+   replica needs are built, and with per-replica step tables each replica loops only over the
+   blocks it runs (:mod:`popxl_flash.plan.context_parallel`);
 4. rounds combine by their logsumexp, as flash's online softmax does.
+
+The rounds, chunks and split are chosen by modelled IPU time within ``memory_budget``
+(:func:`popxl_flash.plan.context_parallel.explain` prints the figures).
 
 Score modifiers (``softcap``, ``alibi_slopes``, ``score_mod``) act on each round's blocks
 with the global positions, so ALiBi's ``-slope * |i - j|`` and a ``score_mod``'s ``q_idx``,
@@ -149,7 +154,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
                                num_chunks_q=None, num_chunks_kv=None, scale=None, window=None,
                                return_lse=False, softcap=0.0, alibi_slopes=None,
                                score_mod=None, score_mod_inputs=(), dropout=0.0, seed=None,
-                               return_dropout_mask=False):
+                               return_dropout_mask=False, memory_budget=None, split=None):
     """Attention over a sequence split across replicas; call in a replicated graph.
 
     Args:
@@ -160,12 +165,27 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
         layout: "zigzag" (default; balanced causal work) or "contiguous".
         group: ``None`` (all replicas) or a ``popxl.ReplicaGrouping``: each group is one
             sequence (context-parallel degree R = group size).
-        kv_gather_steps: S rounds gathering ``1/S`` of each shard (S divides ``L/R``); ``None``
-            picks the fewest rounds whose gathered K and V fit ``kv_budget_bytes``.
-        kv_budget_bytes: the budget of one round's gathered K and V.
-        num_chunks_q, num_chunks_kv: each round's flash chunk counts over the ``L/R`` q rows and
-            the ``L / S`` gathered columns; ``None``: chunks of at most 128 rows that
-            divide the layout's pieces.
+        kv_gather_steps: S rounds gathering ``1/S`` of each shard (S divides ``L/R``); ``None``:
+            chosen with the chunks (below) among the fewest rounds whose gathered K and V fit
+            ``kv_budget_bytes``.
+        kv_budget_bytes: the most one round's gathered K and V may take (a cap on the rounds
+            tried).
+        num_chunks_q, num_chunks_kv: the flash calls' chunk counts over the ``L/R`` q rows and
+            the ``L / S`` gathered columns; ``None``: chosen, with ``kv_gather_steps`` and
+            ``split`` where those are ``None``, as the least modelled forward + backward IPU
+            time within ``memory_budget`` (:func:`popxl_flash.plan.context_parallel.explain`
+            prints the candidates); the chunks tried divide the layout's pieces.
+        memory_budget: bytes one replica may hold live beyond the call's own inputs and
+            outputs (``None``: the default, a quarter of one IPU,
+            :func:`popxl_flash.plan.memory.default_budget`): one round's gathered K/V, the
+            largest flash call's working set, the merge's or the gradients' float32
+            accumulators (:func:`popxl_flash.plan.context_parallel.replica_bytes`). An
+            explicit budget no plan meets raises ``ValueError``.
+        split: cut each replica's rows into the layout's parts and build per (part, round)
+            only what some replica sees (zigzag: see :mod:`popxl_flash.plan.context_parallel`);
+            ``None``: by modelled time; score modifiers and dropout keep one part. The
+            per-replica step tables are chosen with the rest (used wherever they drop a step
+            when every setting is given).
         scale, window: as :func:`popxl_flash.flash_attention` (window on global positions).
         return_lse: also return the logsumexp.
         softcap, alibi_slopes, score_mod, score_mod_inputs: as
@@ -198,7 +218,7 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
     plan, group, extras = _plan(q, k, v, dict(
         causal=causal, layout=layout, group=group, steps=kv_gather_steps,
         budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-        scale=scale, window=window), modifiers)
+        scale=scale, window=window, memory_budget=memory_budget, split=split), modifiers)
     functional._check_mask_request(return_mask, plan.mods)
     module = ContextParallelAttention(plan, group)
     inputs = (q, k, v, *extras)
@@ -277,7 +297,7 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
                                     kv_budget_bytes=DEFAULT_KV_BUDGET, num_chunks_q=None,
                                     num_chunks_kv=None, scale=None, window=None, softcap=0.0,
                                     alibi_slopes=None, score_mod=None, score_mod_inputs=(),
-                                    dropout=0.0, seed=None):
+                                    dropout=0.0, seed=None, memory_budget=None, split=None):
     """Gradients of :func:`context_parallel_attention` on this replica's rows and shard.
 
     Stash mode (``out`` and ``lse`` from the forward with ``return_lse=True``) or recompute
@@ -294,9 +314,10 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
         causal, layout, group, scale, window: the forward's (they change the result).
         softcap, alibi_slopes, score_mod, score_mod_inputs, dropout, seed: the forward's
             score modifiers (no gradient flows to the slopes or the score_mod inputs).
-        kv_gather_steps, kv_budget_bytes, num_chunks_q, num_chunks_kv: as
-            :func:`context_parallel_attention`; without dropout they may differ from the
-            forward's (the result does not depend on them beyond rounding); with dropout they
+        kv_gather_steps, kv_budget_bytes, num_chunks_q, num_chunks_kv, memory_budget, split: as
+            :func:`context_parallel_attention` (the backward's plan is chosen for forward and
+            backward together, so equal arguments give the forward's); without dropout they
+            may differ from the forward's (the result does not depend on them beyond rounding); with dropout they
             must give the forward's rounds and chunk counts (the keep masks are drawn per
             round and block).
 
@@ -311,11 +332,13 @@ def context_parallel_attention_grad(dout, q, k, v, out=None, lse=None, *, causal
                      score_mod_inputs=score_mod_inputs, dropout=dropout, seed=seed)
     options = dict(causal=causal, layout=layout, group=group, kv_gather_steps=kv_gather_steps,
                    kv_budget_bytes=kv_budget_bytes, num_chunks_q=num_chunks_q,
-                   num_chunks_kv=num_chunks_kv, scale=scale, window=window)
+                   num_chunks_kv=num_chunks_kv, scale=scale, window=window,
+                   memory_budget=memory_budget, split=split)
     plan, group, extras = _plan(q, k, v, dict(
         causal=causal, layout=layout, group=group, steps=kv_gather_steps,
         budget=kv_budget_bytes, num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
-        scale=scale, window=window), modifiers, backward=True)
+        scale=scale, window=window, memory_budget=memory_budget, split=split), modifiers,
+        backward=True)
     if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)} and dtype {q.dtype.name}, "
                          f"got {tuple(dout.shape)} {dout.dtype.name}")

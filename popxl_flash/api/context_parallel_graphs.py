@@ -1,14 +1,18 @@
 """Context parallelism, graph side: the PopXL graph code each replica runs.
 
 ``ContextParallelAttention`` (forward: replica index, K/V gathered per round, one flash call
-with runtime positions per round, rounds merged by lse) and ``ContextParallelAttentionGrad``
-(backward: per round the flash backward on the gathered K/V, dk/dv reduce-scattered to their
-owners). See :mod:`popxl_flash.api.context_parallel` for the method.
+with runtime positions per round, rounds merged by lse; with the plan's split, per part of the
+rows the calls its rounds need: plain where every replica sees every pair, with positions
+where it depends on the replica, none where no replica sees any) and
+``ContextParallelAttentionGrad`` (backward: per round the flash backward on the gathered K/V,
+dk/dv reduce-scattered to their owners). See :mod:`popxl_flash.api.context_parallel` for the
+method.
 """
 import numpy as np
 
 from popxl_flash.backend import popxl
-from popxl_flash.api.functional import segmented_attention, segmented_attention_grad
+from popxl_flash.api.functional import (flash_attention, flash_attention_grad,
+                                        segmented_attention, segmented_attention_grad)
 
 ops = popxl.ops
 
@@ -20,11 +24,24 @@ def replica_index(replicas, group=None):
                                             group=group)
 
 
-def _q_positions(plan, group):
+def _q_positions(plan, group, rank=None):
     """int32 ``[1, local_len]``: this replica's row of the position table."""
-    idx = replica_index(plan.replicas, group).reshape((1,))
-    return ops.dynamic_slice(popxl.constant(plan.table), idx, axes=[0], sizes=[1],
-                             no_overlap=True)
+    rank = replica_index(plan.replicas, group) if rank is None else rank
+    return _replica_row(plan.table, rank)
+
+
+def _replica_row(table, rank):
+    """Row ``rank`` of a per-replica constant ``table [R, ...]`` (one ``dynamic_slice``)."""
+    row = ops.dynamic_slice(popxl.constant(table), rank.reshape((1,)), axes=[0], sizes=[1],
+                            no_overlap=True)
+    return row if row.shape[0] == 1 and len(table.shape) == 2 else row.reshape(table.shape[1:])
+
+
+def _step_table(plan, part, step, rank):
+    """This replica's run-time step table of the positions call of ``(part, step)``
+    (:meth:`popxl_flash.plan.context_parallel.Plan.step_table`), or ``None``."""
+    table = plan.tables.get((part, step))
+    return None if table is None else _replica_row(table, rank)
 
 
 def _gather_piece(t, plan, step, group):
@@ -70,13 +87,6 @@ def round_extras(extras, plan, step, rank):
     extras, at = list(extras), int(plan.mods.alibi)  # order: slopes, seed, score_mod inputs
     extras[at] = round_seed(extras[at], plan, step, rank)
     return tuple(extras)
-
-
-def _rank(plan, group):
-    """The replica's rank when dropout needs it (its round seeds), else ``None``."""
-    if plan.mods is None or plan.mods.dropout == 0:
-        return None
-    return replica_index(plan.replicas, group)
 
 
 def _zeros_ids(length):
@@ -136,18 +146,80 @@ def _merge(acc, lse_acc, out, lse):
     return acc, lse
 
 
+def _rows(t, rows):
+    """Local rows ``rows = (start, stop)`` of ``t`` (axis 1): a view."""
+    return ops.slice(t, start=[rows[0]], stop=[rows[1]], axis=[1])
+
+
+def _call_forward(call, q, k_g, v_g, q_pos, kv_pos, plan, rank):
+    """``(out, lse)`` of one :class:`~popxl_flash.plan.context_parallel.Call` of a split plan:
+    a plain flash call (``"full"``: every pair visible on every replica) or one with run-time
+    positions (``"mixed"``)."""
+    q_p = _rows(q, call.rows)
+    options = plan.call_options(call)
+    if call.kind == "full":
+        return flash_attention(q_p, k_g, v_g, return_lse=True, **options)
+    n = call.rows[1] - call.rows[0]
+    return segmented_attention(q_p, k_g, v_g, _zeros_ids(n), _zeros_ids(kv_pos.shape[1]),
+                               _rows(q_pos, call.rows), kv_pos,
+                               step_table=_step_table(plan, call.part, call.step, rank),
+                               **options)
+
+
+def _fold(acc, out, lse):
+    """Fold a call's ``(out, lse)`` into a part's accumulated ``(acc, lse)`` (``None``: the
+    first; float32 accumulation from the second on)."""
+    if acc is None:
+        return out, lse
+    acc_t, lse_acc = acc
+    if acc_t.dtype != popxl.float32:
+        acc_t = ops.cast(acc_t, popxl.float32)
+    return _merge(acc_t, lse_acc, out, lse)
+
+
+def _split_forward(q, k, v, plan, group):
+    """``(out, lse)`` of a split plan: per part the calls of its rounds merged by lse, the
+    parts concatenated in local row order (pairs no replica sees have no call)."""
+    rank = replica_index(plan.replicas, group)
+    q_pos = _q_positions(plan, group, rank)
+    results = [None] * len(plan.parts)
+    for step in range(plan.steps):
+        calls = [c for c in plan.calls if c.step == step]
+        if not calls:
+            continue
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        for call in calls:
+            out, lse = _call_forward(call, q, k_g, v_g, q_pos, kv_pos, plan, rank)
+            results[call.part] = _fold(results[call.part], out, lse)
+    outs, lses = [], []
+    for p, rows in enumerate(plan.parts):
+        if results[p] is None:  # no replica sees anything from these rows
+            n = rows[1] - rows[0]
+            outs.append(ops.init((q.shape[0], n, q.shape[2]), q.dtype, init_type="zero"))
+            lses.append(popxl.constant(np.full((q.shape[0], n), -np.inf, np.float32)))
+            continue
+        out, lse = results[p]
+        outs.append(out if out.dtype == q.dtype else ops.cast(out, q.dtype))
+        lses.append(lse)
+    return ops.concat(outs, axis=1), ops.concat(lses, axis=1)
+
+
 def _forward_rounds(q, k, v, plan, group, extras=()):
     """``(out, lse)`` of one replica's rows over all rounds (out in q's dtype); ``extras``:
     the score-modifier inputs (:func:`popxl_flash.api.functional.modifier_inputs`)."""
-    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    if plan.split:
+        return _split_forward(q, k, v, plan, group)
+    rank = replica_index(plan.replicas, group)
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group, rank)
     acc = lse_acc = None
-    rank = _rank(plan, group)
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
                                        kv_pos, mods=plan.mods,
                                        extras=round_extras(extras, plan, step, rank),
+                                       step_table=_step_table(plan, 0, step, rank),
                                        **plan.flash_options())
         if plan.steps == 1:
             return out, lse
@@ -168,19 +240,70 @@ def _scatter_to_owners(grad, plan, group):
     return mine.reshape((Gk, plan.piece, D))
 
 
+def _split_backward(dout, q, k, v, out, lse, plan, group):
+    """``(dq, dk, dv)`` of a split plan: per call the flash backward of its part's rows with
+    the final ``out``/``lse`` rows, dq summed per part over rounds, dk/dv per round summed over
+    parts and reduce-scattered to their owners."""
+    f32 = popxl.float32
+    rank = replica_index(plan.replicas, group)
+    q_pos = _q_positions(plan, group, rank)
+    dqs = [None] * len(plan.parts)
+    dks, dvs = [], []
+    Gk, D = k.shape[0], k.shape[2]
+    for step in range(plan.steps):
+        calls = [c for c in plan.calls if c.step == step]
+        if not calls:  # no replica's rows see these columns
+            zero = ops.init((Gk, plan.piece, D), f32, init_type="zero")
+            dks.append(zero)
+            dvs.append(ops.init((Gk, plan.piece, D), f32, init_type="zero"))
+            continue
+        k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
+        kv_pos = popxl.constant(plan.kv_positions(step))
+        dk_s = dv_s = None
+        for call in calls:
+            parts = [_rows(t, call.rows) for t in (dout, q)]
+            stash = [_rows(t, call.rows) for t in (out, lse)]
+            options = plan.call_options(call)
+            if call.kind == "full":
+                dq_c, dk_c, dv_c = flash_attention_grad(parts[0], parts[1], k_g, v_g, *stash,
+                                                        **options)
+            else:
+                n = call.rows[1] - call.rows[0]
+                dq_c, dk_c, dv_c = segmented_attention_grad(
+                    parts[0], parts[1], k_g, v_g, *stash, _zeros_ids(n),
+                    _zeros_ids(kv_pos.shape[1]), _rows(q_pos, call.rows), kv_pos,
+                    step_table=_step_table(plan, call.part, call.step, rank), **options)
+            dq_c, dk_c, dv_c = (ops.cast(t, f32) for t in (dq_c, dk_c, dv_c))
+            dqs[call.part] = dq_c if dqs[call.part] is None else dqs[call.part] + dq_c
+            dk_s = dk_c if dk_s is None else dk_s + dk_c
+            dv_s = dv_c if dv_s is None else dv_s + dv_c
+        dks.append(_scatter_to_owners(dk_s, plan, group))
+        dvs.append(_scatter_to_owners(dv_s, plan, group))
+    parts = []
+    for p, rows in enumerate(plan.parts):
+        parts.append(dqs[p] if dqs[p] is not None else ops.init(
+            (q.shape[0], rows[1] - rows[0], q.shape[2]), f32, init_type="zero"))
+    dq = ops.concat(parts, axis=1)
+    dk = dks[0] if plan.steps == 1 else ops.concat(dks, axis=1)
+    dv = dvs[0] if plan.steps == 1 else ops.concat(dvs, axis=1)
+    return tuple(ops.cast(t, q.dtype) for t in (dq, dk, dv))
+
+
 def _backward_rounds(dout, q, k, v, out, lse, plan, group, extras=()):
     """``(dq, dk, dv)`` of one replica (its rows of q, its shard of k and v)."""
+    if plan.split:
+        return _split_backward(dout, q, k, v, out, lse, plan, group)
     f32 = popxl.float32
-    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group)
+    rank = replica_index(plan.replicas, group)
+    q_ids, q_pos = _zeros_ids(plan.local_len), _q_positions(plan, group, rank)
     dq, dks, dvs = None, [], []
-    rank = _rank(plan, group)
     for step in range(plan.steps):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         dq_s, dk_s, dv_s = segmented_attention_grad(
             dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
             mods=plan.mods, extras=round_extras(extras, plan, step, rank),
-            **plan.flash_options())
+            step_table=_step_table(plan, 0, step, rank), **plan.flash_options())
         dq_s = ops.cast(dq_s, f32)
         dq = dq_s if dq is None else dq + dq_s
         dks.append(_scatter_to_owners(ops.cast(dk_s, f32), plan, group))

@@ -1,16 +1,18 @@
 """``pf.explain``: the cost model's figures behind the automatic chunk choice of one call."""
 from popxl_flash.api.functional import score_mod_traced
 from popxl_flash.graph import score_mods
-from popxl_flash.plan import costmodel
+from popxl_flash.plan import costmodel, packed
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
-from popxl_flash.plan.config import AttentionConfig
+from popxl_flash.plan.config import AttentionConfig, _check_int
+from popxl_flash.plan.segments import SegmentConfig
 from popxl_flash.plan.memory import check_budget
 
 
 def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window=None,
             num_chunks_q=None, num_chunks_kv=None, kv_groups=None, score_mod=None,
-            score_mod_inputs=(), memory_budget=None) -> "costmodel.ChunkChoice":
+            score_mod_inputs=(), memory_budget=None, segment_ids=False,
+            max_seqlen=None) -> "costmodel.ChunkChoice":
     """The cost model's figures behind the automatic chunk choice of one attention call.
 
     Args:
@@ -26,6 +28,14 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
             its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
             Ir; the chunk choice itself does not see it).
         memory_budget: bytes, as :func:`popxl_flash.flash_attention` (``None``: the default).
+        segment_ids: explain a call with segment ids (packed sequences,
+            :func:`popxl_flash.flash_attention`'s ``q_segment_ids``): the packed choice
+            (:func:`popxl_flash.plan.packed.choose`) priced against one sequence over the whole
+            row (every visited block runs).
+        max_seqlen: explain :func:`popxl_flash.flash_attn_varlen_func` instead (``Lq``,
+            ``Lkv`` = ``total_q``, ``total_k``; ``groups`` = Hq): an int or a ``(max_seqlen_q,
+            max_seqlen_k)`` pair, priced against sequences of those lengths back to back,
+            causal and window per sequence.
 
     Returns:
         :class:`popxl_flash.plan.costmodel.ChunkChoice`: ``chosen`` (the chunking
@@ -39,6 +49,11 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         and ``table()`` ends with its line.
     """
     kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
+    if segment_ids or max_seqlen is not None:
+        return _explain_packed(Lq, Lkv, kv_shape, head_dim=head_dim, groups=groups, dtype=dtype,
+                               causal=causal, window=window, num_chunks_q=num_chunks_q,
+                               num_chunks_kv=num_chunks_kv, memory_budget=memory_budget,
+                               max_seqlen=max_seqlen)
     cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
                                       num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                                       causal=causal, window=window)
@@ -59,3 +74,24 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
                                 steps=calls, cells=_steps.executed_cells(sched),
                                 input_specs=tuple(score_mod_inputs))
     return score_mods.with_score_mod_cost(choice, mod_cost)
+
+
+def _explain_packed(Lq, Lkv, kv_shape, *, head_dim, groups, dtype, causal, window, num_chunks_q,
+                    num_chunks_kv, memory_budget, max_seqlen):
+    """:func:`explain` for a packed call (segment ids, or varlen with ``max_seqlen``)."""
+    cfg = AttentionConfig.from_shapes((groups, Lq, head_dim), kv_shape, kv_shape, (dtype,) * 3,
+                                      num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
+                                      causal=causal, window=window)
+    if max_seqlen is None:
+        segments, packing = SegmentConfig(1, 1, False), packed.ONE_SEQUENCE
+    else:
+        pair = tuple(max_seqlen) if isinstance(max_seqlen, (tuple, list)) else (max_seqlen,) * 2
+        seqlens = [_check_int(name, n, low=1) for name, n in zip(("max_seqlen_q",
+                                                                   "max_seqlen_k"), pair)]
+        segments, packing = SegmentConfig(1, 1, True), packed.max_seqlen(*seqlens)
+    return packed.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                         causal=cfg.causal, window=cfg.window, segments=segments,
+                         packing=packing, kv_groups=cfg.kv_groups,
+                         chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                         chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv,
+                         memory_budget=check_budget(memory_budget))

@@ -337,7 +337,7 @@ def runtime_inputs(segments, mods, extras):
 
 
 def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                        mods=None, extras=(), **options):
+                        mods=None, extras=(), step_table=None, **options):
     """Forward with segment ids and runtime positions (the varlen API's core call).
 
     Causal and window compare ``q_positions``/``kv_positions`` (int32, shaped like the ids)
@@ -347,6 +347,9 @@ def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
         q, k, v: as :func:`flash_attention`; q_segment_ids, kv_segment_ids: int32
             ``[G or 1, L]``; q_positions, kv_positions: int32, the ids' shapes.
         mods, extras: from :func:`modifier_inputs`.
+        step_table: ``None`` or a run-time step table, int32 ``[V, 3]`` (context
+            parallelism's per-replica block list: :class:`popxl_flash.plan.segments.
+            SegmentConfig`); needs positions and explicit chunk counts.
         options: ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``.
 
     Returns:
@@ -354,6 +357,8 @@ def segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_
     """
     check_tensors(q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    if step_table is not None:
+        segments += (step_table,)
     return _forward(q, k, v, segments, dict(options, mods=mods), extras)
 
 
@@ -486,7 +491,8 @@ def _backward(dout, q, k, v, out, lse, segments, options, extras=(), who="flash_
 
 
 def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_ids,
-                             q_positions, kv_positions, mods=None, extras=(), **options):
+                             q_positions, kv_positions, mods=None, extras=(), step_table=None,
+                             **options):
     """Gradients of :func:`segmented_attention` (stash mode, or recompute with out/lse None).
 
     An internal entry point (context parallelism's rounds, tests): the options of a stashed
@@ -498,6 +504,8 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
     """
     check_tensors(dout=dout, q=q, k=k, v=v)
     segments = _segment_inputs(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    if step_table is not None:  # a per-replica block list, as segmented_attention's
+        segments += (step_table,)
     return _backward(dout, q, k, v, out, lse, segments, dict(options, mods=mods), extras,
                      check_inputs=False)
 

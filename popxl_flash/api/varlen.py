@@ -28,6 +28,7 @@ Layouts::
 from popxl_flash.api import provenance
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import _check_int, check_bool
+from popxl_flash.plan.packed import max_seqlen as packing_of
 from popxl_flash.api.flash_attn_interface import (KEYWORD_HINTS, Dims, check_kv_heads, core_options,
                                               group_slopes, modifier_options, user_inputs)
 from popxl_flash.api.functional import (check_tensors, dropout_mask, keyword_hints, modifier_inputs,
@@ -35,10 +36,6 @@ from popxl_flash.api.functional import (check_tensors, dropout_mask, keyword_hin
 from popxl_flash.graph.segments import varlen_segments
 
 ops = popxl.ops
-
-#: Longest automatic chunk: chunks no longer than the typical sequence keep the blocks that
-#: straddle two sequences (which runtime skipping cannot drop) few.
-VARLEN_CHUNK_LEN = 64
 
 #: Keywords of ``flash_attn_func`` or PyTorch that the varlen function spells differently.
 VARLEN_KEYWORD_HINTS = {
@@ -86,12 +83,6 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k):
     return cu_seqlens_q.shape[0] - 1
 
 
-def _auto_chunks(total, max_seqlen):
-    """Default chunk count: chunks of ``min(64, max_seqlen, total)`` rows."""
-    chunk = min(VARLEN_CHUNK_LEN, max_seqlen, total)
-    return -(-total // chunk)
-
-
 @keyword_hints(VARLEN_KEYWORD_HINTS)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            dropout_p=0.0, softmax_scale=None, causal=False,
@@ -113,15 +104,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             packing: the device checks it and then treats every row as padding (out 0, lse
             ``-inf``, gradients 0), never attending across sequences.
         max_seqlen_q, max_seqlen_k: ints >= 1, upper bounds on the sequence lengths (as in
-            flash-attn; not checked on the device); they set the automatic chunk length
-            ``min(64, max_seqlen, total)``.
+            flash-attn; not checked on the device). The automatic chunks are the least
+            modelled forward + backward IPU time within ``memory_budget`` for an assumed
+            packing of sequences of ``max_seqlen_q`` / ``max_seqlen_k`` rows back to back
+            (:mod:`popxl_flash.plan.packed`; ``pf.explain_packed`` prints the candidates).
         softmax_scale: ``None`` for ``1/sqrt(D)``, or a finite real number.
         causal: causal mask aligned bottom-right per sequence. Default ``False``.
         window_size: ``(left, right)`` around each sequence's bottom-right diagonal, ``-1``
             for an unbounded side; intersected with ``causal``.
         return_lse: also return the logsumexp.
         num_chunks_q, num_chunks_kv: chunk counts over ``total_q``/``total_k`` (``None``:
-            from ``max_seqlen_*``).
+            the automatic choice above; a given count is kept as it is).
         dropout_p, seed, softcap, return_attn_probs, score_mod, score_mod_inputs: as
             :func:`popxl_flash.flash_attn_func` (the keep mask is ``[Hq, total_q, total_k]``);
             score_mod's ``q_idx``/``kv_idx`` are the per-sequence bottom-right positions
@@ -130,8 +123,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``-slope * |i + seqlen_k - seqlen_q - j|``, as flash-attn's varlen ALiBi.
         deterministic: accepted for flash-attn compatibility (a bool); always deterministic.
         memory_budget: bytes the call may hold beyond its inputs and outputs, as
-            :func:`popxl_flash.flash_attention`; the chunks here follow ``max_seqlen_*`` (or
-            the given counts), and an explicit budget they exceed raises ``ValueError``.
+            :func:`popxl_flash.flash_attention`: the automatic chunks keep to it, and an
+            explicit budget no chunking of the packed pass meets raises ``ValueError``.
 
     Returns:
         out ``[total_q, Hq, D]`` in q's dtype (0 on padding rows and rows that see no key);
@@ -146,16 +139,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_k = _check_int("max_seqlen_k", max_seqlen_k, low=1)
     options, return_lse = core_options(
         dims, (q, k, v),
-        num_chunks_q=_auto_chunks(dims.q_len, max_q) if num_chunks_q is None else num_chunks_q,
-        num_chunks_kv=(_auto_chunks(dims.kv_len, max_k) if num_chunks_kv is None
-                       else num_chunks_kv),
-        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         return_lse=return_lse, memory_budget=memory_budget)
     return_probs = check_bool("return_attn_probs", return_attn_probs)
     modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
                                  alibi_slopes=alibi_slopes,
                                  score_mod=score_mod, score_mod_inputs=score_mod_inputs,
                                  dropout_p=dropout_p, seed=seed, return_attn_probs=return_probs)
+    options["packing"] = packing_of(max_q, max_k)  # what the automatic chunks are priced for
     with popxl.name_scope("flash_attn_varlen_func"):
         q_ids, q_pos = varlen_segments(cu_seqlens_q, dims.q_len)  # [1, total_q]
         kv_ids, kv_pos = varlen_segments(cu_seqlens_k, dims.kv_len)  # [1, total_k]

@@ -194,13 +194,18 @@ def _step_table(group):
     return np.stack(columns_, axis=1)
 
 
-def _step_entries(group, t):
+def _step_entries(group, t, table=None):
     """The step's ``(q offset, kv offset, pattern id or None)``, int32 ``[1]`` each: one
-    lookup of the step table's row ``t`` (the entries are views of it)."""
-    row = ops.dynamic_slice(_table(_step_table(group)), t, axes=[0], sizes=[1],
-                            no_overlap=True)
-    n = row.shape[1]
-    row = row.reshape((n,))
+    lookup of the step table's row ``t`` (the entries are views of it). ``table``: a
+    run-time step table (:class:`popxl_flash.plan.segments.SegmentConfig`), whose third
+    column, the block index, is read once per pass instead (:meth:`PassLoops.step_classes`)."""
+    if table is None:
+        table = _table(_step_table(group))
+        n = table.shape[1]
+    else:
+        n = 2
+    row = ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
+    row = row.reshape((row.shape[1],))
     entries = [ops.slice(row, start=[c], stop=[c + 1], axis=[0]) for c in range(n)]
     return entries[0], entries[1], (entries[2] if n == 3 else None)
 
@@ -255,11 +260,13 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
            for n, (shape, dtype) in enumerate(seg_specs)]
     extras = [popxl.graph_input(shape, dtype, f"modifier{n}")
               for n, (shape, dtype) in enumerate(extra_specs)]
-    q_offset, kv_offset, pattern_id = _step_entries(group, t)
-    tables = []
+    tables, step_table = [], None
     if seg:
         n_tables = 2 if second_level(spec, cfg, group) else 1
         seg, tables = seg[:-n_tables], [entry(x, t) for x in seg[-n_tables:]]
+        if cfg.segments.table_steps:
+            seg, step_table = seg[:-1], seg[-1]
+    q_offset, kv_offset, pattern_id = _step_entries(group, t, step_table)
     block_step(spec, cfg, group, operands, state, q_offset, kv_offset,
                _pattern(group, pattern_id), seg, tables, extras)
     return t + 1
@@ -390,6 +397,33 @@ def second_level(spec, cfg, group):
                                   causal=cfg.causal, window=cfg.window)
 
 
+class _RuntimeGroup:
+    """The one step group of a pass driven by a run-time step table: the static group's
+    body (its shape, unmasked) run ``steps`` times over the table's rows."""
+
+    def __init__(self, group, steps):
+        self.group, self.steps = group, steps
+        self.rows, self.cols, self.masked = group.rows, group.cols, False
+        self.patterns = self.pattern_id = None
+        self.runtime = True
+
+
+def _runtime(group):
+    return getattr(group, "runtime", False)
+
+
+def _runtime_groups(cfg, groups):
+    """With a run-time step table (:class:`popxl_flash.plan.segments.SegmentConfig`), the
+    static schedule's one group as a :class:`_RuntimeGroup`; else ``groups``."""
+    if cfg.segments is None or not cfg.segments.table_steps:
+        return groups
+    if len(groups) != 1 or groups[0].masked or groups[0].rows != cfg.chunk_q \
+            or groups[0].cols != cfg.chunk_kv:
+        raise ValueError("a run-time step table needs a static schedule of whole unmasked "
+                         "blocks (positions carry the mask; chunks dividing the lengths)")
+    return [_RuntimeGroup(groups[0], cfg.segments.table_steps)]
+
+
 class PassLoops:
     """The loop bodies of one pass: one graph per :class:`~popxl_flash.plan.steps.StepGroup`
     of more than one step (a group of one step runs inline, :func:`inline`).
@@ -409,7 +443,9 @@ class PassLoops:
 
     def __init__(self, spec, cfg, order, operands, state, seg=(), extras=()):
         self.cfg, self.spec = cfg, spec
-        self.groups = steps.step_groups(cfg.schedule, order)
+        self.groups = _runtime_groups(cfg, steps.step_groups(cfg.schedule, order))
+        self.step_table = seg[-1] if cfg.segments is not None and cfg.segments.table_steps \
+            else None
         ir = popxl.gcg().ir
         # (shape, dtype) pairs, not specs: create_graph would make graph inputs of specs
         state_specs = tuple((t.shape, t.dtype) for t in state)
@@ -437,7 +473,12 @@ class PassLoops:
             return [None] * len(self.groups)
         out = []
         for g in self.groups:
-            cls = segments.step_classes(classes, g.q_chunk, g.kv_chunk)  # int32 [V_g]
+            if _runtime(g):  # the table's third column: each step's block index
+                index = ops.slice(self.step_table, start=[2], stop=[3], axis=[1])
+                nq, nkv = classes.shape
+                cls = ops.gather(classes.reshape((nq * nkv,)), index.reshape((g.steps,)))
+            else:
+                cls = segments.step_classes(classes, g.q_chunk, g.kv_chunk)  # int32 [V_g]
             tables = [ops.greater(cls, popxl.constant(np.array(segments.RT_SKIP, INDEX_DTYPE)))]
             if second_level(self.spec, self.cfg, g):
                 tables.append(ops.equal(cls, popxl.constant(np.array(segments.RT_FULL,

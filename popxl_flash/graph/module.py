@@ -20,14 +20,18 @@ class AttentionModule(popxl.Module):
     Args (constructor): ``num_chunks_q``, ``num_chunks_kv``, ``causal``, ``scale``, ``window``
     as :func:`popxl_flash.flash_attention`; ``mods``: ``None`` or the
     :class:`~popxl_flash.graph.score_mods.ScoreMods` of :func:`popxl_flash.graph.score_mods.options`
-    (its inputs follow the segment inputs of ``build``: :func:`score_mods.split_inputs`).
+    (its inputs follow the segment inputs of ``build``: :func:`score_mods.split_inputs`);
+    ``memory_budget`` as :func:`popxl_flash.flash_attention`; ``packing``: with segment ids,
+    the :class:`popxl_flash.plan.packed.Packing` the automatic chunks are priced against
+    (``None``: one sequence over the whole row; the varlen function passes its
+    ``max_seqlen_*``).
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None, mods=None, memory_budget=None):
+                 window=None, mods=None, memory_budget=None, packing=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window, mods=mods,
-                            memory_budget=memory_budget)
+                            memory_budget=memory_budget, packing=packing)
 
     def attention_config(self, q, k, v, segment_inputs=(), extras=()) -> AttentionConfig:
         """Validate q, k, v, the segment inputs' and the score-modifier inputs' specs against
@@ -35,20 +39,22 @@ class AttentionModule(popxl.Module):
 
         Args:
             q, k, v: tensors or specs (``.shape``, ``.dtype``).
-            segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions)``,
-                ``None`` where absent.
+            segment_inputs: ``(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                step_table)``, ``None`` where absent.
             extras: the score-modifier inputs (:func:`score_mods.split_inputs`).
 
         Returns:
             The :class:`AttentionConfig`.
         """
-        options = {n: o for n, o in self.options.items() if n != "mods"}
+        options = {n: o for n, o in self.options.items() if n not in ("mods", "packing")}
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **options)
         automatic = (self.options["num_chunks_q"] is None, self.options["num_chunks_kv"] is None)
-        cfg = cfg.with_segments(*(tuple(segment_inputs) + (None,) * 4)[:4],
-                                automatic=automatic)
+        seg = (tuple(segment_inputs) + (None,) * 5)[:5]
+        cfg = cfg.with_segments(*seg[:4], automatic=automatic,
+                                memory_budget=self.options["memory_budget"],
+                                packing=self.options["packing"], step_table=seg[4])
         return score_mods.check_extras(cfg, self.options["mods"], extras)
 
     @staticmethod

@@ -48,17 +48,18 @@ def split_inputs(mods, inputs):
     """Split a module's inputs after ``q, k, v`` into segment inputs and extras.
 
     Returns:
-        ``(segment_inputs, extras)``: the four segment slots ``(q_segment_ids,
-        kv_segment_ids, q_positions, kv_positions)`` (``None`` where absent) and the last
+        ``(segment_inputs, extras)``: the segment slots ``(q_segment_ids, kv_segment_ids,
+        q_positions, kv_positions, step_table)`` (``None`` where absent; the step table is
+        context parallelism's, :class:`popxl_flash.plan.segments.SegmentConfig`) and the last
         ``mods.num_inputs`` tensors.
     """
     n = 0 if mods is None else mods.num_inputs
-    if len(inputs) < n or len(inputs) - n > 4:
-        raise ValueError(f"expected up to 4 segment inputs then {n} score-modifier inputs "
-                         f"(alibi slopes, seed, score_mod_inputs), got {len(inputs)} inputs "
-                         "after q, k, v")
+    if len(inputs) < n or len(inputs) - n > 5:
+        raise ValueError(f"expected up to 4 segment inputs (and context parallelism's step "
+                         f"table) then {n} score-modifier inputs (alibi slopes, seed, "
+                         f"score_mod_inputs), got {len(inputs)} inputs after q, k, v")
     seg = tuple(inputs[:len(inputs) - n])
-    return seg + (None,) * (4 - len(seg)), tuple(inputs[len(inputs) - n:])
+    return seg + (None,) * (5 - len(seg)), tuple(inputs[len(inputs) - n:])
 
 
 def check_extras(cfg, mods, extras):

@@ -246,7 +246,7 @@ def loop_tensors(ids, positions, side):
     return out
 
 
-def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
+def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None, step_table=None):
     """Pad the segment inputs to whole chunks and classify every block, once per call.
 
     Args:
@@ -258,8 +258,9 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
         ``(tensors, classes)`` (kv ids of ``Gk`` rows repeated to ``G``, :func:`kv_rows`):
         the padded ``[q_ids, kv_ids]`` (:data:`Q_PAD`, :data:`KV_PAD` on padding), plus
         ``[q_pos, kv_pos]`` with positions, shaped by :func:`loop_tensors`, which the loop
-        reads (read-only inputs); and the int32 ``[nq, nkv]`` block classes of
-        :func:`classify_blocks`.
+        reads (read-only inputs), then the run-time ``step_table`` when given (context
+        parallelism's per-replica block list, :class:`popxl_flash.plan.segments.SegmentConfig`);
+        and the int32 ``[nq, nkv]`` block classes of :func:`classify_blocks`.
     """
     q_ids = pad_ids(q_ids, cfg.padded_q_len, -1)
     kv_ids = expand_kv_rows(cfg, pad_ids(kv_ids, cfg.padded_kv_len, -1))
@@ -272,7 +273,8 @@ def prepare(cfg, q_ids, kv_ids, q_pos=None, kv_pos=None):
                               window=cfg.window)
     (q_ids, *q_pos), (kv_ids, *kv_pos) = (loop_tensors(q_ids, q_pos, "q"),
                                           loop_tensors(kv_ids, kv_pos, "kv"))
-    return [q_ids, kv_ids, *q_pos, *kv_pos], classes
+    tables = [] if step_table is None else [step_table]
+    return [q_ids, kv_ids, *q_pos, *kv_pos, *tables], classes
 
 
 def kv_rows(cfg):

@@ -4,15 +4,15 @@ The configuration is a frozen dataclass built from the tensors' shapes and dtype
 user's options, at graph-build time. It resolves the automatic chunk counts and normalises the
 window, then hands ``(Lq, Lkv, chunk_q, chunk_kv, causal, window)`` to the planner.
 
-Chunking rule: ``num_chunks_*=None`` lets the cost model (:mod:`popxl_flash.plan.costmodel`) choose
-the chunk length (targets 64, 128, 256 or 512, balanced over L): the least modelled IPU time
-among the chunkings that fit tile memory, keep memory O(L) and waste at most 3.5% of the matmul
-FLOPs (see :func:`explain`). For a given count
-``n`` the chunk length is ``ceil(L / n)`` and the number of chunks actually used is
-``ceil(L / chunk_len)``; the last chunk is a padded tail (masked, never asserted). That count is
-``n`` except when ``n`` does not split ``L`` into non-empty chunks (``L=10, n=6`` gives chunks of
-2, so 5 chunks: a sixth would hold padding only). With segment ids, automatic chunks are cut to at
-most ``SEGMENT_CHUNK_LEN`` (64) rows (:meth:`AttentionConfig.with_segments`).
+Chunking rule: ``num_chunks_*=None`` lets the cost model (:mod:`popxl_flash.plan.costmodel`)
+choose the chunk lengths: the least modelled forward + backward IPU time among the candidate
+chunkings whose memory fits ``memory_budget``. For a given count ``n`` the chunk length is
+``ceil(L / n)`` and the number of chunks actually used is ``ceil(L / chunk_len)``; the last chunk
+is a padded tail (masked, never asserted). That count is ``n`` except when ``n`` does not split
+``L`` into non-empty chunks (``L=10, n=6`` gives chunks of 2, so 5 chunks: a sixth would hold
+padding only). With segment ids the automatic sides are chosen again for the packed pass, by
+modelled time within the budget against a stated packing assumption
+(:meth:`AttentionConfig.with_segments`, :mod:`popxl_flash.plan.packed`).
 """
 import math
 import numbers
@@ -23,15 +23,10 @@ import numpy as np
 
 from popxl_flash.plan import costmodel
 from popxl_flash.plan import memory as _memory
+from popxl_flash.plan import packed as _packed
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan.schedule import normalise_window
 from popxl_flash.plan.segments import MAX_LEN, SegmentConfig
-
-#: Longest automatic chunk with segment ids: runtime skipping works per block, and a chunk
-#: longer than the packed sequences straddles several of them. 64 keeps the executed FLOPs of
-#: packed rows of sequences of 1..200 tokens within 1.4x of the same sequences run alone with
-#: the same chunk length (128: up to 2x), at about 2.4x the ops executed of 128-chunks.
-SEGMENT_CHUNK_LEN = 64
 
 #: dtypes the kernels support (the IPU has no bfloat16).
 SUPPORTED_DTYPES = ("float16", "float32")
@@ -304,7 +299,8 @@ class AttentionConfig:
                              f"{expected_dtype}, got shape {tuple(shape)} and dtype {dtype}")
 
     def with_segments(self, q_segment_ids, kv_segment_ids, q_positions=None, kv_positions=None,
-                      automatic=(False, False)):
+                      automatic=(False, False), memory_budget=None, packing=None,
+                      step_table=None):
         """Validate segment-id (and position) tensor specs; return the config with them.
 
         Args:
@@ -313,8 +309,17 @@ class AttentionConfig:
             q_positions, kv_positions: ``None`` or int32 specs shaped like the ids (internal:
                 the varlen API's bottom-right positions; causal and window then compare them).
             automatic: whether the q and kv chunk counts were chosen automatically; with
-                segment ids those chunks are cut to at most :data:`SEGMENT_CHUNK_LEN` rows (the
-                cost model does not see the packing, and longer chunks straddle sequences).
+                segment ids those sides are chosen again for the packed pass
+                (:func:`popxl_flash.plan.packed.choose`: the least modelled forward +
+                backward time within ``memory_budget``, priced against ``packing``).
+            memory_budget: bytes, as :meth:`from_shapes` (``None``: the default); an explicit
+                budget no chunking of the packed pass meets raises ``ValueError``.
+            packing: the :class:`popxl_flash.plan.packed.Packing` assumption (``None``: one
+                sequence over the whole row, the most any packing runs).
+            step_table: ``None`` or the spec of a run-time step table, int32 ``[V, 3]``
+                (internal: context parallelism's per-replica block lists,
+                :class:`popxl_flash.plan.segments.SegmentConfig`); needs positions and a static
+                schedule of full blocks only.
 
         Returns:
             ``self`` without segment ids, else a copy whose ``segments`` is set.
@@ -337,14 +342,42 @@ class AttentionConfig:
             for name, ids, t in (("q_positions", q_segment_ids, q_positions),
                                  ("kv_positions", kv_segment_ids, kv_positions)):
                 self.check_like(name, t.shape, t.dtype.name, ids.shape, "int32")
+        table_steps = 0
+        if step_table is not None:
+            shape = tuple(step_table.shape)
+            if step_table.dtype.name != "int32" or len(shape) != 2 or shape[1] != 3:
+                raise ValueError(f"step_table must be int32 [V, 3], got {shape} "
+                                 f"{step_table.dtype.name}")
+            if not positions or any(automatic):
+                raise ValueError("step_table needs positions and explicit chunk counts")
+            table_steps = shape[0]
+        segments = SegmentConfig(gq, gk, positions, table_steps)
         chunks = {}
-        for side, auto, length, chunk in (("q", automatic[0], self.q_len, self.chunk_q),
-                                          ("kv", automatic[1], self.kv_len, self.chunk_kv)):
-            if auto and chunk > SEGMENT_CHUNK_LEN:
-                n = math.ceil(length / SEGMENT_CHUNK_LEN)
-                chunks[f"chunk_{side}"], chunks[f"num_chunks_{side}"] = resolve_num_chunks(
-                    f"num_chunks_{side}", length, n)
-        return replace(self, segments=SegmentConfig(gq, gk, positions), **chunks)
+        if any(automatic):
+            chunks = self._packed_chunks(segments, automatic, memory_budget, packing)
+        return replace(self, segments=segments, **chunks)
+
+    def _packed_chunks(self, segments, automatic, memory_budget, packing):
+        """The automatic sides' chunks of a packed pass (:func:`popxl_flash.plan.packed.
+        choose`), as ``replace`` keywords; an explicit budget nothing meets raises."""
+        budget = None if memory_budget is None else _memory.check_budget(memory_budget)
+        choice = _packed.choose(
+            self.q_len, self.kv_len, head_dim=self.head_dim, groups=self.groups,
+            dtype=self.dtype, causal=self.causal, window=self.window, segments=segments,
+            packing=packing or _packed.ONE_SEQUENCE,
+            chunk_q=None if automatic[0] else self.chunk_q,
+            chunk_kv=None if automatic[1] else self.chunk_kv, kv_groups=self.kv_groups,
+            scale=self.scale, memory_budget=budget)
+        chosen = choice.chosen
+        if budget is not None and not chosen.fits:
+            raise ValueError(
+                f"memory_budget={budget:,} bytes: no chunking of this packed call fits it (the "
+                f"least memory, chunks {chosen.chunk_q} x {chosen.chunk_kv}, needs "
+                f"{chosen.memory_bytes:,} bytes beyond the inputs and outputs); expected a "
+                "budget of at least that, or split the call; pf.explain(...) shows the "
+                "candidates")
+        return dict(chunk_q=chosen.chunk_q, num_chunks_q=chosen.num_chunks_q,
+                    chunk_kv=chosen.chunk_kv, num_chunks_kv=chosen.num_chunks_kv)
 
     @property
     def static_mask(self) -> Tuple[bool, Tuple[int, int]]:

@@ -168,6 +168,8 @@ class ChunkChoice:
         seed: the seed's chunk rule (256-row chunks) as a :class:`Candidate`.
         naive: naive attention as a :class:`Baseline`.
         label: how the times are labelled (:func:`popxl_flash.plan.ipu_time.label`).
+        seed_name: what ``seed`` is, in :meth:`table` (packed calls price the earlier 64-row
+            rule there, :mod:`popxl_flash.plan.packed`).
     """
 
     chosen: Candidate
@@ -177,6 +179,7 @@ class ChunkChoice:
     seed: Optional[Candidate] = None
     naive: Optional[Baseline] = None
     label: str = ""
+    seed_name: str = "seed's 256-row rule"
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``, the fastest few and
@@ -204,7 +207,7 @@ class ChunkChoice:
                      f"memory_budget {self.budget:,} bytes ({self.budget / 2**20:.1f} MiB)")
         lines.append(_compare_line("flash (chosen)", self.chosen))
         if self.seed is not None:
-            lines.append(_compare_line("seed's 256-row rule", self.seed))
+            lines.append(_compare_line(self.seed_name, self.seed))
         if self.naive is not None:
             lines.append(_compare_line("naive attention", self.naive))
         lines.append(f"times are {self.label}")

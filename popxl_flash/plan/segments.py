@@ -31,7 +31,13 @@ class SegmentConfig:
         kv_groups: rows of ``kv_segment_ids`` (``Gk`` or 1).
         positions: causal/window compare runtime positions (``q_positions``,
             ``kv_positions``) instead of row and column indices.
+        table_steps: 0, or the steps of a run-time step table (an internal input of context
+            parallelism: each replica's own list of the blocks it runs, int32 ``[V, 3]``
+            rows ``(first q row, first kv column, block index q_chunk * nkv + kv_chunk)``,
+            padded with blocks it skips); the pass then loops ``V`` times over it instead of
+            the static schedule's blocks.
     """
     q_groups: int
     kv_groups: int
     positions: bool = False
+    table_steps: int = 0
