@@ -132,10 +132,16 @@ def _naive_run(G, L, D, dtype, causal, backward):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("backward", [False, True])
 def test_naive_model_equals_the_emulator(dtype, causal, backward):
+    # a score-dominated shape: the per-score bytes must bound the peak, not only the rows
+    big, _ = _naive_run(1, 512, 32, dtype, causal, backward)
+    assert big <= memory.naive_bytes(groups=1, q_len=512, kv_len=512, head_dim=32, dtype=dtype,
+                                     backward=backward, masked=causal) <= 1.1 * big
     G, L, D = 2, 96, 16
     measured, profile = _naive_run(G, L, D, dtype, causal, backward)
     args = dict(groups=G, q_len=L, kv_len=L, head_dim=D, dtype=dtype, backward=backward)
-    assert measured <= memory.naive_bytes(masked=causal, **args) <= 1.5 * measured
+    # tight within its flat allowance for small tensors (which dominates at this size)
+    assert measured <= memory.naive_bytes(masked=causal, **args) <= \
+        1.5 * measured + memory.FIXED_BYTES
     counts = baselines.naive_counts(masked=causal, **args)
     # The run also executes the host loads and stores around the call: one superstep each.
     n_io = (5 if backward else 3) + (3 if backward else 1)

@@ -67,10 +67,15 @@ ROW_PASS_KV_ROWS = {"float16": 1.75, "float32": 2.5}
 #: Proportional margin of the one-block bound (its terms are fitted, not summed).
 SINGLE_MARGIN = 1.02
 #: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
-#: their scaled and masked copies, the softmax, its cast), measured on the emulator
-#: (float16: 6.5 forward, 10 backward; float32: 5 and 7), plus the bool mask ``[Lq, Lkv]``.
-NAIVE_BYTES_PER_SCORE = {("float16", False): 6.5, ("float16", True): 10.0,
-                         ("float32", False): 5.0, ("float32", True): 7.0}
+#: their scaled and masked copies, the softmax, its cast), the least upper bound of the
+#: emulator's peak over score-dominated shapes (L 128-512), rounded up (float16: 7.06 forward,
+#: 10.2 backward; float32: 6.69 and 9.45; the bound once used 6.5, 10, 5 and 7, up to 30%
+#: below the peak in float32), plus the bool mask ``[Lq, Lkv]``.
+NAIVE_BYTES_PER_SCORE = {("float16", False): 7.25, ("float16", True): 10.5,
+                         ("float32", False): 7.0, ("float32", True): 9.75}
+#: ... and float32 row elements ``[G, L, D]`` at its peak, forward and backward (fitted on the
+#: same shapes and on row-dominated ones, D up to 128: 1.25 and 3.8 needed).
+NAIVE_ROWS = {False: 1.5, True: 4.0}
 
 
 def default_budget(constants=None) -> int:
@@ -186,6 +191,6 @@ def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
     """Live bytes of naive attention (:mod:`popxl_flash.checks.naive`) beyond its inputs and
     outputs: the score-sized tensors, the mask, a few rows."""
     scores = groups * q_len * kv_len
-    rows = groups * max(q_len, kv_len) * head_dim * _F32 * (5 if backward else 2)
+    rows = groups * max(q_len, kv_len) * head_dim * _F32 * NAIVE_ROWS[bool(backward)]
     return int(NAIVE_BYTES_PER_SCORE[(dtype, bool(backward))] * scores
                + (q_len * kv_len if masked else 0) + rows + FIXED_BYTES)
