@@ -25,11 +25,8 @@ The cppimport stand-in gives this model only for these exact sources (see
 """
 import numpy as np
 
-from .. import grads
-from ..errors import PopartError
-from ..registry import COMPILE_CHECKS, emit, register
-from ._binding import create
-from .rotary import _rule, check_lowering, rotate
+from ..registry import COMPILE_CHECKS, register
+from .rotary import _rule, check_lowering, op_class, rotate
 
 _KIND, _GRAD = "examples_rotary_pos_embed", "examples_rotary_pos_embed_grad"
 
@@ -55,22 +52,5 @@ register(_GRAD, _rule, _grad_rotate)
 COMPILE_CHECKS[_KIND] = COMPILE_CHECKS[_GRAD] = check_lowering
 
 
-def _grad(ctx, i):
-    """RotaryPosEmbedGradOp: inputs the gradient and the forward's tables (``In``)."""
-    return emit(_GRAD, {"in0": ctx.dy(0), "in1": ctx.x(1), "in2": ctx.x(2)},
-                dict(ctx.op.attrs), names=["t_rotated_grad"])[0]
-
-
-grads.RULES[_KIND] = (lambda op: (0,), _grad)
-
-
-class RotaryPosEmbedOp:
-    """``rotary_pos_embed_binding.RotaryPosEmbedOp`` of Graphcore's Dolly and Llama examples."""
-
-    @staticmethod
-    def createOpInGraph(graph, inputs, outputs, rotary_dim, settings):  # noqa: N802
-        """Returns: the created op (``outTensor(0)``: the rotated tensor)."""
-        if int(rotary_dim) % 2:
-            raise PopartError("RotaryPosEmbedOp::RotaryPosEmbedOp rotary_dim must be a multiple "
-                              "of 2")
-        return create(graph, _KIND, inputs, outputs, {"rotary_dim": int(rotary_dim)})
+RotaryPosEmbedOp = op_class(_KIND, _GRAD, "``rotary_pos_embed_binding.RotaryPosEmbedOp`` of "
+                            "Graphcore's Dolly and Llama examples.")

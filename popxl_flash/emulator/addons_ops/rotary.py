@@ -74,23 +74,23 @@ register(_GRAD, _rule, lambda dy, sin, cos, rotary_dim: rotate(dy, sin, cos, rot
 COMPILE_CHECKS[_KIND] = COMPILE_CHECKS[_GRAD] = check_lowering
 
 
-def _grad(ctx, i):
-    """RotaryPosEmbedGradOp: inputs the gradient and the forward's tables (``In``)."""
-    a = ctx.op.attrs
-    return emit(_GRAD, {"in0": ctx.dy(0), "in1": ctx.x(1), "in2": ctx.x(2)}, dict(a),
-                names=["t_rotated_grad"])[0]
+def op_class(kind, grad_kind, doc):
+    """A ``RotaryPosEmbedOp`` binding class for the model registered as ``kind`` (its grad op
+    ``grad_kind``), with the autodiff rule: the grad op reads the gradient and the forward's
+    tables (``In``)."""
+    def grad(ctx, i):
+        return emit(grad_kind, {"in0": ctx.dy(0), "in1": ctx.x(1), "in2": ctx.x(2)},
+                    dict(ctx.op.attrs), names=["t_rotated_grad"])[0]
+    grads.RULES[kind] = (lambda op: (0,), grad)
 
-
-grads.RULES[_KIND] = (lambda op: (0,), _grad)
-
-
-class RotaryPosEmbedOp:
-    """``rotary_pos_embed_binding.RotaryPosEmbedOp``."""
-
-    @staticmethod
-    def createOpInGraph(graph, inputs, outputs, rotary_dim, settings):  # noqa: N802
+    def create_op_in_graph(graph, inputs, outputs, rotary_dim, settings):
         """Returns: the created op (``outTensor(0)``: the rotated tensor)."""
         if int(rotary_dim) % 2:
-            raise PopartError("RotaryPosEmbedOp::RotaryPosEmbedOp rotary_dim must be a multiple "
-                              "of 2")
-        return create(graph, _KIND, inputs, outputs, {"rotary_dim": int(rotary_dim)})
+            raise PopartError("RotaryPosEmbedOp::RotaryPosEmbedOp rotary_dim must be a "
+                              "multiple of 2")
+        return create(graph, kind, inputs, outputs, {"rotary_dim": int(rotary_dim)})
+    return type("RotaryPosEmbedOp", (), {"__doc__": doc,
+                                         "createOpInGraph": staticmethod(create_op_in_graph)})
+
+
+RotaryPosEmbedOp = op_class(_KIND, _GRAD, "``rotary_pos_embed_binding.RotaryPosEmbedOp``.")
