@@ -66,9 +66,9 @@ class AttentionModule(popxl.Module):
 
     @staticmethod
     def row_passes(cfg):
-        """Whether the forward runs as row passes (:func:`popxl_flash.plan.steps.row_passes`;
-        not with dropout, whose masks are drawn per loop step and redrawn by the looped
-        backward)."""
+        """Whether the passes run as row passes (:func:`popxl_flash.plan.steps.row_passes`:
+        the forward's straight-line passes, the backward's inline row steps); not with
+        dropout, whose masks are drawn per loop step."""
         no_dropout = cfg.mods is None or cfg.mods.dropout == 0
         return steps.row_passes(cfg.schedule, cfg.segments is not None) and no_dropout
 

@@ -240,21 +240,24 @@ def _row_pass_counts(sched, G, Gk, D, dtype, folds):
     """A forward of row passes (:func:`popxl_flash.plan.steps.row_passes`): per pass with
     columns the one-block pass's ops on its ``rows x cols`` (:data:`SINGLE` less the call and
     ``k * scale``, :data:`SINGLE_MASKED` with a pattern, :data:`SINGLE_EMPTY_ROWS` where a
-    row sees nothing); then the call, ``k * scale`` and the two concats. A pass whose rows see
-    nothing is two constants."""
-    half = dtype == "float16"
-    supersteps, elements = 1 + 2, G * sched.Lq * (D + 1)
-    if folds:
+    row sees nothing, the scores' scale where it does not fold); then the call, ``k * scale``
+    and the two concats. A pass whose rows see nothing is two constants."""
+    single = SINGLE[False, dtype]
+    per_pass = dict(single, supersteps=single["supersteps"] - 2, gkLd=0)
+    supersteps, elements = 1 + 2, G * sched.Lq * (D + 1)  # the call; the concats
+    if folds:  # k * scale
         supersteps, elements = supersteps + 1, elements + Gk * sched.Lkv * D
     for rp in _steps.row_pass_plan(sched):
         rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
         if not cols:
             continue
-        score_ops = 1 + half + (rp.pattern is not None) + (not folds)  # softmax, cast, where
-        supersteps += 3 + score_ops  # two matmuls, logsumexp
-        elements += score_ops * G * rows * cols + G * rows
-        if rp.seen is not None:
-            supersteps, elements = supersteps + 2, elements + G * rows * (D + 1)
+        terms = dict(gLL=G * rows * cols, gL=G * rows, gLd=G * rows * D)
+        for weights, applies in ((per_pass, True), (SINGLE_MASKED, rp.pattern is not None),
+                                 (SINGLE_EMPTY_ROWS, rp.seen is not None),
+                                 (dict(supersteps=1, gLL=1), not folds)):
+            if applies:
+                supersteps += weights["supersteps"]
+                elements += _dot(weights, terms)
     return PassCounts(supersteps=supersteps, matmul_flops=pass_flops(sched, D, G),
                       vector_elements=int(elements), bytes_copied=0, iterations=0)
 

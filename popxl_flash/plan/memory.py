@@ -119,11 +119,8 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
         int bytes.
     """
     G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
-    if sched.nq == sched.nkv == sched.visited_blocks == 1:  # the pass of one block (no
-        # segment ids: the choice prices those loops separately)
-        per_score, per_q, per_kv = SINGLE_BYTES[dtype, bool(backward)]
-        terms = (per_score * G * sched.Lq * sched.Lkv
-                 + (per_q * G * sched.Lq + per_kv * Gk * sched.Lkv) * D * _F32)
+    if _steps.single_block(sched):  # (no segment ids: the choice prices those loops apart)
+        terms = _single_terms(dtype, backward, G, Gk, sched.Lq, sched.Lkv, D)
         return int(SINGLE_MARGIN * terms + sched.patterns.nbytes + 8 * G * sched.Lq
                    + FIXED_BYTES)
     if not backward and _steps.row_passes(sched):
@@ -155,19 +152,23 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
     return int(MARGIN * (state + padded + tables + temps) + FIXED_BYTES)
 
 
+def _single_terms(dtype, backward, G, Gk, rows, cols, D):
+    """The fitted terms of a one-block pass on ``rows x cols`` (:data:`SINGLE_BYTES`)."""
+    per_score, per_q, per_kv = SINGLE_BYTES[dtype, bool(backward)]
+    return per_score * G * rows * cols + (per_q * G * rows + per_kv * Gk * cols) * D * _F32
+
+
 def _row_pass_bytes(sched, G, Gk, D, dtype):
     """Row passes (:func:`popxl_flash.plan.steps.row_passes`) run one after another: the
     largest pass's one-block bound, the scaled k they all slice, every pass's results until
     the concats, and the constants (patterns, selects, the results of rows that see nothing)."""
-    per_score, per_q, per_kv = SINGLE_BYTES[dtype, False]
     item, worst, constants = _item(dtype), 0.0, 0
     for rp in _steps.row_pass_plan(sched):
         rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
         if not cols:
             constants += G * rows * (D * item + _F32)
             continue
-        worst = max(worst, per_score * G * rows * cols + (per_q * G * rows + per_kv * Gk * cols)
-                    * D * _F32)
+        worst = max(worst, _single_terms(dtype, False, G, Gk, rows, cols, D))
         constants += sum(a.nbytes for a in (rp.pattern, rp.seen) if a is not None)
     results = G * sched.Lq * (D * item + _F32)  # out and lse of every pass
     kv_rows = ROW_PASS_KV_ROWS[dtype] * Gk * sched.Lkv * D * _F32

@@ -167,8 +167,10 @@ class RowPass:
     seen: Optional[np.ndarray]
 
 
+@functools.lru_cache(maxsize=256)
 def row_pass_plan(schedule):
-    """The row passes of a :func:`row_passes` schedule, in q order.
+    """The row passes of a :func:`row_passes` schedule, in q order (cached per schedule, as
+    :func:`step_groups`: the counts, the memory bound and the graph all read it).
 
     Returns:
         tuple of :class:`RowPass`.
