@@ -43,8 +43,9 @@ from collections import defaultdict
 
 from .tensor import Constant, Variable
 
-#: Boundary kinds of ``RunProfile.bytes_copied_by_kind``.
-KINDS = ("call", "branch", "loop_carried", "loop_in_out", "loop_control")
+#: Kinds of ``RunProfile.bytes_copied_by_kind``: the boundary kinds, then ``"view"`` (outplace
+#: views' cloneNcopy) and ``"op"`` (ops' own copies), both from the lowering table.
+KINDS = ("call", "branch", "loop_carried", "loop_in_out", "loop_control", "view", "op")
 #: LoopOpx's own copies: per iteration the int32 iterator into the body, and the bool condition
 #: output (the wrapper's body output 0) into its clone and back into its input; once per repeat
 #: ``true`` into the condition's clone and ``false`` into the exit flag.

@@ -6,9 +6,12 @@ boundaries.
 """
 import numpy as np
 
+from popxl_flash import ipu_model as _ipu, lowering as _lowering
+
 from .copies import KINDS
 from .plan import MULTI, PLAIN
-from .profile import WORK_INPUT
+from .profile import WORK_INPUT, op_work
+from .registry import FLOPS
 
 _ndarray, _asarray = np.ndarray, np.asarray
 
@@ -40,18 +43,31 @@ class Runtime:
         self.merged = {}  # merged exchanges: {group: {op id: entry}} (remote.py)
 
     def by_kind(self):
-        """Returns: (ops_by_kind, elements_by_kind): {op kind: executions}, {op kind: output
-        elements summed over executions}, over every graph frame this run executed."""
-        ops, elements = {}, {}
+        """Returns: (ops_by_kind, elements_by_kind, work_by_kind): {op kind: executions}, {op
+        kind: output elements summed over executions}, {op kind: WorkCounts priced by the
+        lowering table}, over every graph frame this run executed (``repeat``'s per-iteration
+        compute sets included)."""
+        ops, elements, work = {}, {}, {}
         for graph, runs in self.graph_runs.values():
             for op in graph._ops:
                 if op.context != "Normal":  # the main graph's other programs' ops
                     continue
-                ops[op.kind] = ops.get(op.kind, 0) + runs
-                pos = WORK_INPUT.get(op.kind)
+                kind = op.kind
+                ops[kind] = ops.get(kind, 0) + runs
+                pos = WORK_INPUT.get(kind)
                 n = sum(t.nelms for t in op.outputs) if pos is None else op.inputs[pos].nelms
-                elements[op.kind] = elements.get(op.kind, 0) + runs * n
-        return ops, elements
+                elements[kind] = elements.get(kind, 0) + runs * n
+                flops = FLOPS[kind](op) if kind in FLOPS else 0
+                w, copy_kind = op_work(op, flops)
+                w = w.scaled(runs)
+                work[kind] = work[kind] + w if kind in work else w
+                if w.bytes_copied:
+                    self.add_copies(copy_kind, w.bytes_copied, f"{kind} {graph.name}")
+        if self.iterations:
+            low = _lowering.row("repeat")
+            loop = _ipu.WorkCounts(compute_sets=low.per_iteration * self.iterations)
+            work["repeat"] = work["repeat"] + loop if "repeat" in work else loop
+        return ops, elements, work
 
     def meet(self, op, value, combine):
         """Exchange ``value`` with the other replicas at collective ``op``.

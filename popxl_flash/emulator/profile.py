@@ -1,24 +1,63 @@
-"""The run profile recorded by ``Session.run`` and the ``count_ops`` helper."""
+"""The run profile recorded by ``Session.run`` and the ``count_ops`` helper.
+
+Besides exact counters, the profile prices every executed op by PopART's lowering
+(:mod:`popxl_flash.lowering`): compute sets, vector work by rate key, bytes copied (outplace
+views under ``copied_by_kind["view"]``, op copies such as softmax's clone or a dynamic slice
+under ``"op"``), and the modelled time of :mod:`popxl_flash.ipu_model`, by term and by op kind.
+Any PopXL program, not only attention: a script run on the emulator reads what an IPU would
+spend on it (modelled).
+"""
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
+from popxl_flash import ipu_model, lowering
+
 from .ir import Graph, Ir
 
-#: Pure view kinds: ops that only re-index their input (reshape, transpose, detach and static
-#: slice, aliasing or not; ``squeeze`` and ``flatten`` build reshapes). On an IPU they are
-#: tensor expressions, not programs: no superstep, no vector work.
-VIEW_KINDS = frozenset(("reshape", "reshape_", "transpose", "transpose_", "detach", "detach_",
-                        "slice", "slice_"))
+#: Outplace view kinds: under PopXL (in-placing off) each is a Copy program of its output
+#: (``cloneNcopy``); their ``_`` forms are views and cost nothing (:mod:`popxl_flash.lowering`).
+VIEW_KINDS = frozenset(("reshape", "transpose", "slice", "concat", "detach", "split",
+                        "identity", "subsample"))
 #: Kinds whose work is one input's elements, not their output's: an in-place dynamic update
 #: writes its update (input 2) into the tensor it returns.
 WORK_INPUT = {"dynamic_update_": 2}
-#: Kinds executed but doing no vector work of their own: views, matmuls (their work is
-#: ``matmul_flops``), subgraph ops (their work is their callee's ops; their copies are
-#: ``bytes_copied``), host IO and the replicated collectives (streams and links).
-NON_VECTOR_KINDS = VIEW_KINDS | frozenset((
-    "matmul", "call", "repeat", "conditional", "host_load", "host_store",
-    "replicated_all_gather", "replicated_reduce_scatter", "replicated_all_reduce",
-    "replicated_all_reduce_"))
+_FLOAT = ("float16", "float32")
+
+
+def _op_dtype(op):
+    """The dtype an op's vector rate follows: its first floating input's, else its output's."""
+    for t in op.inputs:
+        if t.dtype.name in _FLOAT:
+            return t.dtype.name
+    return op.outputs[0].dtype.name if op.outputs else "float32"
+
+
+def op_work(op, flops=0):
+    """One execution of ``op`` priced by the lowering table.
+
+    Args:
+        op: an op record. flops: its matmul FLOPs (``registry.FLOPS``).
+    Returns:
+        ``(WorkCounts, copy kind)``: the copy kind is ``"view"`` for outplace views, ``"op"``
+        for other ops' copies.
+    """
+    low = lowering.row(op.kind)
+    if not low.priced:
+        return ipu_model.WorkCounts(), "op"
+    sizes = {"output": lambda: sum(t.nelms for t in op.outputs),
+             "input": lambda: op.inputs[0].nelms,
+             "update": lambda: op.inputs[2].nelms}
+    nbytes = {"output": lambda: sum(t._nbytes for t in op.outputs),
+              "input": lambda: op.inputs[0]._nbytes,
+              "update": lambda: op.inputs[2]._nbytes,
+              "base_update": lambda: op.inputs[0]._nbytes + op.inputs[2]._nbytes}
+    work = {}
+    if low.work is not None:
+        work[lowering.rate_key(low.rate, _op_dtype(op))] = low.factor * sizes[low.work]()
+    mm = {_op_dtype(op): flops} if flops else {}
+    copied = nbytes[low.copied]() if low.copied else 0
+    return (ipu_model.WorkCounts(low.compute_sets, mm, work, copied),
+            "view" if op.kind in VIEW_KINDS else "op")
 
 
 @dataclass
@@ -36,9 +75,10 @@ class RunProfile:
             is dead once copied in).
         const_bytes: bytes of variables and constants (included in peak_live_bytes).
         wall_seconds: wall-clock time of the run.
-        bytes_copied: bytes moved by the copies Poplar's lowering makes at call, conditional
-            and repeat boundaries (CallOpx, IfOpx, LoopOpx with PopXL's AliasZeroCopy; model in
-            ``copies.py`` and the emulator README, "Lowering copies").
+        bytes_copied: bytes moved by Copy programs: the copies Poplar's lowering makes at call,
+            conditional and repeat boundaries (CallOpx, IfOpx, LoopOpx with PopXL's
+            AliasZeroCopy; model in ``copies.py`` and the emulator README, "Lowering copies"),
+            outplace views' ``cloneNcopy`` and ops' own copies (the lowering table).
         device_bytes: tile memory of the session's device (tiles x bytes per tile), ``None``
             for the ``cpu`` device.
         loop_iterations: repeat-body executions, summed over every ``repeat`` executed (a
@@ -47,8 +87,10 @@ class RunProfile:
             call inside every repeat iteration), ``"branch"`` (IfOpx), ``"loop_carried"``
             (carried values through LoopOpx's clones, every iteration), ``"loop_in_out"``
             (once per repeat: initial values in, invariant inputs in and back, results out),
-            ``"loop_control"`` (LoopOpx's iterator and condition copies); sums to
-            ``bytes_copied``.
+            ``"loop_control"`` (LoopOpx's iterator and condition copies), ``"view"`` (outplace
+            reshape, transpose, slice, concat, ...: a Copy program of the output under PopXL)
+            and ``"op"`` (ops' own copies: softmax's clone of its input, dynamic slices and
+            updates, gathers, collectives); sums to ``bytes_copied``. Also ``copied_by_kind``.
         copy_sites: ``{(site, kind, bytes per execution): executions}``, ``site`` naming the
             boundary and its graph (``"call G"``, ``"repeat G"`` per repeat and per
             iteration, ``"branch G"`` for the taken branch G); executions times bytes summed
@@ -60,6 +102,9 @@ class RunProfile:
         elements_by_kind: ``{op kind: output elements}``: each executed op's output elements
             (all outputs; the update's for ``dynamic_update_``, ``WORK_INPUT``), summed over
             executions.
+        work_by_kind: ``{op kind: WorkCounts}``: each kind's executions priced by the lowering
+            table (compute sets, matmul FLOPs, vector work, bytes copied; ``repeat``'s per
+            iteration compute sets included), summed over executions.
         remote_bytes_loaded, remote_bytes_stored: bytes moved from and to remote buffers
             (``remote_load``/``remote_store``; see ``remote.py``).
         replicas: with replication (R > 1), each replica's own profile (replica r at index
@@ -81,6 +126,7 @@ class RunProfile:
     collective_bytes: int = 0
     ops_by_kind: dict = field(default_factory=dict)
     elements_by_kind: dict = field(default_factory=dict)
+    work_by_kind: dict = field(default_factory=dict)
     remote_bytes_loaded: int = 0
     remote_bytes_stored: int = 0
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
@@ -93,27 +139,70 @@ class RunProfile:
         total = {name: sum(getattr(p, name) for p in profiles)
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
                               "collective_bytes", "remote_bytes_loaded", "remote_bytes_stored")}
-        for name in ("bytes_copied_by_kind", "copy_sites", "ops_by_kind", "elements_by_kind"):
+        for name in ("bytes_copied_by_kind", "copy_sites", "ops_by_kind", "elements_by_kind",
+                     "work_by_kind"):
             summed = {}
             for p in profiles:
                 for key, value in getattr(p, name).items():
-                    summed[key] = summed.get(key, 0) + value
+                    summed[key] = summed[key] + value if key in summed else value
             total[name] = summed
         return replace(first, peak_live_bytes=max(p.peak_live_bytes for p in profiles),
                        replicas=tuple(profiles), **total)
 
     @property
-    def supersteps(self):
-        """Executed ops other than pure views (``VIEW_KINDS``): on an IPU each is at least one
-        bulk-synchronous superstep."""
-        return sum(n for kind, n in self.ops_by_kind.items() if kind not in VIEW_KINDS)
+    def copied_by_kind(self):
+        """``bytes_copied_by_kind`` (the design's name): boundary kinds, ``"view"``, ``"op"``."""
+        return self.bytes_copied_by_kind
+
+    @property
+    def boundary_copied_by_kind(self):
+        """The copies at call, branch and loop boundaries by kind (``copies.py``'s model)."""
+        return {k: v for k, v in self.bytes_copied_by_kind.items() if k not in ("view", "op")}
+
+    @property
+    def boundary_bytes_copied(self):
+        """Bytes of the copies at call, branch and loop boundaries."""
+        return sum(self.boundary_copied_by_kind.values())
+
+    @property
+    def work(self):
+        """The run's :class:`popxl_flash.ipu_model.WorkCounts`: ``work_by_kind`` summed, plus
+        the boundary copies."""
+        total = ipu_model.WorkCounts()
+        for w in self.work_by_kind.values():
+            total = total + w
+        return total + ipu_model.WorkCounts(bytes_copied=self.boundary_bytes_copied)
+
+    @property
+    def compute_sets(self):
+        """Executed compute sets, by the lowering table (a loop iteration's included)."""
+        return sum(w.compute_sets for w in self.work_by_kind.values())
 
     @property
     def vector_elements(self):
-        """Output elements of the executed compute ops other than matmuls and views (kinds
-        not in ``NON_VECTOR_KINDS``), summed over executions."""
-        return sum(n for kind, n in self.elements_by_kind.items()
-                   if kind not in NON_VECTOR_KINDS)
+        """Vector work (elements, all rate keys) by the lowering table, summed over executions."""
+        return sum(w.vector_elements for w in self.work_by_kind.values())
+
+    def modelled(self, constants=None):
+        """Modelled IPU time of the run (:func:`popxl_flash.ipu_model.time`).
+
+        Args:
+            constants: :class:`popxl_flash.ipu_model.IpuConstants` (default: the current ones).
+        Returns:
+            :class:`popxl_flash.ipu_model.ModelledTime`, by term.
+        """
+        return ipu_model.time(self.work, constants)
+
+    def modelled_by_kind(self, constants=None):
+        """Modelled time by op kind, plus ``"boundary copies"`` (call, branch, loop copies).
+
+        Returns:
+            ``{kind: ModelledTime}``.
+        """
+        out = {k: ipu_model.time(w, constants) for k, w in self.work_by_kind.items()}
+        out["boundary copies"] = ipu_model.time(
+            ipu_model.WorkCounts(bytes_copied=self.boundary_bytes_copied), constants)
+        return out
 
     @property
     def fits_device(self):

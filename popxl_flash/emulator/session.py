@@ -238,7 +238,9 @@ class Session:
                                remote_bytes_loaded=rt.remote_loaded,
                                remote_bytes_stored=rt.remote_stored) for rt in runtimes]
         for p, rt in zip(profiles, runtimes):
-            p.ops_by_kind, p.elements_by_kind = rt.by_kind()
+            p.ops_by_kind, p.elements_by_kind, p.work_by_kind = rt.by_kind()
+            p.bytes_copied, p.bytes_copied_by_kind = rt.copied, dict(rt.copied_by_kind)
+            p.copy_sites = dict(rt.copy_sites)
         self.profile = profiles[0] if replicas == 1 else RunProfile.of_replicas(profiles)
 
     def _full_input_shape(self, shape):

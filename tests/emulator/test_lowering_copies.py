@@ -1,4 +1,4 @@
-"""``profile.bytes_copied``: the copies Poplar's lowering makes at subgraph boundaries.
+"""``profile.boundary_bytes_copied``: the copies Poplar's lowering makes at subgraph boundaries.
 
 Model (``popxl_flash/emulator/copies.py``, emulator README "Lowering copies"), one micro-graph
 per rule, each figure computed by hand in the docstring. PopXL sets ``aliasZeroCopy``; PopART's
@@ -53,8 +53,8 @@ def _inc(a: popxl.TensorByRef):
 
 def test_straight_line_graph_copies_nothing():
     prof = _profile(_main(lambda ir, x: x + 1.0))
-    assert prof.bytes_copied == 0
-    assert prof.bytes_copied_by_kind == _kinds()
+    assert prof.boundary_bytes_copied == 0
+    assert prof.boundary_copied_by_kind == _kinds()
 
 
 @pytest.mark.parametrize("read_after", [False, True])
@@ -64,7 +64,7 @@ def test_call_by_value_unmodified_input_is_aliased(read_after):
     def body(ir, x):
         y = ops.call(ir.create_graph(lambda a: a + 1.0, x), x)[0]
         return y + x if read_after else y
-    assert _profile(_main(body)).bytes_copied == 0
+    assert _profile(_main(body)).boundary_bytes_copied == 0
 
 
 @pytest.mark.parametrize("read_after", [False, True])
@@ -80,8 +80,8 @@ def test_call_by_value_modified_input_copied_only_when_the_parent_is_live(read_a
         y = ops.call(ir.create_graph(callee, x), x)[0]
         return y + x if read_after else y
     prof = _profile(_main(body))
-    assert prof.bytes_copied == (B if read_after else 0)
-    assert prof.bytes_copied_by_kind == _kinds(call=prof.bytes_copied)
+    assert prof.boundary_bytes_copied == (B if read_after else 0)
+    assert prof.boundary_copied_by_kind == _kinds(call=prof.boundary_bytes_copied)
 
 
 @pytest.mark.parametrize("read_after", [False, True])
@@ -91,7 +91,7 @@ def test_call_returning_its_input(read_after):
     def body(ir, x):
         y = ops.call(ir.create_graph(lambda a: a, x), x)[0]
         return y + x if read_after else y
-    assert _profile(_main(body)).bytes_copied == (B if read_after else 0)
+    assert _profile(_main(body)).boundary_bytes_copied == (B if read_after else 0)
 
 
 def test_by_ref_input_modified_per_call_is_aliased():
@@ -102,7 +102,7 @@ def test_by_ref_input_modified_per_call_is_aliased():
         ops.call(g, x)
         ops.call(g, x)
         return x
-    assert _profile(_main(body)).bytes_copied == 0
+    assert _profile(_main(body)).boundary_bytes_copied == 0
 
 
 def test_by_ref_input_with_a_concurrent_reader_is_copied_in_and_back():
@@ -115,8 +115,8 @@ def test_by_ref_input_with_a_concurrent_reader_is_copied_in_and_back():
         ops.call(g, x)
         return view
     prof = _profile(_main(body))
-    assert prof.bytes_copied == 4 * B
-    assert prof.bytes_copied_by_kind == _kinds(call=4 * B)
+    assert prof.boundary_bytes_copied == 4 * B
+    assert prof.boundary_copied_by_kind == _kinds(call=4 * B)
 
 
 def test_by_ref_input_passed_on_by_ref_counts_as_modified():
@@ -136,7 +136,7 @@ def test_by_ref_input_passed_on_by_ref_counts_as_modified():
             view = x.reshape_((N // 2, 2))
             y = ops.call(ir.create_graph(fn, x), x)[0]
             return y + view.reshape((N,))
-        return _profile(_main(body)).bytes_copied
+        return _profile(_main(body)).boundary_bytes_copied
     assert run(leaf) == 0
     assert run(middle) == 2 * B
 
@@ -162,9 +162,9 @@ def test_constants_are_always_live():
         g = ir.create_graph(lambda a: (a + 1.0, popxl.constant(np.ones(N, np.float32))), x)
         y, c = ops.call(g, x)
         return y + c
-    assert _profile(_main(call_const)).bytes_copied == B
-    assert _profile(_main(call_dead)).bytes_copied == 0
-    assert _profile(_main(return_const)).bytes_copied == B
+    assert _profile(_main(call_const)).boundary_bytes_copied == B
+    assert _profile(_main(call_dead)).boundary_bytes_copied == 0
+    assert _profile(_main(return_const)).boundary_bytes_copied == B
 
     def carried_const(ir, x):
         c = popxl.constant(np.zeros(N, np.float32))
@@ -172,7 +172,7 @@ def test_constants_are_always_live():
         return ops.repeat(g, 3, c, x)[0]
     # once: c into the clone B, the clone out B; per iteration (3): clone -> input B,
     # output -> clone B; control 2 + 3 x 6.
-    assert _profile(_main(carried_const)).bytes_copied == 2 * B + 3 * 2 * B + 2 + 3 * 6
+    assert _profile(_main(carried_const)).boundary_bytes_copied == 2 * B + 3 * 2 * B + 2 + 3 * 6
 
 
 @pytest.mark.parametrize("cond", [True, False])
@@ -186,8 +186,8 @@ def test_conditional_copies_all_inputs_and_outputs_of_the_taken_branch(cond):
         return ops.conditional(popxl.constant(cond), then_g, else_g, then_inputs=[x, y],
                                else_inputs=[x])[0]
     prof = _profile(_main(body))
-    assert prof.bytes_copied == (4 * B if cond else 2 * B)
-    assert prof.bytes_copied_by_kind == _kinds(branch=prof.bytes_copied)
+    assert prof.boundary_bytes_copied == (4 * B if cond else 2 * B)
+    assert prof.boundary_copied_by_kind == _kinds(branch=prof.boundary_bytes_copied)
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -205,8 +205,8 @@ def test_nested_conditionals_copy_at_every_level(levels):
         g = ir.create_graph(outer if levels == 2 else inner, x)
         return ops.conditional(popxl.constant(True), g, g, then_inputs=[x], else_inputs=[x])[0]
     prof = _profile(_main(body))
-    assert prof.bytes_copied == 2 * B * levels
-    assert prof.bytes_copied_by_kind == _kinds(branch=2 * B * levels)
+    assert prof.boundary_bytes_copied == 2 * B * levels
+    assert prof.boundary_copied_by_kind == _kinds(branch=2 * B * levels)
 
 
 @pytest.mark.parametrize("count", [0, 1, 5])
@@ -221,10 +221,10 @@ def test_repeat_copies_carried_values_through_the_clones(count):
         g = ir.create_graph(lambda acc, kk: acc * kk + 1.0, x, k)
         return ops.repeat(g, count, x, k)[0]
     prof = _profile(_main(body))
-    assert prof.bytes_copied_by_kind == _kinds(loop_in_out=2 * B, loop_carried=count * 2 * B,
+    assert prof.boundary_copied_by_kind == _kinds(loop_in_out=2 * B, loop_carried=count * 2 * B,
                                                loop_control=CONTROL_ONCE + count * CONTROL_STEP)
-    assert prof.bytes_copied == sum(prof.bytes_copied_by_kind.values())
-    assert prof.bytes_copied == sum(b * n for (_, _, b), n in prof.copy_sites.items())
+    assert prof.boundary_bytes_copied == sum(prof.boundary_copied_by_kind.values())
+    assert prof.boundary_bytes_copied == sum(b * n for (_, _, b), n in prof.copy_sites.items())
 
 
 def test_repeat_dead_carried_input_is_not_copied_back():
@@ -236,7 +236,7 @@ def test_repeat_dead_carried_input_is_not_copied_back():
         g = ir.create_graph(lambda acc, kk: kk * 2.0, x, k)
         return ops.repeat(g, 4, x, k)[0]
     prof = _profile(_main(body))
-    assert prof.bytes_copied_by_kind == _kinds(loop_in_out=2 * B, loop_carried=4 * B,
+    assert prof.boundary_copied_by_kind == _kinds(loop_in_out=2 * B, loop_carried=4 * B,
                                                loop_control=CONTROL_ONCE + 4 * CONTROL_STEP)
 
 
@@ -253,7 +253,7 @@ def test_repeat_invariant_input_modified_by_value_is_copied_every_iteration():
         g = ir.create_graph(callee, x, k)
         return ops.repeat(g, 3, x, k)[0]
     prof = _profile(_main(body))
-    assert prof.bytes_copied_by_kind == _kinds(call=3 * B, loop_in_out=2 * B,
+    assert prof.boundary_copied_by_kind == _kinds(call=3 * B, loop_in_out=2 * B,
                                                loop_carried=3 * 2 * B,
                                                loop_control=CONTROL_ONCE + 3 * CONTROL_STEP)
 
@@ -286,9 +286,9 @@ def test_repeat_by_ref_dynamic_update_read_by_nobody_else_copies_no_tensor(rows)
     (4; the loop's output is never read: no copy out), every iteration (4) clone -> input 4 and
     output -> clone 4; control 2 + 4 x 6. Total 4 + 4 x 8 + 2 + 24 = 62."""
     prof = _dynamic_update_loop(rows, 4, concurrent_reader=False)
-    assert prof.bytes_copied_by_kind == _kinds(loop_in_out=4, loop_carried=4 * 8,
+    assert prof.boundary_copied_by_kind == _kinds(loop_in_out=4, loop_carried=4 * 8,
                                                loop_control=CONTROL_ONCE + 4 * CONTROL_STEP)
-    assert prof.bytes_copied == 62
+    assert prof.boundary_bytes_copied == 62
 
 
 @pytest.mark.parametrize("rows", [4, 16])
@@ -298,10 +298,10 @@ def test_repeat_by_ref_with_a_concurrent_reader_is_copied_once_per_repeat(rows):
     once and back once (2 x rows x B); inside, the wrapper's own x is re-produced by each
     call's copy back: still aliased per iteration. 62 + 2 x rows x B."""
     prof = _dynamic_update_loop(rows, 4, concurrent_reader=True)
-    assert prof.bytes_copied_by_kind == _kinds(loop_in_out=4 + 2 * rows * B,
+    assert prof.boundary_copied_by_kind == _kinds(loop_in_out=4 + 2 * rows * B,
                                                loop_carried=4 * 8,
                                                loop_control=CONTROL_ONCE + 4 * CONTROL_STEP)
-    assert prof.bytes_copied == 62 + 2 * rows * B
+    assert prof.boundary_bytes_copied == 62 + 2 * rows * B
     # The wrapper's copy of x is live during the loop next to x: the peak holds x twice.
     alone = _dynamic_update_loop(rows, 4, concurrent_reader=False)
     assert prof.peak_live_bytes - alone.peak_live_bytes == rows * B
@@ -321,9 +321,9 @@ def test_modified_by_ref_input_counts_in_the_peak_only_when_copied():
             store(view)
         return _profile(ir)
     aliased, copied = run(False), run(True)
-    assert aliased.bytes_copied == 0
+    assert aliased.boundary_bytes_copied == 0
     assert aliased.peak_live_bytes - aliased.const_bytes == 4 * M
-    assert copied.bytes_copied == 2 * 4 * M
+    assert copied.boundary_bytes_copied == 2 * 4 * M
     assert copied.peak_live_bytes - copied.const_bytes == 2 * 4 * M
 
 
@@ -361,7 +361,7 @@ def test_repeat_by_ref_with_a_view_also_passed_in(view_first):
         store(x)
     prof = _profile(ir)
     whole = 2 * rows * B
-    assert prof.bytes_copied_by_kind == _kinds(
+    assert prof.boundary_copied_by_kind == _kinds(
         loop_in_out=4 + (0 if view_first else whole), loop_carried=count * 8,
         call=count * whole if view_first else 0,
         loop_control=CONTROL_ONCE + count * CONTROL_STEP)
@@ -384,4 +384,4 @@ def test_call_by_ref_with_a_view_also_passed_in(view_first):
         fn, ins = (callee_view_first, (view, x)) if view_first else (callee, (x, view))
         y = ops.call(ir.create_graph(fn, *ins), *ins)[0]
         return y.reshape((N,)) + x  # x read after the call: its copy back is not dead
-    assert _profile(_main(body)).bytes_copied == (0 if view_first else 2 * B)
+    assert _profile(_main(body)).boundary_bytes_copied == (0 if view_first else 2 * B)
