@@ -113,25 +113,28 @@ class WorkCounts:
         matmul_flops: ``{dtype: FLOPs}`` (2 per multiply-add).
         vector_work: ``{rate key: elements}`` (:data:`popxl_flash.lowering.RATE_KEYS`).
         bytes_copied: Copy programs' bytes: outplace views, op copies, boundary copies.
+        ops: executed ops other than views, where a planner counts ops (0 otherwise; not
+            priced: the compute sets are).
     """
 
     compute_sets: float = 0
     matmul_flops: dict = field(default_factory=dict)
     vector_work: dict = field(default_factory=dict)
     bytes_copied: float = 0
+    ops: int = 0
 
     def __add__(self, other):
         return WorkCounts(self.compute_sets + other.compute_sets,
                           _add(self.matmul_flops, other.matmul_flops),
                           _add(self.vector_work, other.vector_work),
-                          self.bytes_copied + other.bytes_copied)
+                          self.bytes_copied + other.bytes_copied, self.ops + other.ops)
 
     def scaled(self, times):
         """Returns: this work ``times`` times."""
         return WorkCounts(self.compute_sets * times,
                           {k: v * times for k, v in self.matmul_flops.items()},
                           {k: v * times for k, v in self.vector_work.items()},
-                          self.bytes_copied * times)
+                          self.bytes_copied * times, self.ops * times)
 
     @property
     def vector_elements(self):

@@ -190,3 +190,15 @@ def host_block_classes(ids, chunk_q, chunk_kv):
     full = ((q0 == q1)[:, None] & (k0 == k1)[None] & (q0[:, None] == k0[None])
             & ~q_pad[:, None] & ~k_pad[None] & ~skip)
     return np.where(skip, RT_SKIP, np.where(full, RT_FULL, RT_MASKED))
+
+
+#: Kinds whose output elements are no op work in the op-counting planners' terms.
+_NOT_COUNTED = {"matmul", "call", "repeat", "conditional", "host_load", "host_store",
+                "reshape", "reshape_", "transpose", "transpose_", "slice", "slice_", "detach",
+                "detach_"}
+
+
+def output_elements(profile):
+    """Output elements of the executed ops other than views, matmuls, subgraph ops and host
+    IO: the element count :func:`popxl_flash.plan.kvcache.straight_counts` predicts."""
+    return sum(n for kind, n in profile.elements_by_kind.items() if kind not in _NOT_COUNTED)

@@ -6,7 +6,7 @@
   replica's own blocks, picked by its replica index) give the whole sequence's attention and
   gradients under the tolerance rule, forced on and off over drawn cases.
 * The per-replica model against the emulator: forward FLOPs exact, loop iterations equal on
-  every replica (SPMD), supersteps within ``SUPERSTEP_TOLERANCE``; the memory bound above
+  every replica (SPMD), compute sets within ``COMPUTE_SET_TOLERANCE``; the memory bound above
   every replica's peak live bytes beyond the call's inputs and outputs.
 * The choice: the least modelled time among the settings that fit; an explicit budget kept on
   the emulator; a budget nothing meets raises ``ValueError`` naming it; ``explain`` prints the
@@ -83,8 +83,8 @@ def test_step_tables_loop_only_over_each_replicas_blocks():
     assert [p.loop_iterations for p in reps] == [table.shape[1]] * R
     assert [p.matmul_flops for p in reps] == list(cost.flops)
     for p, m in zip(reps, pcp.replica_costs(cost.plan, False)):
-        modelled = sum(c.supersteps for c in m.counts)
-        assert abs(modelled - (p.supersteps - 5)) <= pcp.SUPERSTEP_TOLERANCE * p.supersteps
+        modelled = sum(c.compute_sets for c in m.counts)
+        assert abs(modelled - p.compute_sets) <= pcp.COMPUTE_SET_TOLERANCE * p.compute_sets
     ref, _ = pf.reference.attention(q, k, v, causal=True)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
     assert "run-time step tables" in cost.table() and "static schedule's steps" in cost.table()
@@ -133,8 +133,8 @@ def test_model_per_replica_against_the_emulator(R, layout, steps, split, causal,
     model = pcp.replica_costs(cost.plan, False)
     io = 5  # the host loads of q, k, v and stores of out, lse: one superstep each
     for p, m in zip(reps, model):
-        modelled = sum(c.supersteps for c in m.counts)
-        assert abs(modelled - (p.supersteps - io)) <= pcp.SUPERSTEP_TOLERANCE * p.supersteps
+        modelled = sum(c.compute_sets for c in m.counts)
+        assert abs(modelled - p.compute_sets) <= pcp.COMPUTE_SET_TOLERANCE * p.compute_sets
     text = cost.table()
     assert "modelled" in text and "split" in text
 

@@ -22,6 +22,9 @@ VIEW_KINDS = frozenset(("reshape", "transpose", "slice", "concat", "detach", "sp
 #: writes its update (input 2) into the tensor it returns.
 WORK_INPUT = {"dynamic_update_": 2}
 _FLOAT = ("float16", "float32")
+#: Re-indexing kinds, outplace or not (``ops_excluding_views`` leaves them out).
+_RESHAPING = frozenset(("reshape", "reshape_", "transpose", "transpose_", "detach", "detach_",
+                        "slice", "slice_"))
 
 
 def _op_dtype(op):
@@ -172,6 +175,14 @@ class RunProfile:
         for w in self.work_by_kind.values():
             total = total + w
         return total + ipu_model.WorkCounts(bytes_copied=self.boundary_bytes_copied)
+
+    @property
+    def ops_excluding_views(self):
+        """Executed ops other than re-indexing ones (reshape, transpose, detach, static slice,
+        outplace or ``_``): the op count
+        that the planners still counting ops predict (packed dispatch, the KV cache's passes,
+        context parallelism's graph). Not priced: :attr:`compute_sets` is."""
+        return sum(n for kind, n in self.ops_by_kind.items() if kind not in _RESHAPING)
 
     @property
     def compute_sets(self):

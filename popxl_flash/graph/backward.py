@@ -64,7 +64,7 @@ def probabilities(cfg, q_i, k_j, lse_i, visible=None, s=None):
 def scores(cfg, q_i, k_j):
     """``scale * q_i k_j^T`` float32 ``[G, rows, cols]`` (k_j times the scale where it folds,
     :func:`blocks.scale_folds`)."""
-    return blocks.scores(cfg, q_i, k_j.transpose((0, 2, 1)))
+    return blocks.scores(cfg, q_i, k_j.transpose_((0, 2, 1)))
 
 
 def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), visible=None):
@@ -92,7 +92,7 @@ def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), vi
     if cfg.mods is not None:  # softcap, ALiBi, score_mod; chain: dS of the modified scores -> dS
         s, chain = score_mods.modify(cfg, scores(cfg, q_i, k_j), extra, backward=True)
     p = probabilities(cfg, q_i, k_j, lse_i, visible, s)  # [G, rows, cols]
-    do_f = _fold(cfg, do_i, alias=False)  # [Gk, r*rows, D]
+    do_f = _fold(cfg, do_i)  # [Gk, r*rows, D]
     p_drop = p if cfg.mods is None else score_mods.drop(cfg, p, extra)  # P * keep / (1 - p)
     dp = _unfold(cfg, _mm(do_f, v_t))  # [G, rows, cols]
     if cfg.mods is None:
@@ -100,26 +100,25 @@ def grad_block(cfg, q_i, do_i, lse_i, dvec_i, k_j, v_t, qdo_i=None, extra=(), vi
     else:  # dP = dP_dropped * keep / (1 - p); dS through the score modifiers
         ds = chain(p * (score_mods.drop(cfg, dp, extra) - dvec_i))
     if qdo_i is None:
-        p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose((0, 2, 1))
+        p_t = _fold(cfg, blocks.to_input_dtype(cfg, p_drop)).transpose_((0, 2, 1))
         ds_in = _fold(cfg, blocks.to_input_dtype(cfg, ds))  # [Gk, r*rows, cols]
         dv_j = _mm(p_t, do_f)  # [Gk, cols, D]
-        dk_j = _mm(ds_in.transpose((0, 2, 1)), _fold(cfg, q_i, alias=False))  # [Gk, cols, D]
+        dk_j = _mm(ds_in.transpose_((0, 2, 1)), _fold(cfg, q_i))  # [Gk, cols, D]
         return _unfold(cfg, _mm(ds_in, k_j)), dk_j, dv_j
     pds = blocks.to_input_dtype(cfg, blocks.stack([p_drop, ds]))  # [2, G, rows, cols]
     ds_in = _fold(cfg, blocks.part(pds, 1))
-    dkdv = _mm(_fold4(cfg, pds).transpose((0, 1, 3, 2)), _fold4(cfg, qdo_i, alias=False))  # [dv; dk]
+    dkdv = _mm(_fold4(cfg, pds).transpose_((0, 1, 3, 2)), _fold4(cfg, qdo_i))  # [dv; dk]
     return _unfold(cfg, _mm(ds_in, k_j)), dkdv
 
 
-def _fold4(cfg, t, alias=True):
-    """:func:`blocks.fold_heads` of a stacked ``[2, G, rows, X]`` (a view; ``alias``: as
-    there, ``False`` for the slices of ``[do; q]``)."""
+def _fold4(cfg, t):
+    """:func:`blocks.fold_heads` of a stacked ``[2, G, rows, X]`` (a view, ``reshape_``)."""
     r = cfg.group_size
     if r == 1:
         return t
     n, _, rows, x = t.shape
     shape = (n, cfg.kv_groups, r * rows, x)
-    return t.reshape_(shape) if alias else t.reshape(shape)
+    return t.reshape_(shape)
 
 
 def grad_block_update(cfg, dq_i, dkdv_j, qdo_i, stats_i, kv_j, *extra, visible=None):
@@ -137,7 +136,7 @@ def grad_block_update(cfg, dq_i, dkdv_j, qdo_i, stats_i, kv_j, *extra, visible=N
     k_j, v_j = blocks.part(kv_j, 0), blocks.part(kv_j, 1)
     dq, dkdv = grad_block(cfg, blocks.part(qdo_i, 1), blocks.part(qdo_i, 0),
                           blocks.columns(stats_i, 0, 1), blocks.columns(stats_i, 1, 2), k_j,
-                          v_j.transpose((0, 2, 1)), qdo_i, extra, visible)
+                          v_j.transpose_((0, 2, 1)), qdo_i, extra, visible)
     return dq_i + dq, dkdv_j + dkdv
 
 
@@ -195,7 +194,7 @@ class FlashAttentionGrad(AttentionModule):
         Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
         dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
                        keepdims=True)  # [G, Lq, 1]
-        lse = lse.reshape((G, Lq, 1))
+        lse = lse.reshape_((G, Lq, 1))
         if blocks.rows_may_see_nothing(cfg):
             seen = ops.greater(lse, blocks.scalar(blocks.MASKED_SCORE, f32))
             lse = ops.where(seen, lse, blocks.scalar(0.0, f32))  # -inf -> 0, once
@@ -203,7 +202,7 @@ class FlashAttentionGrad(AttentionModule):
         if self.single_block(cfg):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
                                    _finish(cfg, *grad_block(cfg, q, dout, lse, dvec, k,
-                                                            v.transpose((0, 2, 1)),
+                                                            v.transpose_((0, 2, 1)),
                                                             extra=extra, visible=visible)))
         rows = self.row_passes(cfg)
         if rows:  # straight-line row steps on the unpadded tensors

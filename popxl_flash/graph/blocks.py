@@ -64,26 +64,28 @@ def pad_rows(t, padded_len, axis=1):
 
 def unpad_rows(t, length, axis=1):
     """Keep the first ``length`` entries of ``axis`` of ``t`` (no-op if already that long; a
-    static slice: a view)."""
+    static ``slice_``: a view)."""
     if t.shape[axis] == length:
         return t
-    return ops.slice(t, start=[0], stop=[length], axis=[axis])
+    return ops.slice_(t, start=[0], stop=[length], axis=[axis])
 
 
 def stack(ts):
-    """``[X, ...]`` tensors of one shape stacked on a new axis 0 (one ``concat``): operands
-    (and state) that every step slices at the same rows, so that one slice serves them all."""
-    return ops.concat([t.reshape((1,) + tuple(t.shape)) for t in ts], axis=0)
+    """``[X, ...]`` tensors of one shape stacked on a new axis 0 (one ``concat_`` of
+    ``reshape_`` views: a view, no copy; PopART's ConcatInplace output aliases every input):
+    operands (and state) that every step slices at the same rows, so that one slice serves
+    them all. Read-only: the stack is never modified in place."""
+    return ops.concat_([t.reshape_((1,) + tuple(t.shape)) for t in ts], axis=0)
 
 
 def part(t, n):
-    """Entry ``n`` of axis 0 of a :func:`stack` (a static slice and a reshape: views)."""
-    return ops.slice(t, start=[n], stop=[n + 1], axis=[0]).reshape(tuple(t.shape[1:]))
+    """Entry ``n`` of axis 0 of a :func:`stack` (``slice_`` and ``reshape_``: views)."""
+    return ops.slice_(t, start=[n], stop=[n + 1], axis=[0]).reshape_(tuple(t.shape[1:]))
 
 
 def columns(t, start, stop):
-    """``t[..., start:stop]`` (a static slice of the last axis: a view)."""
-    return ops.slice(t, start=[start], stop=[stop], axis=[t.rank - 1])
+    """``t[..., start:stop]`` (a static ``slice_`` of the last axis: a view)."""
+    return ops.slice_(t, start=[start], stop=[stop], axis=[t.rank - 1])
 
 
 def entry(table, t):
@@ -205,8 +207,8 @@ def _step_entries(group, t, table=None):
     else:
         n = 2
     row = ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
-    row = row.reshape((row.shape[1],))
-    entries = [ops.slice(row, start=[c], stop=[c + 1], axis=[0]) for c in range(n)]
+    row = row.reshape_((row.shape[1],))
+    entries = [ops.slice_(row, start=[c], stop=[c + 1], axis=[0]) for c in range(n)]
     return entries[0], entries[1], (entries[2] if n == 3 else None)
 
 
@@ -273,10 +275,10 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
 
 
 def _cut(t, offset, axis, length):
-    """``length`` entries of ``axis`` from ``offset``: a static slice (a view) for an int
+    """``length`` entries of ``axis`` from ``offset``: a static ``slice_`` (a view) for an int
     offset, else a ``dynamic_slice`` at the int32 ``[1]`` tensor."""
     if isinstance(offset, int):
-        return ops.slice(t, start=[offset], stop=[offset + length], axis=[axis])
+        return ops.slice_(t, start=[offset], stop=[offset + length], axis=[axis])
     return _slice(t, offset, axis, length)
 
 
@@ -505,13 +507,11 @@ def inline(group, seg=()):
     return steps.runs_inline(group, bool(seg))
 
 
-def fold_heads(cfg, t, alias=True):
+def fold_heads(cfg, t):
     """Grouped-query attention: ``[G, rows, X] -> [Gk, r * rows, X]``, the r = G // Gk q
     groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
     per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
-    attention, r = 1). ``alias=False``: ``reshape`` (PopART's inplace pattern makes it the
-    same view) for q and do and their static slices, whose layout the caller chooses (the
-    emulator's ``reshape_`` refuses a source it cannot alias, such as a transposed copy).
+    attention, r = 1).
 
     q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
     is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
@@ -522,7 +522,7 @@ def fold_heads(cfg, t, alias=True):
         return t
     _, rows, x = t.shape
     shape = (cfg.kv_groups, r * rows, x)
-    return t.reshape_(shape) if alias else t.reshape(shape)
+    return t.reshape_(shape)
 
 
 def unfold_heads(cfg, t):
@@ -552,7 +552,7 @@ def scores(cfg, q_i, k_t):
     Returns:
         float32 ``[G, rows, cols]``.
     """
-    s = matmul_f32(fold_heads(cfg, q_i, alias=False), k_t)  # [Gk, r*rows, cols]
+    s = matmul_f32(fold_heads(cfg, q_i), k_t)  # [Gk, r*rows, cols]
     return scaled_scores(cfg, unfold_heads(cfg, s))
 
 

@@ -84,7 +84,7 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
     # A row that has seen nothing yet has m_i == INITIAL_MAX: alpha is 0 (or 1 when m_new is
     # INITIAL_MAX too), and then multiplies zeros.
     alpha = ops.exp(m_i - m_new)  # [G, rows, 1]
-    return m_new, alpha * acc_l + ops.concat([pv, rowsum], axis=2)
+    return m_new, alpha * acc_l + ops.concat_([pv, rowsum], axis=2)
 
 
 def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
@@ -121,7 +121,7 @@ def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
                                               partials_type=f32))  # [G, Lq, D]
     if seen is not None:
         out = ops.where(seen, out, blocks.scalar(0.0, v.dtype))
-        lse = ops.where(seen.reshape((1, seen.shape[1])), lse, blocks.scalar(-np.inf, f32))
+        lse = ops.where(seen.reshape_((1, seen.shape[1])), lse, blocks.scalar(-np.inf, f32))
     return out, lse
 
 
@@ -145,15 +145,15 @@ def row_passes(cfg, q, k, v, prepared=()):
                                                 np.dtype(cfg.dtype)), dtype=q.dtype))
             lses.append(popxl.constant(np.full((cfg.groups, r1 - r0), -np.inf, np.float32)))
             continue
-        q_i = ops.slice(q, start=[r0], stop=[r1], axis=[1])  # [G, rows, D] view
-        k_j, v_j = (ops.slice(t, start=[lo], stop=[hi], axis=[1]) for t in (k, v))
+        q_i = ops.slice_(q, start=[r0], stop=[r1], axis=[1])  # [G, rows, D] view
+        k_j, v_j = (ops.slice_(t, start=[lo], stop=[hi], axis=[1]) for t in (k, v))
         extra = ()
         if cfg.mods is not None:
             extra = score_mods.step_operands(cfg, prepared, blocks.counter(r0),
                                              blocks.counter(lo), (r1 - r0, hi - lo))
         visible = None if rp.pattern is None else popxl.constant(rp.pattern[None])
         seen = None if rp.seen is None else popxl.constant(rp.seen.reshape(1, -1, 1))
-        out, lse = single_pass(cfg, q_i, k_j.transpose((0, 2, 1)), v_j, extra, visible, seen)
+        out, lse = single_pass(cfg, q_i, k_j.transpose_((0, 2, 1)), v_j, extra, visible, seen)
         outs.append(out)
         lses.append(lse)
     return ops.concat(outs, axis=1), ops.concat(lses, axis=1)
@@ -171,11 +171,11 @@ def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
         The new ``(state_i,)``.
     """
     D = cfg.head_dim
-    k_t = blocks.part(kv_j, 0).transpose((0, 2, 1))  # [Gk, D, cols] view
+    k_t = blocks.part(kv_j, 0).transpose_((0, 2, 1))  # [Gk, D, cols] view
     m_new, acc_l = softmax_block(cfg, blocks.columns(state_i, D + 1, D + 2),
                                  blocks.columns(state_i, 0, D + 1), q_i, k_t,
                                  blocks.part(kv_j, 1), extra, visible)
-    return (ops.concat([acc_l, m_new], axis=2),)
+    return (ops.concat_([acc_l, m_new], axis=2),)
 
 
 def finalise(cfg, m, l, acc):
@@ -199,7 +199,7 @@ def finalise(cfg, m, l, acc):
     lse = m + ops.log(l)
     if seen is not None:
         lse = ops.where(seen, lse, blocks.scalar(-np.inf, f32))
-    return out, lse.reshape((cfg.groups, cfg.q_len))
+    return out, lse.reshape_((cfg.groups, cfg.q_len))
 
 
 def _finish_state(cfg, state):
@@ -250,7 +250,7 @@ class FlashAttention(AttentionModule):
         k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
         if self.single_block(cfg):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
-                                   single_pass(cfg, q, k.transpose((0, 2, 1)), v, extra,
+                                   single_pass(cfg, q, k.transpose_((0, 2, 1)), v, extra,
                                                visible, blocks.seen_rows(cfg)))
         if self.row_passes(cfg):
             prepared = [] if cfg.mods is None else score_mods.prepare(cfg, extras)

@@ -10,8 +10,6 @@ only).
 """
 import math
 
-from popxl_flash.plan.ipu_time import WorkCounts
-
 #: The seed demo's chunk length (1024 rows in 4 chunks).
 SEED_CHUNK = 256
 
@@ -21,30 +19,33 @@ def seed_chunks(Lq, Lkv):
     return tuple(-(-L // math.ceil(L / SEED_CHUNK)) for L in (Lq, Lkv))
 
 
-def naive_counts(*, groups, q_len, kv_len, head_dim, dtype, masked, backward):
-    """Counted work of naive attention's forward, or of its hand-written backward given ``out``.
+def naive_records(*, groups, q_len, kv_len, head_dim, masked):
+    """The parts of naive attention's graph with their shape terms (the fitted family
+    ``"naive"`` of :mod:`popxl_flash.plan.counts`).
 
-    Forward ops: matmul, scale, ``where`` (if masked), softmax, cast of P (float16), matmul.
-    Backward: the forward's P (4 or 3 score-sized ops, the cast), the matmuls ``dV = P^T dO``,
-    ``dP = dO V^T``, ``dQ = dS K``, ``dK = dS^T Q``, ``Dvec = rowsum(dO * O)`` (with casts to
-    float32), ``dS = P * (dP - Dvec)`` and its cast, the two scale products and the casts of
-    dq, dk, dv (float16).
+    Returns:
+        ``[(entry, {term: value})]``.
+    """
+    G, D = groups, head_dim
+    terms = {"1": 1, "gLL": G * q_len * kv_len, "gLd": G * q_len * D, "gkLd": G * kv_len * D,
+             "gL": G * q_len, "LL": q_len * kv_len}
+    return [("naive", terms)] + ([("naive_masked", terms)] if masked else [])
+
+
+def naive_counts(*, groups, q_len, kv_len, head_dim, dtype, masked, backward):
+    """Modelled work of naive attention's forward (:mod:`popxl_flash.checks.naive`: ``q k^T``
+    with an outplace transpose, as Graphcore's scripts write it, the scale, ``where`` (if
+    masked), ``softmax``, the cast of P (float16), ``P v``), or of its hand-written backward
+    given ``out`` (P recomputed, the four gradient matmuls, ``Dvec``, ``dS``, the scales and
+    casts). The coefficients are fitted to the emulator's priced profile
+    (``python -m popxl_flash.checks.fit_work``).
 
     Returns:
         :class:`~popxl_flash.plan.ipu_time.WorkCounts`.
     """
-    half = dtype == "float16"
+    from popxl_flash.plan import counts
+    records = naive_records(groups=groups, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                            masked=masked)
+    fitted = counts.price(records, counts.fit_key("naive", backward, dtype))
     scores = groups * q_len * kv_len
-    rows = groups * q_len * head_dim
-    kv_rows = groups * kv_len * head_dim
-    p_ops = 2 + masked + half  # scale, (where), softmax, (cast)
-    if not backward:
-        return WorkCounts(supersteps=2 + p_ops, matmul_flops=4 * scores * head_dim,
-                          vector_elements=p_ops * scores)
-    score_ops = p_ops + 2 + half  # sub, mul, (cast dS)
-    vector = (score_ops * scores + (1 + 2 * half) * rows + groups * q_len  # Dvec sum
-              + rows + kv_rows  # the two scale products
-              + half * (rows + 2 * kv_rows))  # casts of dq, dk, dv
-    supersteps = 5 + score_ops + (1 + 2 * half) + 1 + 2 + 3 * half
-    return WorkCounts(supersteps=supersteps, matmul_flops=10 * scores * head_dim,
-                      vector_elements=int(vector))
+    return counts.work(fitted, dtype, (10 if backward else 4) * scores * head_dim)

@@ -391,16 +391,17 @@ class Plan:
 
 
 # -- modelled time and memory per replica --------------------------------------------------------
-#: Supersteps of the context-parallel graph around its flash calls (a fit on this version's
-#: graphs; the flash calls are priced by :func:`popxl_flash.plan.counts.pass_counts` and
+#: Ops of the context-parallel graph around its flash calls (a fit on this version's graphs,
+#: priced at :data:`popxl_flash.plan.ipu_time.CS_PER_OP` compute sets each, an estimate; the
+#: flash calls are priced by :func:`popxl_flash.plan.counts.pass_counts` and
 #: :func:`popxl_flash.plan.packed.pass_counts`): per pass, per round (the K and V slices and
 #: all-gathers; the backward's reduce-scatters), per flash call, per merge of two results (the
 #: lse weights and the 8 row slices' updates), per part (their concat). The tests hold a
-#: replica's modelled supersteps within :data:`SUPERSTEP_TOLERANCE` of the emulator's.
+#: replica's modelled compute sets within :data:`COMPUTE_SET_TOLERANCE` of the emulator's.
 CP_OPS = {False: dict(fixed=0, round=2, call=0, merge=50, part=0),
           True: dict(fixed=0, round=0, call=0, merge=0, part=0)}
-#: How close :func:`replica_costs`' supersteps are to the emulator's (tests).
-SUPERSTEP_TOLERANCE = 0.10
+#: How close :func:`replica_costs`' compute sets are to the emulator's (tests).
+COMPUTE_SET_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
@@ -479,8 +480,8 @@ def replica_costs(plan, backward=False):
     for r in range(plan.replicas):
         per_round, steps, running = [], [], []
         for step in range(plan.steps):
-            total = _ipu_time.WorkCounts(ops["round"] + (ops["fixed"] if step == 0 else 0),
-                                         0, 0)
+            total = _ipu_time.from_ops(ops["round"] + (ops["fixed"] if step == 0 else 0), 0,
+                                       0, dtype=plan.dtype)
             n_steps = n_run = 0
             for call in plan.calls:
                 if call.step != step:
@@ -489,16 +490,16 @@ def replica_costs(plan, backward=False):
                 rows = call.rows[1] - call.rows[0]
                 merges = int(not backward and _merged_before(plan, call))
                 table = int(plan.step_table(call) is not None)  # its row's dynamic_slice
-                total = total + _ipu_time.WorkCounts(
-                    c.supersteps + ops["call"] + table + merges * ops["merge"], c.matmul_flops,
-                    c.vector_elements + merges * 12 * G * rows * D, c.bytes_copied)
+                total = total + _ipu_time.work_of(c) + _ipu_time.from_ops(
+                    ops["call"] + table + merges * ops["merge"], 0,
+                    merges * 12 * G * rows * D, dtype=plan.dtype)
                 n_steps += c.iterations
                 n_run += run
             per_round.append(total)
             steps.append(n_steps)
             running.append(n_run)
-        per_round[-1] = per_round[-1] + _ipu_time.WorkCounts(ops["part"] * len(plan.parts),
-                                                             0, 0)
+        per_round[-1] = per_round[-1] + _ipu_time.from_ops(ops["part"] * len(plan.parts), 0, 0,
+                                                           dtype=plan.dtype)
         out.append(ReplicaCost(tuple(per_round), tuple(steps), tuple(running)))
     return tuple(out)
 

@@ -46,25 +46,6 @@ from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP
 
-#: Ops executed per pass (views included), counted on this version's graphs (the emulator's
-#: profile): ``fixed + per_loop * loops + per_step * steps + per_masked * steps of masked
-#: groups + per_gather * steps of groups with several patterns``, a group of one step
-#: running inline for ``per_inline`` (+ ``per_masked``) instead. ``per_step``: the step table
-#: lookup (its entries are views), the operand and state slices, the block update, the state
-#: writes and the counter increment; ``per_masked``: the ``where`` selects; ``per_gather``:
-#: the pattern id's view and the pattern gather. float32 has no casts (one fewer per step). A
-#: pass of one block (``steps.single_block``) is a straight line these weights do not
-#: describe; :func:`popxl_flash.plan.counts.pass_counts` counts it (and supersteps, views
-#: left out).
-OPS_FORWARD = {"float16": dict(fixed=15, per_loop=1, per_step=30, per_masked=2, per_gather=2,
-                               per_inline=25),
-               "float32": dict(fixed=14, per_loop=1, per_step=29, per_masked=2, per_gather=2,
-                               per_inline=24)}
-OPS_BACKWARD = {"float16": dict(fixed=24, per_loop=1, per_step=41, per_masked=1, per_gather=2,
-                                per_inline=36),
-                "float32": dict(fixed=19, per_loop=1, per_step=40, per_masked=1, per_gather=2,
-                                per_inline=35)}
-
 #: Bytes of the carried step counter (int32 [1]): every iteration, body output -> clone ->
 #: body input (``LoopOpx``); once per repeat, its initial value into the clone.
 COUNTER_BYTES = 4
@@ -86,9 +67,9 @@ class Baseline:
     chunking).
 
     Attributes:
-        forward, backward: counted work per pass (``supersteps``, ``matmul_flops``,
+        forward, backward: counted work per pass (``compute_sets``, ``matmul_flops``,
             ``vector_elements``, ``bytes_copied``: :class:`popxl_flash.plan.counts.PassCounts`
-            or :class:`popxl_flash.plan.ipu_time.WorkCounts`).
+            or :class:`popxl_flash.plan.ipu_time.WorkCounts`, priced by PopART's lowering).
         time_forward, time_backward: their modelled time
             (:class:`popxl_flash.plan.ipu_time.ModelledTime`, by term).
         memory_forward, memory_backward: bytes each pass holds beyond its inputs and outputs
@@ -133,22 +114,22 @@ class Candidate(Baseline):
     flop_ratio: float
 
     @property
-    def ops_forward(self) -> int:
-        """Forward supersteps (ops executed other than views)."""
-        return self.forward.supersteps
+    def compute_sets_forward(self) -> float:
+        """Forward compute sets (PopART's lowering, :mod:`popxl_flash.lowering`)."""
+        return self.forward.compute_sets
 
     @property
-    def ops_backward(self) -> int:
-        """Backward supersteps."""
-        return self.backward.supersteps
+    def compute_sets_backward(self) -> float:
+        """Backward compute sets."""
+        return self.backward.compute_sets
 
     @property
     def forward_flops(self) -> int:
-        return self.forward.matmul_flops
+        return _flops(self.forward)
 
     @property
     def backward_flops(self) -> int:
-        return self.backward.matmul_flops
+        return _flops(self.backward)
 
     @property
     def iterations(self) -> int:
@@ -184,7 +165,7 @@ class ChunkChoice:
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``, the fastest few and
         the seed's rule), then the chosen, the seed's rule and naive attention side by side."""
-        head = ("", "chunks", "flop ratio", "iters", "supersteps f+b", "MFLOP f+b",
+        head = ("", "chunks", "flop ratio", "iters", "compute sets f+b", "MFLOP f+b",
                 "Melements f+b", "bytes copied", "MiB f/b", "fits", "modelled us")
         shown = sorted(self.candidates, key=lambda c: c.seconds)[:12]
         for extra in (self.chosen, self.seed):
@@ -195,10 +176,10 @@ class ChunkChoice:
             mark = "*" if c is self.chosen else ("s" if c == self.seed else "")
             rows.append((mark, f"{c.chunk_q}x{c.chunk_kv}", f"{c.flop_ratio:.4f}",
                          str(c.forward.iterations),
-                         str(c.forward.supersteps + c.backward.supersteps),
-                         f"{(c.forward.matmul_flops + c.backward.matmul_flops) / 1e6:,.1f}",
+                         f"{c.forward.compute_sets + c.backward.compute_sets:,.0f}",
+                         f"{(_flops(c.forward) + _flops(c.backward)) / 1e6:,.1f}",
                          f"{(c.forward.vector_elements + c.backward.vector_elements) / 1e6:,.2f}",
-                         f"{c.forward.bytes_copied + c.backward.bytes_copied:,}",
+                         f"{c.forward.bytes_copied + c.backward.bytes_copied:,.0f}",
                          f"{c.memory_forward / 2**20:.1f}/{c.memory_backward / 2**20:.1f}",
                          "yes" if c.fits else "NO", f"{c.seconds * 1e6:,.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -214,27 +195,18 @@ class ChunkChoice:
         return "\n".join(lines)
 
 
+def _flops(work):
+    """Matmul FLOPs of a pass's counts (a dict by dtype in :class:`WorkCounts`)."""
+    flops = work.matmul_flops
+    return sum(flops.values()) if isinstance(flops, dict) else flops
+
+
 def _compare_line(name, c):
     """One line: forward, backward and total modelled time, memory, whether it fits."""
     return (f"{name:>20}: forward {c.time_forward.seconds * 1e6:,.1f} us, backward "
             f"{c.time_backward.seconds * 1e6:,.1f} us, total {c.seconds * 1e6:,.1f} us "
             f"(modelled); {c.memory_bytes / 2**20:,.1f} MiB "
             f"{'fits' if c.fits else 'does NOT fit'} the budget")
-
-
-def _ops(weights, groups):
-    """Ops executed by one pass of :func:`popxl_flash.plan.steps.step_groups` ``groups``
-    (without segment ids: a group of one step runs inline)."""
-    total = weights["fixed"]
-    for g in groups:
-        if _steps.runs_inline(g):
-            total += weights["per_inline"] + weights["per_masked"] * g.masked
-            continue
-        gathers = g.masked and g.patterns.shape[0] > 1
-        total += weights["per_loop"] + g.steps * (weights["per_step"]
-                                                  + weights["per_masked"] * g.masked
-                                                  + weights["per_gather"] * gathers)
-    return int(total)
 
 
 def _loop_copies(steps, copies):
@@ -301,7 +273,7 @@ def second_level(group, *, groups, head_dim, dtype, backward, segments, kv_group
     levels spend :data:`SECOND_LEVEL_OPS` and ``IfOpx``'s copies of the second level (the
     state slices in and out, the operands in). Masked groups always take one level (their
     pattern is ANDed anyway). With G = 2, D = 64, float16, 128-row chunks the forward's two
-    extra ops (~2,000 cycles) outweigh the ~228 KiB copy (~20 cycles): two levels; the
+    extra ops (two compute sets, ~700 cycles) outweigh the ~228 KiB copy (~20 cycles): two levels; the
     backward without positions masks for free (one ``equal``, one ``where``): one level.
 
     Returns:
@@ -317,7 +289,7 @@ def second_level(group, *, groups, head_dim, dtype, backward, segments, kv_group
     state, operands, _ = _step_bytes(group, G, Gk, D, item, backward, segments)
     c = _ipu_time.current()
     copy_cycles = (2 * state + operands) / (c.tiles * c.copy_bytes_per_tile_cycle)
-    return extra_ops * c.superstep_cycles > copy_cycles
+    return extra_ops * c.compute_set_cycles > copy_cycles  # the mask ops are maps: 1 each
 
 
 def _branch_copies(group, classes, G, Gk, D, item, backward, seg, two_levels):

@@ -216,10 +216,11 @@ def straight_counts(dims, dtype="float16", *, causal=False, window=(-1, -1), sof
             as if some rows were masked).
 
     Returns:
-        :class:`popxl_flash.plan.ipu_time.WorkCounts` (exact on this version's graphs; held to
-        the emulator's profile by ``tests/test_decode.py``).
+        :class:`popxl_flash.plan.ipu_time.WorkCounts` (``ops`` exact on this version's graphs,
+        held to the emulator's profile by ``tests/test_decode.py``; compute sets and vector
+        work from them by :func:`popxl_flash.plan.ipu_time.from_ops`, an estimate).
     """
-    from popxl_flash.plan.ipu_time import WorkCounts
+    from popxl_flash.plan.ipu_time import from_ops
     B, Lq, Lc, Ln = dims.batch, dims.q_len, dims.cache_len, dims.new_len
     Hq, Hkv, D = dims.q_heads, dims.kv_heads, dims.head_dim
     half = dtype == "float16"
@@ -273,7 +274,12 @@ def straight_counts(dims, dtype="float16", *, causal=False, window=(-1, -1), sof
             op(R)
     steps += 2  # the matmuls
     flops = 4 * B * Hq * Lq * Lc * D
-    return WorkCounts(supersteps=steps, matmul_flops=flops, vector_elements=vec)
+    return from_ops(steps, flops, vec, dtype=dtype)
+
+
+def flops_of(work):
+    """Matmul FLOPs of a :class:`WorkCounts` (summed over dtypes)."""
+    return sum(work.matmul_flops.values())
 
 
 def straight_bytes(dims, dtype="float16", alibi=False):
@@ -339,7 +345,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
         n = len(lengths)
         return DecodeCandidate(
             splits=1, chunk_kv=Lc, chunk_q=dims.q_len, steps=0, granule=Lc,
-            flops=(w.matmul_flops,) * n, ops=(w.supersteps,) * n, bytes_copied=0,
+            flops=(flops_of(w),) * n, ops=(w.ops,) * n, bytes_copied=0,
             seconds=ipu_time.time(w, dtype).seconds, structure="straight",
             vector_elements=(w.vector_elements,) * n, memory_bytes=mem, fits=mem <= budget)
     G = dims.batch * dims.q_heads * splits
@@ -373,7 +379,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
                                            dtype=dtype, backward=False, segments=seg,
                                            classes=classes).values())
         copied_mean += copied / len(lengths)
-        seconds += ipu_time.time(ipu_time.WorkCounts(o, f, vec, copied), dtype).seconds \
+        seconds += ipu_time.time(ipu_time.from_ops(o, f, vec, copied, dtype)).seconds \
             / len(lengths)
     mem = _loop_bytes(dims, dtype, splits, chunk_kv, cq, per_part * granule)
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,

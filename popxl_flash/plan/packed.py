@@ -22,7 +22,7 @@ computes them (:func:`classify`, the rule of :func:`popxl_flash.graph.segments.c
 and :func:`pass_counts` prices the pass: matmul FLOPs of the running blocks (exact), bytes
 copied (:func:`popxl_flash.plan.costmodel.pass_copies` given the classes, exact), supersteps
 (a fit on this version's graphs: per skipped, running and masked step, per loop and per pass;
-``tests/test_packed_choice.py`` holds it within :data:`SUPERSTEP_TOLERANCE` of the emulator)
+``tests/test_packed_choice.py`` holds it within :data:`OPS_TOLERANCE` of the emulator)
 and vector elements (the plain pass's step coefficients on the running steps; a coarse
 estimate, under 1% of the modelled time at the shapes the tests draw). Memory is the plain
 pass's upper bound (:func:`popxl_flash.plan.memory.flash_bytes`) plus :func:`segment_bytes`.
@@ -44,7 +44,7 @@ from popxl_flash.plan import steps as _steps
 from popxl_flash.plan.segments import MAX_LEN, RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
 
 #: The fitted superstep model holds the emulator's count within this fraction (tests).
-SUPERSTEP_TOLERANCE = 0.05
+OPS_TOLERANCE = 0.05
 
 _BIG = 2 ** 30
 
@@ -165,7 +165,7 @@ def classify_stats(q_stats, kv_stats, *, positions, causal=False, window=(-1, -1
 #: masked (``+1``: the static pattern's ``logical_and`` in a masked group); 1 per runtime-full
 #: step at the second level.
 SEG_STEP = {False: dict(skip=11, run=22), True: dict(skip=15, run=24)}
-#: Supersteps per packed pass (a fit on this version's graphs, see :data:`SUPERSTEP_TOLERANCE`):
+#: Supersteps per packed pass (a fit on this version's graphs, see :data:`OPS_TOLERANCE`):
 #: the module's call, segment preparation (padding, chunk statistics, the block classes),
 #: the state's initialisation and the results; per group its loop, class gather and flag
 #: compare (``group``), the runtime-full compare (``two``); positions, their causal and
@@ -209,8 +209,11 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
             of a replica's own blocks).
 
     Returns:
-        :class:`popxl_flash.plan.counts.PassCounts`: FLOPs, bytes copied and iterations exact;
-        supersteps a fit (:data:`SEG_STEP`, :data:`SEG_FIXED`); vector elements an estimate.
+        :class:`popxl_flash.plan.counts.PassCounts`: FLOPs, boundary copies and iterations
+        exact; ``ops`` (executed ops other than views) a fit (:data:`SEG_STEP`,
+        :data:`SEG_FIXED`), priced at :data:`popxl_flash.plan.ipu_time.CS_PER_OP` compute
+        sets each (an estimate until the packed dispatch is fitted to the lowering table);
+        vector work the plain pass's fitted parts plus an estimate of the segment work.
     """
     G, D = groups, head_dim
     Gk = G if kv_groups is None else kv_groups
@@ -230,10 +233,10 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
                        + (window[0] >= 0) * fixed["left_positions"]
                        + (window[1] >= 0) * fixed["right_positions"])
     base = SEG_STEP[backward]
-    step_w = _counts.STEP[backward, dtype]
-    pass_terms = dict(gl=G * lq_pad, gld=G * lq_pad * D, gL=G * sched.Lq, gLd=G * sched.Lq * D,
-                      gkld=Gk * lkv_pad * D, gkLd=Gk * sched.Lkv * D)
-    elements = _counts._dot(_counts.FIXED[backward, dtype], pass_terms)
+    pass_terms = {"1": 1, "gl": G * lq_pad, "gld": G * lq_pad * D, "gL": G * sched.Lq,
+                  "gLd": G * sched.Lq * D, "gkld": Gk * lkv_pad * D, "gkLd": Gk * sched.Lkv * D}
+    records = [("fixed", pass_terms)]  # the plain pass's parts, priced by its fit
+    elements = 0
     cells = iterations = 0
     if step_groups is None:
         step_groups = _steps.step_groups(sched, "kv_major" if backward else "q_major")
@@ -258,20 +261,29 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
         supersteps += (running - masked_steps)  # runtime-full at the second level
         iterations += g.steps
         cells += running * g.rows * g.cols
-        terms = dict(grc=G * g.rows * g.cols, rc=g.rows * g.cols, grd=G * g.rows * D,
-                     gr=G * g.rows, gkcd=Gk * g.cols * D, one=1)
-        elements += running * _counts._dot(step_w, terms)
-        elements += masked_steps * _counts._dot(_counts.MASKED[backward], terms)
+        if running:
+            records.append(("step", _counts._step_terms(G, Gk, D, g.rows, g.cols, running)))
+        if masked_steps:
+            records.append(("masked_step",
+                            _counts._step_terms(G, Gk, D, g.rows, g.cols, masked_steps)))
         state = (G * g.rows * D + 2 * Gk * g.cols * D) if backward else G * g.rows * (D + 2)
         elements += skipped * 2 * state
         elements += VEC_SEG["slices"] * g.steps * (g.rows + g.cols) * (1 + pos)
     elements += VEC_SEG["rows"] * (lq_pad + lkv_pad) * (1 + pos)
     elements += VEC_SEG["blocks"] * sched.nq * sched.nkv
-    copied = sum(copies.values())
     flops = 2 * (5 if backward else 2) * D * G * cells
-    return _counts.PassCounts(supersteps=int(supersteps), matmul_flops=int(flops),
-                              vector_elements=max(int(elements), 0), bytes_copied=int(copied),
-                              iterations=int(iterations))
+    fitted = _counts.price(records, _counts.fit_key("flash", backward, dtype, Gk < G))
+    work = _counts.work(fitted, dtype, flops, sum(copies.values()))
+    # compute sets: the op count at the flash steps' mean per op (the packed dispatch is not
+    # fitted to the lowering table yet: an estimate); vector work: the plain parts' fit plus
+    # the segment elements at the float32 arithmetic rate
+    vector = dict(work.vector_work)
+    vector["arithmetic.float32"] = vector.get("arithmetic.float32", 0) + max(elements, 0)
+    work = _ipu_time.WorkCounts(compute_sets=supersteps * _ipu_time.CS_PER_OP,
+                                matmul_flops=work.matmul_flops, vector_work=vector,
+                                bytes_copied=work.bytes_copied)
+    return _counts.PassCounts(work=work, iterations=int(iterations), ops=int(supersteps),
+                              boundary_bytes=sum(copies.values()))
 
 
 # -- memory ----------------------------------------------------------------------------------
