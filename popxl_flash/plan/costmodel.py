@@ -230,7 +230,7 @@ def _ops(weights, groups):
         if _steps.runs_inline(g):
             total += weights["per_inline"] + weights["per_masked"] * g.masked
             continue
-        gathers = g.masked and g.patterns.shape[0] > 1
+        gathers = g.masked and g.num_patterns > 1
         total += weights["per_loop"] + g.steps * (weights["per_step"]
                                                   + weights["per_masked"] * g.masked
                                                   + weights["per_gather"] * gathers)

@@ -178,7 +178,7 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
     if rows and not backward:
         return _row_pass_counts(sched, G, Gk, D, dtype, folds)
     single = _steps.single_block(sched)
-    if sched.empty_rows.size:
+    if sched.num_empty_rows:
         add(SINGLE_EMPTY_ROWS if single and not backward else EMPTY_ROWS[backward], pass_terms)
     if single:
         add(SINGLE[backward, dtype], pass_terms)
@@ -209,7 +209,7 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
             add(UNFOLDED_STEP, terms, g.steps)
         if g.masked:
             add(MASKED[backward], terms, g.steps)
-            if g.patterns.shape[0] > 1:
+            if g.num_patterns > 1:
                 add(GATHER, terms, g.steps)
     pads = [(2 * Gk, Lkv, lkv_pad, D)]  # [k; v]
     pads += [(2 * G, Lq, lq_pad, D), (G, Lq, lq_pad, 2)] if backward else [(G, Lq, lq_pad, D)]
@@ -232,7 +232,7 @@ def _row_steps(sched, add, G, Gk, D, dtype, folds):
         add(INLINE_STEP[True, dtype], terms)
         if not folds:
             add(UNFOLDED_STEP, terms)
-        if rp.pattern is not None:
+        if rp.masked:
             add(MASKED[True], terms)
 
 
@@ -252,8 +252,8 @@ def _row_pass_counts(sched, G, Gk, D, dtype, folds):
         if not cols:
             continue
         terms = dict(gLL=G * rows * cols, gL=G * rows, gLd=G * rows * D)
-        for weights, applies in ((per_pass, True), (SINGLE_MASKED, rp.pattern is not None),
-                                 (SINGLE_EMPTY_ROWS, rp.seen is not None),
+        for weights, applies in ((per_pass, True), (SINGLE_MASKED, rp.masked),
+                                 (SINGLE_EMPTY_ROWS, not rp.all_seen),
                                  (dict(supersteps=1, gLL=1), not folds)):
             if applies:
                 supersteps += weights["supersteps"]
