@@ -92,24 +92,37 @@ def sub_blocks(chunk_q, chunk_kv, split):
     return (((0, cq), (0, ckv)),)
 
 
-def _sub_ranges(chunk_q, chunk_kv, split):
-    """Every step of a block list, its sub-block in ``split`` order.
+#: Sub-block codes: ``2 * split + k`` for the ``k``-th sub-block of a ``split`` block.
+_SUB_CODES = 6
+
+
+def _sub_table(chunk_q, chunk_kv):
+    """``int64[6, 4]``: the ``(row0, row1, col0, col1)`` of each sub-block code (unused codes
+    are zero)."""
+    table = np.zeros((_SUB_CODES, 4), np.int64)
+    for split in (0, LOWER, UPPER):
+        for k, ((r0, r1), (c0, c1)) in enumerate(sub_blocks(chunk_q, chunk_kv, split)):
+            table[2 * split + k] = (r0, r1, c0, c1)
+    return table
+
+
+def _sub_steps(split):
+    """Every step of a block list, in order (a split block's two steps consecutive).
 
     Args:
-        chunk_q, chunk_kv: the chunk lengths; split: ``int8[V]`` of the block list.
+        split: ``int8[V]`` of the block list.
 
     Returns:
-        ``(block, ranges)``: ``int64[S]`` the block of each step (a split block's two steps
-        consecutive) and ``int64[S, 4]`` its ``(row0, row1, col0, col1)``.
+        ``(block, code)``: ``int32[S]`` the block of each step and ``int8[S]`` its sub-block
+        code (:func:`_sub_table`).
     """
-    table = np.zeros((3, 2, 4), np.int64)  # [split, sub-block] -> ranges
-    for code in (0, LOWER, UPPER):
-        for k, ((r0, r1), (c0, c1)) in enumerate(sub_blocks(chunk_q, chunk_kv, code)):
-            table[code, k] = (r0, r1, c0, c1)
+    if not split.any():  # no split block: one step per block
+        return np.arange(split.shape[0], dtype=np.int32), np.zeros(split.shape[0], np.int8)
     count = np.where(split == 0, 1, 2)
-    block = np.repeat(np.arange(split.shape[0]), count)
-    second = np.arange(block.shape[0]) - np.repeat(np.cumsum(count) - count, count)
-    return block, table[split[block].astype(np.int64), second]
+    block = np.repeat(np.arange(split.shape[0], dtype=np.int32), count)
+    code = 2 * split[block]
+    code[1:] += (block[1:] == block[:-1])  # the second sub-block of a split block
+    return block, code
 
 
 def _sub_keys(keys, ranges):
@@ -140,39 +153,54 @@ def _sub_keys(keys, ranges):
 
 def _first_seen_ids(keys):
     """``(ids, distinct)``: ``int32[S]`` ids of ``int64[S, 4]`` keys in first-seen order and
-    the distinct keys ``int64[P, 4]`` by id."""
-    distinct, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    the distinct keys ``int64[P, 4]`` by id (one stable lexicographic sort)."""
+    order = np.lexsort(keys.T[::-1])  # stable: equal keys keep their step order
+    ordered = keys[order]
+    new = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    run = np.cumsum(new) - 1  # run of equal keys of each sorted step
+    first = order[new]  # each run's first step
     rank = np.empty(first.shape[0], np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
-    return rank[inverse.reshape(-1)].astype(np.int32), distinct[np.argsort(first, kind="stable")]
+    rank[np.argsort(first)] = np.arange(first.shape[0])
+    ids = np.empty(keys.shape[0], np.int32)
+    ids[order] = rank[run]
+    return ids, keys[np.sort(first)]
 
 
 @functools.lru_cache(maxsize=256)
 def _groups_cached(schedule, order):
     """Vectorised over the block list (O(blocks)); no pattern cells are built."""
     blist = schedule.block_list(order)
-    block, ranges = _sub_ranges(schedule.chunk_q, schedule.chunk_kv, blist.split)
+    table = _sub_table(schedule.chunk_q, schedule.chunk_kv)
+    block, code = _sub_steps(blist.split)
+    partial = np.flatnonzero(blist.kind[block] != FULL)  # steps of partial blocks
+    ranges = table[code[partial]]
+    keys = _sub_keys(schedule.pattern_keys[blist.pattern_id[block[partial]]], ranges)
     rows, cols = ranges[:, 1] - ranges[:, 0], ranges[:, 3] - ranges[:, 2]
-    partial = blist.kind[block] != FULL
-    keys = np.zeros((block.shape[0], 4), np.int64)
-    if partial.any():
-        keys[partial] = _sub_keys(schedule.pattern_keys[blist.pattern_id[block[partial]]],
-                                  ranges[partial])
     all_visible = ((keys[:, 0] == rows) & (keys[:, 1] == cols) & (keys[:, 2] == 1 - rows)
                    & (keys[:, 3] == cols - 1))
-    masked = partial & ~all_visible
-    shapes = {(int(r), int(c), bool(m)) for r, c, m in
-              np.unique(np.stack([rows, cols, masked], axis=1), axis=0)}
+    masked = np.zeros(block.shape[0], bool)
+    masked[partial[~all_visible]] = True
+    step_keys = np.zeros((block.shape[0], 4), np.int64) if masked.any() else None
+    if step_keys is not None:
+        step_keys[partial] = keys
+    shape_of = {}  # (rows, cols) -> the codes of that shape
+    for c in range(_SUB_CODES):
+        r0, r1, c0, c1 = (int(v) for v in table[c])
+        if r1 > r0:
+            shape_of.setdefault((r1 - r0, c1 - c0), []).append(c)
     groups = []
-    for r, c, m in sorted(shapes, key=lambda k: (k[2], -k[0] * k[1], k)):
-        steps = np.flatnonzero((rows == r) & (cols == c) & (masked == m))
+    for (r, c), m in sorted(((shape, m) for shape in shape_of for m in (False, True)),
+                            key=lambda k: (k[1], -k[0][0] * k[0][1], k)):
+        steps = np.flatnonzero(np.isin(code, shape_of[r, c]) & (masked == m))
+        if not steps.size:
+            continue
         q_chunk, kv_chunk = blist.q_chunk[block[steps]], blist.kv_chunk[block[steps]]
-        arrays = [(q_chunk * schedule.chunk_q + ranges[steps, 0]).astype(np.int32),
-                  (kv_chunk * schedule.chunk_kv + ranges[steps, 2]).astype(np.int32),
-                  q_chunk.astype(np.int32), kv_chunk.astype(np.int32)]
+        arrays = [(q_chunk * schedule.chunk_q + table[code[steps], 0]).astype(np.int32),
+                  (kv_chunk * schedule.chunk_kv + table[code[steps], 2]).astype(np.int32),
+                  q_chunk, kv_chunk]
         pattern_id = pattern_keys = None
         if m:
-            pattern_id, pattern_keys = _first_seen_ids(keys[steps])
+            pattern_id, pattern_keys = _first_seen_ids(step_keys[steps])
             arrays += [pattern_id, pattern_keys]
         for a in arrays:
             a.setflags(write=False)
