@@ -166,12 +166,13 @@ def _first_seen_ids(keys):
     return ids, keys[np.sort(first)]
 
 
-@functools.lru_cache(maxsize=256)
-def _groups_cached(schedule, order):
-    """Vectorised over the block list (O(blocks)); no pattern cells are built."""
-    blist = schedule.block_list(order)
-    table = _sub_table(schedule.chunk_q, schedule.chunk_kv)
-    block, code = _sub_steps(blist.split)
+def _step_masks(schedule, blist, block, code, table):
+    """Which steps are masked, and their sub-pattern keys (:func:`_sub_keys`).
+
+    Returns:
+        ``(masked, keys)``: ``bool[S]``, and ``int64[S, 4]`` (rows of unmasked steps unused;
+        ``None`` when no step is masked).
+    """
     partial = np.flatnonzero(blist.kind[block] != FULL)  # steps of partial blocks
     ranges = table[code[partial]]
     keys = _sub_keys(schedule.pattern_keys[blist.pattern_id[block[partial]]], ranges)
@@ -180,18 +181,36 @@ def _groups_cached(schedule, order):
                    & (keys[:, 3] == cols - 1))
     masked = np.zeros(block.shape[0], bool)
     masked[partial[~all_visible]] = True
-    step_keys = np.zeros((block.shape[0], 4), np.int64) if masked.any() else None
-    if step_keys is not None:
-        step_keys[partial] = keys
-    shape_of = {}  # (rows, cols) -> the codes of that shape
+    if not masked.any():
+        return masked, None
+    step_keys = np.zeros((block.shape[0], 4), np.int64)
+    step_keys[partial] = keys
+    return masked, step_keys
+
+
+def _group_order(table):
+    """``[((rows, cols), masked, codes)]`` of the possible groups in loop order (unmasked
+    first, larger shapes first), ``codes`` the sub-block codes of that shape."""
+    codes = {}
     for c in range(_SUB_CODES):
         r0, r1, c0, c1 = (int(v) for v in table[c])
         if r1 > r0:
-            shape_of.setdefault((r1 - r0, c1 - c0), []).append(c)
+            codes.setdefault((r1 - r0, c1 - c0), []).append(c)
+    keys = sorted(((shape, m) for shape in codes for m in (False, True)),
+                  key=lambda k: (k[1], -k[0][0] * k[0][1], k))
+    return [(shape, m, codes[shape]) for shape, m in keys]
+
+
+@functools.lru_cache(maxsize=256)
+def _groups_cached(schedule, order):
+    """Vectorised over the block list (O(blocks)); no pattern cells are built."""
+    blist = schedule.block_list(order)
+    table = _sub_table(schedule.chunk_q, schedule.chunk_kv)
+    block, code = _sub_steps(blist.split)
+    masked, keys = _step_masks(schedule, blist, block, code, table)
     groups = []
-    for (r, c), m in sorted(((shape, m) for shape in shape_of for m in (False, True)),
-                            key=lambda k: (k[1], -k[0][0] * k[0][1], k)):
-        steps = np.flatnonzero(np.isin(code, shape_of[r, c]) & (masked == m))
+    for (rows, cols), m, codes in _group_order(table):
+        steps = np.flatnonzero(np.isin(code, codes) & (masked == m))
         if not steps.size:
             continue
         q_chunk, kv_chunk = blist.q_chunk[block[steps]], blist.kv_chunk[block[steps]]
@@ -200,17 +219,19 @@ def _groups_cached(schedule, order):
                   q_chunk, kv_chunk]
         pattern_id = pattern_keys = None
         if m:
-            pattern_id, pattern_keys = _first_seen_ids(step_keys[steps])
+            pattern_id, pattern_keys = _first_seen_ids(keys[steps])
             arrays += [pattern_id, pattern_keys]
         for a in arrays:
             a.setflags(write=False)
-        groups.append(StepGroup(r, c, m, *arrays[:4], pattern_id=pattern_id,
+        groups.append(StepGroup(rows, cols, m, *arrays[:4], pattern_id=pattern_id,
                                 pattern_keys=pattern_keys))
     return tuple(groups)
 
 
 def step_groups(schedule, order="q_major"):
-    """The loop groups of a pass (cached per schedule and order).
+    """The loop groups of a pass (cached per schedule and order), in O(blocks) host time
+    and memory: a masked group's distinct patterns are deduplicated by their canonical keys,
+    and their cells (:attr:`StepGroup.patterns`) are built only when read.
 
     Args:
         schedule: a :class:`~popxl_flash.plan.schedule.BlockSchedule`.
