@@ -241,6 +241,10 @@ void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
 // chunks ascending, and flags each outer chunk's first and last visited step.
 BlockList flatten(const BlockPlan& plan, bool q_outer) {
     BlockList list;
+    const auto visited = static_cast<size_t>(plan.visited_blocks);  // exact sizes: no regrowth
+    for (auto* v : {&list.q_chunk, &list.kv_chunk, &list.pattern_id}) v->reserve(visited);
+    for (auto* v : {&list.kind, &list.split}) v->reserve(visited);
+    for (auto* v : {&list.first, &list.last}) v->reserve(visited);
     const int64_t n_outer = q_outer ? plan.nq : plan.nkv;
     const int64_t n_inner = q_outer ? plan.nkv : plan.nq;
     for (int64_t o = 0; o < n_outer; ++o) {
