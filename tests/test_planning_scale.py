@@ -109,11 +109,14 @@ def test_pattern_id_out_of_range_is_a_value_error():
 
 def test_the_choice_builds_no_pattern_cells():
     """Every candidate of a choice (a huge budget: all are planned) is counted without
-    building a dense pattern, an empty-row array or a row pass's cells."""
+    building a dense pattern, an empty-row array or a row pass's cells (the caches are
+    cleared first: a graph built earlier in the session may have read a schedule's cells)."""
+    for cache in (schedule._plan_cached, steps._groups_cached, steps.row_pass_plan,
+                  costmodel.choose):
+        cache.cache_clear()
     for kwargs in (dict(causal=True), dict(causal=False, window=(40, 3)),
                    dict(causal=True, window=(100, -1))):
         for lq, lkv in ((4096, 4096), (512, 4096), (4096, 1000)):
-            costmodel.choose.cache_clear()
             choice = costmodel.choose(lq, lkv, head_dim=64, groups=2, dtype="float16",
                                       memory_budget=2**50, **kwargs)
             for c in choice.candidates + (choice.seed,):
