@@ -49,20 +49,18 @@ py::dict planBlocksPy(int64_t lq, int64_t lkv, int64_t chunk_q, int64_t chunk_kv
     }
     const auto nq = static_cast<py::ssize_t>(plan.nq);
     const auto nkv = static_cast<py::ssize_t>(plan.nkv);
-    const auto num_empty = static_cast<py::ssize_t>(plan.empty_rows.size());
 
     py::dict out;
     out["nq"] = plan.nq;
     out["nkv"] = plan.nkv;
     out["kind"] = toArray(std::move(plan.kind), py::dtype::of<int8_t>(), {nq, nkv});
     out["pattern_id"] = toArray(std::move(plan.pattern_id), py::dtype::of<int32_t>(), {nq, nkv});
-    out["patterns"] = toArray(std::move(plan.patterns), py::dtype("bool"),
-                              {static_cast<py::ssize_t>(plan.num_patterns),
-                               static_cast<py::ssize_t>(chunk_q),
-                               static_cast<py::ssize_t>(chunk_kv)});
+    out["pattern_keys"] = toArray(std::move(plan.pattern_keys), py::dtype::of<int64_t>(),
+                                  {static_cast<py::ssize_t>(plan.num_patterns), 4});
     out["split"] = toArray(std::move(plan.split), py::dtype::of<int8_t>(), {nq, nkv});
     out["visited_per_q"] = toArray(std::move(plan.visited_per_q), py::dtype::of<int32_t>(), {nq});
-    out["empty_rows"] = toArray(std::move(plan.empty_rows), py::dtype::of<int32_t>(), {num_empty});
+    out["empty_rows_before"] = plan.empty_rows_before;
+    out["empty_rows_from"] = plan.empty_rows_from;
     out["visible_elements"] = plan.visible_elements;
     out["visited_blocks"] = plan.visited_blocks;
     out["full_blocks"] = plan.full_blocks;
@@ -81,6 +79,7 @@ PYBIND11_MODULE(_planner, m) {
     m.def("plan_blocks", &planBlocksPy, py::arg("lq"), py::arg("lkv"), py::arg("chunk_q"),
           py::arg("chunk_kv"), py::arg("causal"), py::arg("window_left"),
           py::arg("window_right"),
-          "Plan the block schedule; returns a dict of numpy arrays and int counts. "
+          "Plan the block schedule in O(blocks); returns a dict of numpy arrays and int counts "
+          "(pattern keys, not pattern cells). "
           "Raises ValueError on invalid arguments.");
 }

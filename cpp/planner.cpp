@@ -145,41 +145,26 @@ PatternKey canonicalKey(const BlockExtent& e, const LocalSpan& span) {
     return key;
 }
 
-// Hands out pattern ids in first-seen order and materialises each distinct pattern once.
+// Hands out pattern ids in first-seen order and records each distinct key once. The cells are
+// not materialised: a key is O(1), a pattern O(chunk_q * chunk_kv), and a long sequence's
+// candidate chunkings may have blocks of 16K x 16K cells or more.
 class PatternTable {
 public:
-    PatternTable(int64_t chunk_q, int64_t chunk_kv) : chunk_q_(chunk_q), chunk_kv_(chunk_kv) {}
-
     int32_t idFor(const PatternKey& key) {
         const auto found = ids_.find(key);
         if (found != ids_.end()) return found->second;
         const auto id = static_cast<int32_t>(ids_.size());
         ids_.emplace(key, id);
-        materialise(key);
+        keys_.insert(keys_.end(), {key.rows, key.cols, key.lo, key.hi});
         return id;
     }
 
     int64_t size() const { return static_cast<int64_t>(ids_.size()); }
-    std::vector<uint8_t> release() { return std::move(cells_); }
+    std::vector<int64_t> release() { return std::move(keys_); }
 
 private:
-    // Per-element work, once per distinct pattern: row r sees local columns
-    // [max(0, r + lo), min(cols' - 1, r + hi)]; everything else (padding too) stays invisible.
-    void materialise(const PatternKey& key) {
-        const size_t base = cells_.size();
-        cells_.resize(base + static_cast<size_t>(chunk_q_ * chunk_kv_), 0);
-        for (int64_t r = 0; r < key.rows; ++r) {
-            const int64_t first = std::max<int64_t>(0, r + key.lo);
-            const int64_t last = std::min(key.cols - 1, r + key.hi);
-            uint8_t* row = cells_.data() + base + static_cast<size_t>(r * chunk_kv_);
-            for (int64_t c = first; c <= last; ++c) row[c] = 1;
-        }
-    }
-
-    int64_t chunk_q_;
-    int64_t chunk_kv_;
     std::map<PatternKey, int32_t> ids_;
-    std::vector<uint8_t> cells_;
+    std::vector<int64_t> keys_;  // [size() * 4] in id order
 };
 
 // ---- split ----------------------------------------------------------------------------------
@@ -225,7 +210,7 @@ void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
     plan.split.assign(num_blocks, static_cast<int8_t>(BlockSplit::Whole));
     plan.visited_per_q.assign(static_cast<size_t>(plan.nq), 0);
 
-    PatternTable table(req.chunk_q, req.chunk_kv);
+    PatternTable table;
     for (int64_t bi = 0; bi < plan.nq; ++bi) {  // row-major: first-seen order of patterns
         for (int64_t bj = 0; bj < plan.nkv; ++bj) {
             const BlockExtent e = extentOf(req, bi, bj);
@@ -249,13 +234,17 @@ void fillBlockTables(const PlanRequest& req, BlockPlan& plan) {
     }
     plan.visited_blocks = plan.full_blocks + plan.partial_blocks;
     plan.num_patterns = table.size();
-    plan.patterns = table.release();
+    plan.pattern_keys = table.release();
 }
 
 // Flattens the visited blocks, outer chunk by outer chunk (q chunks outer if q_outer), inner
 // chunks ascending, and flags each outer chunk's first and last visited step.
 BlockList flatten(const BlockPlan& plan, bool q_outer) {
     BlockList list;
+    const auto visited = static_cast<size_t>(plan.visited_blocks);  // exact sizes: no regrowth
+    for (auto* v : {&list.q_chunk, &list.kv_chunk, &list.pattern_id}) v->reserve(visited);
+    for (auto* v : {&list.kind, &list.split}) v->reserve(visited);
+    for (auto* v : {&list.first, &list.last}) v->reserve(visited);
     const int64_t n_outer = q_outer ? plan.nq : plan.nkv;
     const int64_t n_inner = q_outer ? plan.nkv : plan.nq;
     for (int64_t o = 0; o < n_outer; ++o) {
@@ -278,20 +267,39 @@ BlockList flatten(const BlockPlan& plan, bool q_outer) {
     return list;
 }
 
-// Closed-form per row: row i sees [max(0, i + shift + low), min(Lkv - 1, i + shift + high)].
+// sum_{x = a}^{a + m - 1} clamp(x, 0, n), closed form (m >= 0, n >= 0).
+int64_t sumClamped(int64_t a, int64_t m, int64_t n) {
+    const int64_t b = a + m - 1;
+    int64_t total = 0;
+    const int64_t p = std::max<int64_t>(a, 1), q = std::min(b, n);  // x itself
+    if (p <= q) total += (p + q) * (q - p + 1) / 2;
+    const int64_t r = std::max(a, n + 1);  // clamped to n
+    if (r <= b) total += n * (b - r + 1);
+    return total;
+}
+
+// Cells (i, j) of the Lq x Lkv matrix with j - i <= t: row i holds clamp(i + t + 1, 0, Lkv).
+int64_t cellsOnOrBelow(const PlanRequest& req, int64_t t) {
+    return sumClamped(t + 1, req.lq, req.lkv);
+}
+
+// Closed form: row i sees [max(0, i + shift + low), min(Lkv - 1, i + shift + high)], and
+// low <= 0 <= high whenever both are bounded (a window side is >= 0, causal is high = 0), so a
+// row sees nothing iff i + shift + high < 0 (a leading row) or i + shift + low > Lkv - 1 (a
+// trailing one); the visible cells are those with low <= j - i - shift <= high.
 void fillRowCounts(const PlanRequest& req, BlockPlan& plan) {
     const DiagonalBand band = bandOf(req);
     const int64_t shift = req.lkv - req.lq;
-    for (int64_t i = 0; i < req.lq; ++i) {
-        const int64_t first = band.has_low ? std::max<int64_t>(0, i + shift + band.low) : 0;
-        const int64_t last =
-            band.has_high ? std::min(req.lkv - 1, i + shift + band.high) : req.lkv - 1;
-        if (last >= first) {
-            plan.visible_elements += last - first + 1;
-        } else {
-            plan.empty_rows.push_back(static_cast<int32_t>(i));
-        }
-    }
+    plan.empty_rows_before =
+        band.has_high ? std::clamp<int64_t>(-shift - band.high, 0, req.lq) : 0;
+    plan.empty_rows_from =
+        band.has_low ? std::clamp<int64_t>(req.lkv - shift - band.low, plan.empty_rows_before,
+                                           req.lq)
+                     : req.lq;
+    const int64_t upper =
+        band.has_high ? cellsOnOrBelow(req, shift + band.high) : req.lq * req.lkv;
+    const int64_t lower = band.has_low ? cellsOnOrBelow(req, shift + band.low - 1) : 0;
+    plan.visible_elements = upper - lower;
 }
 
 }  // namespace

@@ -62,11 +62,18 @@ struct BlockPlan {
     std::vector<int8_t> kind;             // [nq * nkv] row-major, BlockKind values
     std::vector<int32_t> pattern_id;      // [nq * nkv] row-major, kNoPattern unless partial
     int64_t num_patterns = 0;             // P
-    std::vector<uint8_t> patterns;        // [P * chunk_q * chunk_kv], 1 = visible
+    // [P * 4] canonical keys (rows', cols', lo, hi) of the distinct patterns, by id: pattern p
+    // holds cell (r, c) iff r < rows', c < cols' and lo <= c - r <= hi (planner.cpp). The
+    // cells themselves are never built here (O(P * chunk_q * chunk_kv)); the Python face
+    // builds them on demand for the graph code.
+    std::vector<int64_t> pattern_keys;
     std::vector<int8_t> split;            // [nq * nkv] row-major, BlockSplit values
     std::vector<int32_t> visited_per_q;   // [nq] non-skip blocks per q chunk
-    std::vector<int32_t> empty_rows;      // real query rows that see no key, ascending
-    int64_t visible_elements = 0;
+    // The real query rows that see no key are [0, empty_rows_before) and [empty_rows_from, Lq)
+    // (closed form: every row sees one contiguous band, see the file comment).
+    int64_t empty_rows_before = 0;
+    int64_t empty_rows_from = 0;
+    int64_t visible_elements = 0;         // closed form, no per-row work
     int64_t visited_blocks = 0;
     int64_t full_blocks = 0;
     int64_t partial_blocks = 0;
@@ -75,7 +82,8 @@ struct BlockPlan {
     BlockList kv_major;                   // backward order: kv chunk outer, q chunk inner
 };
 
-// Plans the block schedule. Throws std::invalid_argument on an invalid request and
+// Plans the block schedule in O(nq * nkv) time and memory (no per-row or per-element work).
+// Throws std::invalid_argument on an invalid request and
 // std::length_error when an index output would not fit its int32 table.
 BlockPlan planBlocks(const PlanRequest& request);
 

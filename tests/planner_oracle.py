@@ -145,3 +145,81 @@ def _block_list(kind, pattern_id, split, order):
         first=change[:-1].copy(),
         last=change[1:].copy(),
     )
+
+
+# ---- eager step groups and row passes (the dense way, from the schedule's patterns) ---------
+
+
+def eager_step_groups(schedule, order):
+    """Step groups (``popxl_flash.plan.steps.step_groups``) by slicing every step's sub-block
+    out of the dense block pattern and deduplicating the slices by their bytes: per-element
+    work for every step, with no use of the planner's pattern keys.
+
+    Returns:
+        list of dicts (rows, cols, masked, q_row, kv_row, q_chunk, kv_chunk, pattern_id,
+        patterns) in the planner's group order: unmasked first, larger shapes first.
+    """
+    blist = schedule.block_list(order)
+    cq, ckv = schedule.chunk_q, schedule.chunk_kv
+    h, w = cq // 2, ckv // 2
+    subs = {WHOLE: [((0, cq), (0, ckv))], LOWER: [((0, h), (0, w)), ((h, cq), (0, ckv))],
+            UPPER: [((0, h), (0, ckv)), ((h, cq), (w, ckv))]}
+    items = {}
+    for qc, kc, kind, pid, split in zip(blist.q_chunk, blist.kv_chunk, blist.kind,
+                                        blist.pattern_id, blist.split):
+        for (r0, r1), (c0, c1) in subs[int(split)]:
+            pattern = None
+            if kind != FULL:
+                pattern = schedule.patterns[pid, r0:r1, c0:c1]
+                if pattern.all():
+                    pattern = None
+            entry = items.setdefault((r1 - r0, c1 - c0, pattern is not None),
+                                     dict(q_row=[], kv_row=[], q_chunk=[], kv_chunk=[], ids=[],
+                                          distinct={}))
+            entry["q_row"].append(int(qc) * cq + r0)
+            entry["kv_row"].append(int(kc) * ckv + c0)
+            entry["q_chunk"].append(int(qc))
+            entry["kv_chunk"].append(int(kc))
+            if pattern is not None:
+                distinct = entry["distinct"]
+                entry["ids"].append(distinct.setdefault(pattern.tobytes(),
+                                                        (len(distinct), pattern))[0])
+    groups = []
+    for (rows, cols, masked), e in sorted(items.items(),
+                                          key=lambda kv: (kv[0][2], -kv[0][0] * kv[0][1], kv[0])):
+        group = dict(rows=rows, cols=cols, masked=masked, pattern_id=None, patterns=None)
+        for name in ("q_row", "kv_row", "q_chunk", "kv_chunk"):
+            group[name] = np.asarray(e[name], np.int32)
+        if masked:
+            group["pattern_id"] = np.asarray(e["ids"], np.int32)
+            group["patterns"] = np.stack([p for _, p in sorted(e["distinct"].values(),
+                                                                key=lambda x: x[0])])
+        groups.append(group)
+    return groups
+
+
+def eager_row_passes(Lq, Lkv, chunk_q, causal=True, window=None):
+    """Row passes (``popxl_flash.plan.steps.row_pass_plan``, one kv chunk) from the dense
+    visibility: per q chunk its rows, the columns any row sees, the pattern on them (``None``
+    if all visible) and the rows that see a key (``None`` if all do).
+
+    Returns:
+        list of dicts (rows, cols, pattern, seen).
+    """
+    dense = dense_visibility(Lq, Lkv, chunk_q, Lkv, causal, window)
+    passes = []
+    for r0 in range(0, Lq, chunk_q):
+        r1 = min(r0 + chunk_q, Lq)
+        visible = dense[r0:r1, :Lkv]
+        columns = np.flatnonzero(visible.any(axis=0))
+        if not columns.size:
+            passes.append(dict(rows=(r0, r1), cols=(0, 0), pattern=None,
+                               seen=np.zeros(r1 - r0, bool)))
+            continue
+        lo, hi = int(columns[0]), int(columns[-1]) + 1
+        pattern = visible[:, lo:hi]
+        seen = pattern.any(axis=1)
+        passes.append(dict(rows=(r0, r1), cols=(lo, hi),
+                           pattern=None if pattern.all() else pattern,
+                           seen=None if seen.all() else seen))
+    return passes

@@ -167,14 +167,14 @@ def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, sca
         block = {"1": 1, "gL": G * Lq, "gLd": G * Lq * D, "gkLd": Gk * Lkv * D,
                  "gLL": G * Lq * Lkv}
         out.append(("single", block))
-        if sched.empty_rows.size:  # the seen-rows constant [1, Lq, 1] and its selects
+        if sched.num_empty_rows:  # the seen-rows constant [1, Lq, 1] and its selects
             out.append(("single_empty_rows", {**block, "L": Lq}))
         if not folds:  # the scores scaled, not k
             out.append(("single_unfolded", block))
         if sched.kind[0, 0] == _schedule.PARTIAL:  # the pattern [1, Lq, Lkv] and its where
             out.append(("single_masked", {**block, "LL": Lq * Lkv}))
         return out
-    if sched.empty_rows.size:
+    if sched.num_empty_rows:
         out.append(("empty_rows", pass_terms))
     out.append(("fixed", pass_terms))
     if not folds:  # no k * scale; the backward scales dq once
@@ -191,7 +191,7 @@ def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, sca
             out.append(("unfolded_step", terms))
         if g.masked:
             out.append(("masked_step", terms))
-            if g.patterns.shape[0] > 1:
+            if g.num_patterns > 1:
                 out.append(("gathered_pattern", terms))
     for entry, (groups_, length, padded) in (("pad_kv", (Gk, Lkv, lkv_pad)),
                                              ("pad_q", (G, Lq, lq_pad))):
@@ -212,7 +212,7 @@ def _row_step_records(sched, G, Gk, D, folds):
         out.append(("inline_step", terms))
         if not folds:
             out.append(("unfolded_step", terms))
-        if rp.pattern is not None:
+        if rp.masked:
             out.append(("masked_step", terms))
     return out
 
@@ -235,8 +235,8 @@ def _row_pass_records(sched, G, Gk, D, folds):
         terms = {"1": 1, "gLL": G * rows * cols, "gL": G * rows, "gLd": G * rows * D,
                  "gkLd": Gk * cols * D}
         out.append(("row_pass", terms))
-        for entry, applies in (("row_pass_masked", rp.pattern is not None),
-                               ("row_pass_empty_rows", rp.seen is not None),
+        for entry, applies in (("row_pass_masked", rp.masked),
+                               ("row_pass_empty_rows", not rp.all_seen),
                                ("row_pass_unfolded", not folds)):
             if applies:
                 out.append((entry, terms))

@@ -121,20 +121,20 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
     G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
     if _steps.single_block(sched):  # (no segment ids: the choice prices those loops apart)
         terms = _single_terms(dtype, backward, G, Gk, sched.Lq, sched.Lkv, D)
-        return int(SINGLE_MARGIN * terms + sched.patterns.nbytes + 8 * G * sched.Lq
+        return int(SINGLE_MARGIN * terms + sched.patterns_nbytes + 8 * G * sched.Lq
                    + FIXED_BYTES)
     if not backward and _steps.row_passes(sched):
         return _row_pass_bytes(sched, G, Gk, D, dtype)
     lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
     cq, ckv = sched.chunk_q, sched.chunk_kv
-    tables = sched.patterns.nbytes + TABLE_BYTES_PER_STEP * steps
+    tables = sched.patterns_nbytes + TABLE_BYTES_PER_STEP * steps
     rows = backward and _steps.row_passes(sched)
     if rows:  # inline steps on the unpadded tensors, the largest one's block
         plan = _steps.row_pass_plan(sched)
         lq, lkv = sched.Lq, sched.Lkv
         cq, ckv = max(((p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]) for p in plan),
                       key=lambda rc: rc[0] * rc[1])
-        tables = sum(p.pattern.nbytes for p in plan if p.pattern is not None)
+        tables = sum(p.pattern_nbytes for p in plan)
     pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
     block = G * cq * ckv * _F32
     if not backward:
@@ -169,7 +169,7 @@ def _row_pass_bytes(sched, G, Gk, D, dtype):
             constants += G * rows * (D * item + _F32)
             continue
         worst = max(worst, _single_terms(dtype, False, G, Gk, rows, cols, D))
-        constants += sum(a.nbytes for a in (rp.pattern, rp.seen) if a is not None)
+        constants += rp.pattern_nbytes + rp.seen_nbytes
     results = G * sched.Lq * (D * item + _F32)  # out and lse of every pass
     kv_rows = ROW_PASS_KV_ROWS[dtype] * Gk * sched.Lkv * D * _F32
     return int(SINGLE_MARGIN * worst + kv_rows + results + constants + 8 * G * sched.Lq

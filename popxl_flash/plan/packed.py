@@ -252,7 +252,7 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
         cls = classes[g.q_chunk, g.kv_chunk]
         skipped, full = int((cls == RT_SKIP).sum()), int((cls == RT_FULL).sum())
         running = g.steps - skipped
-        gathers = bool(g.masked and g.patterns.shape[0] > 1)
+        gathers = bool(g.masked and g.num_patterns > 1)
         supersteps += fixed["group"] + two * fixed["two"]
         supersteps += g.steps * (2 * pos + gathers) + skipped * (base["skip"] + two)
         run = base["run"] + f16 + (not folds) + 2 * two

@@ -72,6 +72,7 @@ __all__ = [
     "BlockList",
     "FlopCount",
     "MemoryEstimate",
+    "key_cells",
     "normalise_window",
     "plan",
 ]
@@ -122,6 +123,13 @@ class BlockSchedule:
     Immutable and shared (``plan`` caches it): the numpy arrays are read-only. Equality is
     identity; compare fields explicitly if needed.
 
+    Planning is O(blocks) in host time and memory: the planner returns per-block tables, the
+    block lists and closed-form counts, and a canonical key per distinct pattern. The dense
+    cells (:attr:`patterns`, :meth:`pattern`) and the rows that see nothing
+    (:attr:`empty_rows`) are built on first access only (by the graph code, for the schedule
+    it builds); the cost model reads :attr:`num_patterns`, :attr:`patterns_nbytes` and
+    :attr:`num_empty_rows` instead.
+
     Attributes:
         Lq: query length (int).
         Lkv: key/value length (int).
@@ -136,13 +144,15 @@ class BlockSchedule:
             visible, no padding) or ``PARTIAL`` (2, masked by a pattern).
         pattern_id: ``int32[nq, nkv]``; index into ``patterns`` for partial blocks, -1 elsewhere.
             Ids are given in first-seen row-major block order.
+        pattern_keys: ``int64[P, 4]``; the canonical key ``(rows, cols, lo, hi)`` of each
+            distinct pattern: it holds local cell ``(r, c)`` iff ``r < rows``, ``c < cols``
+            and ``lo <= c - r <= hi`` (equal keys <=> equal contents; ``cpp/planner.cpp``).
         split: ``int8[nq, nkv]``; ``WHOLE``, ``LOWER`` or ``UPPER`` (how a partial block is cut
             into two sub-blocks to skip an invisible quadrant; ``WHOLE`` for full and skip blocks).
-        patterns: ``bool[P, chunk_q, chunk_kv]``; distinct (by content) masks of the partial
-            blocks, True = visible; padding rows/columns are False.
         visited_per_q: ``int32[nq]``; non-skip blocks in each q chunk row.
-        empty_rows: ``int32[E]``, ascending; real query rows (< Lq) that see no key at all
-            (their output is 0 and their lse -inf).
+        empty_rows_before, empty_rows_from: the real query rows that see no key at all (their
+            output is 0 and their lse -inf) are ``[0, empty_rows_before)`` and
+            ``[empty_rows_from, Lq)`` (ints; every row sees one contiguous band of keys).
         visible_elements: number of visible (query, key) pairs (int).
         visited_blocks: number of non-skip blocks, ``full_blocks + partial_blocks`` (int).
         full_blocks: number of ``FULL`` blocks (int).
@@ -161,10 +171,11 @@ class BlockSchedule:
     nkv: int
     kind: np.ndarray = field(repr=False)
     pattern_id: np.ndarray = field(repr=False)
-    patterns: np.ndarray = field(repr=False)
+    pattern_keys: np.ndarray = field(repr=False)
     split: np.ndarray = field(repr=False)
     visited_per_q: np.ndarray = field(repr=False)
-    empty_rows: np.ndarray = field(repr=False)
+    empty_rows_before: int
+    empty_rows_from: int
     visible_elements: int
     visited_blocks: int
     full_blocks: int
@@ -175,7 +186,59 @@ class BlockSchedule:
     @property
     def num_patterns(self) -> int:
         """P, the number of distinct partial-block patterns."""
-        return int(self.patterns.shape[0])
+        return int(self.pattern_keys.shape[0])
+
+    @property
+    def patterns_nbytes(self) -> int:
+        """Bytes of :attr:`patterns` (``P * chunk_q * chunk_kv``), without building it."""
+        return self.num_patterns * self.chunk_q * self.chunk_kv
+
+    def pattern(self, pattern_id: int) -> np.ndarray:
+        """One pattern, built from its key (O(chunk_q * chunk_kv); nothing cached).
+
+        Args:
+            pattern_id: an id of :attr:`pattern_id`, ``0 <= pattern_id < P``.
+
+        Returns:
+            ``bool[chunk_q, chunk_kv]``, True = visible; padding rows/columns are False.
+        """
+        if not 0 <= pattern_id < self.num_patterns:
+            raise ValueError(f"pattern_id={pattern_id} is not in 0..{self.num_patterns - 1}")
+        return key_cells(self.chunk_q, self.chunk_kv, self.pattern_keys[pattern_id])
+
+    @functools.cached_property
+    def patterns(self) -> np.ndarray:
+        """``bool[P, chunk_q, chunk_kv]`` (read-only, built on first access and kept): the
+        distinct (by content) masks of the partial blocks, True = visible; padding
+        rows/columns are False. O(P * chunk_q * chunk_kv) bytes: the planning path reads
+        :attr:`num_patterns` and :attr:`patterns_nbytes` instead."""
+        cells = np.zeros((self.num_patterns, self.chunk_q, self.chunk_kv), dtype=bool)
+        for p, key in enumerate(self.pattern_keys):
+            cells[p] = key_cells(self.chunk_q, self.chunk_kv, key)
+        cells.flags.writeable = False
+        return cells
+
+    @property
+    def num_empty_rows(self) -> int:
+        """E, the number of real query rows that see no key."""
+        return self.empty_rows_before + (self.Lq - self.empty_rows_from)
+
+    @functools.cached_property
+    def empty_rows(self) -> np.ndarray:
+        """``int32[E]``, ascending (read-only, built on first access): the real query rows
+        (< Lq) that see no key at all; :attr:`num_empty_rows` counts them without building."""
+        rows = np.r_[np.arange(self.empty_rows_before), np.arange(self.empty_rows_from, self.Lq)]
+        rows = rows.astype(np.int32)
+        rows.flags.writeable = False
+        return rows
+
+    def diagonal_band(self) -> tuple:
+        """``(low, high)``: row ``i`` sees column ``j`` iff ``low <= j - i - (Lkv - Lq) <=
+        high`` (and ``0 <= j < Lkv``); ``None`` = unbounded on that side."""
+        left, right = self.window
+        low = -left if left != UNBOUNDED else None
+        highs = ([0] if self.causal else []) + ([right] if right != UNBOUNDED else [])
+        return low, (min(highs) if highs else None)
 
     def forward_flops(self, head_dim: int, groups: int = 1) -> FlopCount:
         """Matmul FLOPs of the forward pass (QK^T and PV per visited block).
@@ -258,7 +321,7 @@ class BlockSchedule:
         running_stats = 2 * g * self.Lq * _FLOAT32_BYTES  # m, l
         block_scores = 2 * g * self.chunk_q * self.chunk_kv * _FLOAT32_BYTES  # scores + probs
         split = int((self.split[self.kind != SKIP] != WHOLE).sum())
-        tables = 12 * (self.visited_blocks + split) + self.patterns.nbytes
+        tables = 12 * (self.visited_blocks + split) + self.patterns_nbytes
         flash = io_bytes + lse + accumulator + running_stats + block_scores + tables
         return MemoryEstimate(flash=flash, naive=io_bytes + naive_scores)
 
@@ -374,7 +437,7 @@ def _plan_cached(Lq, Lkv, chunk_q, chunk_kv, causal, window):
     reach = Lq + Lkv
     left, right = (min(side, reach) for side in window)
     raw = _planner.plan_blocks(Lq, Lkv, chunk_q, chunk_kv, causal, left, right)
-    for name in ("kind", "pattern_id", "patterns", "split", "visited_per_q", "empty_rows"):
+    for name in ("kind", "pattern_id", "pattern_keys", "split", "visited_per_q"):
         raw[name].flags.writeable = False
     lists = {}
     for order in ORDERS:
@@ -393,10 +456,11 @@ def _plan_cached(Lq, Lkv, chunk_q, chunk_kv, causal, window):
         nkv=int(raw["nkv"]),
         kind=raw["kind"],
         pattern_id=raw["pattern_id"],
-        patterns=raw["patterns"],
+        pattern_keys=raw["pattern_keys"],
         split=raw["split"],
         visited_per_q=raw["visited_per_q"],
-        empty_rows=raw["empty_rows"],
+        empty_rows_before=int(raw["empty_rows_before"]),
+        empty_rows_from=int(raw["empty_rows_from"]),
         visible_elements=int(raw["visible_elements"]),
         visited_blocks=int(raw["visited_blocks"]),
         full_blocks=int(raw["full_blocks"]),
@@ -404,6 +468,27 @@ def _plan_cached(Lq, Lkv, chunk_q, chunk_kv, causal, window):
         executed_elements=int(raw["executed_elements"]),
         lists=lists,
     )
+
+
+def key_cells(rows, cols, key):
+    """The cells of a canonical pattern key (:attr:`BlockSchedule.pattern_keys`).
+
+    Args:
+        rows, cols: the shape to build (at least the key's ``rows`` and ``cols``).
+        key: ``(rows', cols', lo, hi)``: cell ``(r, c)`` is visible iff ``r < rows'``,
+            ``c < cols'`` and ``lo <= c - r <= hi``; ``rows' == 0`` = nothing visible.
+
+    Returns:
+        ``bool[rows, cols]``, True = visible (O(rows * cols) bytes, no wider temporaries).
+    """
+    key_rows, key_cols, lo, hi = (int(v) for v in key)
+    lo, hi = max(lo, -key_rows), min(hi, key_cols)  # diagonals beyond the block: unbounded
+    cells = np.zeros((rows, cols), dtype=bool)
+    if key_rows > 0 and key_cols > 0 and lo <= hi:
+        below = np.tri(key_rows, key_cols, hi, dtype=bool)  # c - r <= hi
+        below &= ~np.tri(key_rows, key_cols, lo - 1, dtype=bool)  # and c - r >= lo
+        cells[:key_rows, :key_cols] = below
+    return cells
 
 
 def _int(name, value):
