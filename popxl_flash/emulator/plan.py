@@ -219,8 +219,8 @@ def _modified_roots(g, al, pinned):
     for op in g._ops:
         for pos in op.modifies:
             root = al.find(op.inputs[pos])
-            for owner in al.owners(root):
-                if isinstance(owner, Constant):
+            for owner in al.owners(root):  # a concat_ may join a constant to other storage
+                if isinstance(owner, Constant) and al.overlap(owner, op.inputs[pos]):
                     raise NotImplementedError(f"{op.kind} modifies constant {owner.id} (or a "
                                               "view of it) in place; not supported by the "
                                               "emulator")
@@ -259,7 +259,9 @@ def _plan_inputs(g, plan, slot, al, modified, last, out_roots):
 
 
 def _plan_outputs(g, plan, slot, al, pinned):
-    seen, inputs = set(), {id(t) for t in g._inputs}
+    """Output slots; an output is copied out when its storage group holds pinned storage, a
+    graph input (a ``concat_`` may join an input to local storage) or an earlier output."""
+    seen, inputs = set(), {id(al.find(t)) for t in g._inputs}
     for o in g._outputs:
         root = id(al.find(o))
         plan.out_slots.append(slot[id(o)])
@@ -415,7 +417,8 @@ def _scatter(kind, out, arrays, attrs):
         return
     bounds = np.cumsum([a.shape[attrs["axis"]] for a in arrays])
     for a, part in zip(arrays, np.split(out, bounds[:-1], axis=attrs["axis"])):
-        a[...] = part
+        if a.flags.writeable:  # a constant (read-only): no op writes it (_modified_roots)
+            a[...] = part
 
 
 def _sync(up, targets, down, env):

@@ -479,3 +479,34 @@ def test_outplace_view_allocates_its_output_and_inplace_view_nothing(kind):
     assert _peak(lambda x, y: x) == xy
     assert _peak(lambda x, y: build(x, y, kind + "_")) == xy
     assert _peak(lambda x, y: build(x, y, kind)) == xy + out_bytes
+
+
+def _join_input_to_local(t):
+    c = ops.concat_([t * 2.0, t], axis=0)
+    return t, c
+
+
+def test_a_callee_output_joined_to_its_input_by_concat_inplace_is_a_copy_in_the_caller():
+    # As above: CallOp outputs are copies out of the callee (popx/op/callx.cpp), also when a
+    # concat_ makes the returned input one storage with the callee's own tensors.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(X[:1], name="x")
+        y, c = ops.call(ir.create_graph(_join_input_to_local, x), x)
+        x += _const(1.0)
+        s0, s1 = store(y), store(c)
+    (ys, cs), _ = _session_values(ir, [s0, s1])
+    np.testing.assert_array_equal(ys, X[:1])
+    np.testing.assert_array_equal(cs, np.concatenate([2 * X[:1], X[:1]]))
+
+
+def test_write_to_a_variable_joined_with_a_constant_by_concat_inplace():
+    # Only the variable's elements are written: the constant's are not modified.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(X[:1], name="x")
+        c = ops.concat_([_const(X[1:]), x], axis=0)
+        x += _const(1.0)
+        s = store(c)
+    (cs,), _ = _session_values(ir, [s])
+    np.testing.assert_array_equal(cs, np.concatenate([X[1:], X[:1] + 1]))
