@@ -434,10 +434,12 @@ def _sync(up, targets, down, env):
         seen.add(s)
         kind, ins, attrs = up[s]
         arrays = [env[i] for i in ins]
+        if any(a is None for a in arrays):  # not in this program fragment's environment
+            continue
         if kind in _COPYING_VIEWS and _copied(kind, env[s], arrays):
             _scatter(kind, env[s], arrays, attrs)
         stack.extend(ins)
     for kind, ins, o, attrs in down:
         out, arrays = env[o], [env[i] for i in ins]
-        if out is not None and _copied(kind, out, arrays):
+        if out is not None and all(a is not None for a in arrays) and _copied(kind, out, arrays):
             out[...] = IMPLS[kind](*arrays, **attrs)

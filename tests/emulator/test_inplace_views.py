@@ -322,6 +322,25 @@ def test_repeat_body_writing_a_view_of_a_by_ref_input_accumulates():
     np.testing.assert_array_equal(xv, want)
 
 
+def _bump_flat(t: popxl.TensorByRef):
+    t += _const(np.arange(12))
+
+
+def test_repeat_by_ref_on_a_flattened_transpose_view_updates_the_source_each_iteration():
+    # The by-ref argument is flatten_(transpose_(x)), a view of x (ReshapeInplaceOp of a
+    # TransposeInplaceOp); LoopOp's modified input reaches it, hence x.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(X, name="x")
+        flat = ops.flatten_(ops.transpose_(x))
+        ops.repeat(ir.create_graph(_bump_flat, flat), 4, flat)
+        s = store(flat)
+    (fs,), (xv,) = _session_values(ir, [s], [x])
+    want = X + 4 * np.arange(12).reshape(4, 3).T
+    np.testing.assert_array_equal(xv, want)
+    np.testing.assert_array_equal(fs, want.T.reshape(-1))
+
+
 def _concat_body(a: popxl.TensorByRef, b: popxl.TensorByRef):
     c = ops.concat_([a, b], axis=0)
     c += _const(np.arange(12).reshape(3, 4))
