@@ -341,6 +341,24 @@ def test_repeat_by_ref_on_a_flattened_transpose_view_updates_the_source_each_ite
     np.testing.assert_array_equal(fs, want.T.reshape(-1))
 
 
+def _view_outputs(t):
+    u = ops.concat_([t, t], axis=0) + 1.0  # [6, 4]
+    return ops.reshape_(ops.slice_(ops.reshape_(u, (2, 3, 4)), start=0, stop=1, axis=0), (3, 4))
+
+
+def test_repeat_body_output_that_is_a_view_carries_its_value():
+    # LoopOpx copies each body output into the carried input's clone (popx/op/loopx.cpp): a
+    # view output carries the viewed values, iteration after iteration.
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x = popxl.variable(X, name="x")
+        (y,) = ops.repeat(ir.create_graph(_view_outputs, x), 3, x)
+        s = store(y)
+    (ys,), (xv,) = _session_values(ir, [s], [x])
+    np.testing.assert_array_equal(ys, X + 3)
+    np.testing.assert_array_equal(xv, X)
+
+
 def _concat_body(a: popxl.TensorByRef, b: popxl.TensorByRef):
     c = ops.concat_([a, b], axis=0)
     c += _const(np.arange(12).reshape(3, 4))
