@@ -510,8 +510,7 @@ def fold_heads(cfg, t, alias=True):
     groups that share a kv group stacked as the row blocks of one matrix, so that one matmul
     per kv group serves them all (a view, ``reshape_``: no copy; no op at all for multi-head
     attention, r = 1). ``alias=False``: ``reshape`` (PopART's inplace pattern makes it the
-    same view) for q and do and their static slices, whose layout the caller chooses (the
-    emulator's ``reshape_`` refuses a source it cannot alias, such as a transposed copy).
+    same view) for q and do and their static slices, whose layout the caller chooses.
 
     q groups share kv groups consecutively (q group ``g`` reads kv group ``g // r``), so this
     is a row-major reshape: row ``h * rows + c`` of kv group ``gk`` is row ``c`` of q group
