@@ -339,8 +339,10 @@ def check_ambiguity(g, al, bins=None):
 
     Aliasing is per element (poprithms ``Graph::containsAmbiguity`` over ``allAliases``, in
     ``memory/inplace/graph.cpp``; :meth:`.views.Aliases.overlap`): a modifier of one ``slice_``
-    region and a reader of a disjoint region are not ambiguous. View ops (``*_`` shape ops,
-    ``concat_``) do not read (``readingConsumers``: not a pure view of an output).
+    region and a reader of a disjoint region are not ambiguous. Every op reads its inputs,
+    view ops included: PopART grows a view as a view change then an alias gate, and a gate is
+    not a pure view (``readingConsumers``); a slice reads only its region
+    (:meth:`.views.Aliases.read_elements`).
 
     A modifier is an op input that is modified *and* aliases an output: PopART's alias model
     (``Op::growAliasModelMulti``) adds a modifying edge only there. A call or repeat that
@@ -365,13 +367,12 @@ def check_ambiguity(g, al, bins=None):
             root = id(al.find(t))
             if pos in op.modifies and op.alias == "modify":
                 modifiers[root].append((k, t))
-            if op.alias != "view":  # poprithms readingConsumers: not a pure view of an output
-                readers[root].append((k, t))
+            readers[root].append((k, t, pos))
     for root, mods in modifiers.items():
         for m, t0 in mods:
-            for k, t1 in readers[root]:
+            for k, t1, pos in readers[root]:
                 if k != m and not ((anc[m] >> k) & 1 or (anc[k] >> m) & 1) \
-                        and al.overlap(t0, t1):
+                        and al.overlap(t0, t1, al.read_elements(ops[k], pos)):
                     raise PopartError(
                         f"Inplacing ambiguity detected in graph {g.name}. The tensor {t0.id} is "
                         f"modified by {ops[m]}, and the tensor {t1.id}, which is an alias of "

@@ -12,7 +12,8 @@ least one element (poprithms ``memory/alias/graph.cpp``, ``Graph::allAliases``):
   joins all its inputs into one group) and the bytes the group owns.
 * :meth:`Aliases.overlap`: whether two tensors of one group share an element, computed on
   flat element indices (the view op's own numpy implementation applied to the indices of its
-  inputs, as the alias graph applies the view change to regions).
+  inputs, as the alias graph applies the view change to regions);
+  :meth:`Aliases.read_elements`: the elements an op reads (a slice: its region).
 """
 from collections import defaultdict
 
@@ -88,8 +89,28 @@ class Aliases:
             self._index[key] = idx
         return self._index[key]
 
-    def overlap(self, a, b):
-        """Returns: whether tensors ``a`` and ``b`` share at least one element of storage."""
+    def read_elements(self, op, pos):
+        """The elements of ``op``'s input ``pos`` that ``op`` reads, as flat indices.
+
+        PopART models a view op (inplace or outplace) as a poprithms view change followed by
+        an alias gate (``AliasModel::insertViewChange``, ``willow/src/alias/aliasmodel.cpp``)
+        and a gate is never a pure view (``AliasGate::isView``, poprithms ``memory/inplace/
+        ops.hpp``): the gate reads what the view change selects. So a slice or subsample reads
+        its region and every other op its whole input.
+        """
+        t = op.inputs[pos]
+        if op.kind in _REGION_READS:
+            from .registry import IMPLS
+            return np.asarray(IMPLS[op.kind](self.elements(t), **op.attrs))
+        return self.elements(t)
+
+    def overlap(self, a, b, b_elements=None):
+        """Returns: whether tensors ``a`` and ``b`` share at least one element of storage
+        (``b_elements``: the elements of ``b`` to compare, default all of them)."""
         if self.find(a) is not self.find(b) or not a.nelms or not b.nelms:
             return False
-        return np.intersect1d(self.elements(a), self.elements(b)).size > 0
+        eb = self.elements(b) if b_elements is None else b_elements
+        return np.intersect1d(self.elements(a), eb).size > 0
+
+
+_REGION_READS = ("slice", "slice_", "subsample")  # ops reading a region of their input

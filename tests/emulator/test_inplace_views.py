@@ -7,8 +7,9 @@
   ``cloneNcopy`` their output (``willow/src/popx/op/{reshapex,transposex,slicex,concatx}.cpp``).
 * Ambiguity: ``Session::checkInplacingAmbiguity`` (``willow/src/session.cpp``) runs poprithms'
   ``Graph::containsAmbiguity`` (``memory/inplace/graph.cpp``): a modifier of a tensor and an
-  unordered reader of a tensor *sharing an element* with it (``allAliases``); view ops are not
-  readers (``readingConsumers``). Raised at ``popxl.Session(...)`` as ``popart_exception``.
+  unordered reader of a tensor *sharing an element* with it (``allAliases``); a view op reads
+  the elements it views (its alias gate is a ``readingConsumer``). Raised at
+  ``popxl.Session(...)`` as ``popart_exception``.
 * Autodiff: ``ConcatInplaceOp`` inherits ``ConcatOp::getGradOps`` (final); ``ReshapeInplaceOp``
   and ``TransposeInplaceOp`` keep ``Op::getGradOps`` (``{}``, ``willow/src/op.cpp``),
   ``DetachOp::getGradOps`` is ``{}``: no edge gradient (``GradGrower::processGradOps``,
@@ -205,17 +206,38 @@ def test_write_through_one_part_of_concat_inplace_with_a_read_of_the_other_part_
     np.testing.assert_array_equal(av, X[:1] + 1)
 
 
-def test_a_view_op_unordered_with_a_modifier_is_not_a_read():
-    # readingConsumers excludes consumers whose input is a view of an output: building a
-    # view of x next to an unordered add_ on x is not ambiguous.
+@pytest.mark.parametrize("view", ["reshape_", "transpose_", "detach_", "concat_", "reshape"])
+def test_a_view_op_unordered_with_a_write_to_its_source_is_a_read(view):
+    # AliasModel::insertViewChange (willow/src/alias/aliasmodel.cpp) grows a view change then
+    # an alias gate, and AliasGate::isView is false (poprithms memory/inplace/ops.hpp): the
+    # gate is a reading consumer of the viewed elements, so the view op itself is ambiguous
+    # with an unordered write (identity ops such as detach_ grow the gate alone,
+    # ElementWiseUnaryOp::growAliasModel in willow/src/op/elementwise.cpp).
+    build = {"reshape_": lambda x: ops.reshape_(x, (4, 3)), "transpose_": ops.transpose_,
+             "detach_": ops.detach_, "concat_": lambda x: ops.concat_([x, x], axis=0),
+             "reshape": lambda x: ops.reshape(x, (4, 3))}[view]
     ir = popxl.Ir()
     with ir.main_graph:
         x = popxl.variable(X, name="x")
-        ops.reshape_(x, (4, 3))
-        ops.transpose_(x)
+        build(x)
         ops.add_(x, _const(1.0))
-    _, (xv,) = _session_values(ir, [], [x])
-    np.testing.assert_array_equal(xv, X + 1)
+    with pytest.raises(COMPILE_ERRORS, match="(?i)ambiguity"):
+        popxl.Session(ir, "ipu_model")
+
+
+@pytest.mark.parametrize("kind", ["slice", "slice_"])
+def test_a_slice_reads_only_its_region(kind):
+    # The gate after BaseSliceOp's settSample view change reads the region: a slice of row 0
+    # unordered with a write to rows 1:3 is not ambiguous (nor is the outplace slice's copy).
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(X, name="x")
+        top = getattr(ops, kind)(x, start=0, stop=1, axis=0)
+        ops.add_(ops.slice_(x, start=1, stop=3, axis=0), _const(1.0))
+        s = store(top * 1.0)
+    (ts,), (xv,) = _session_values(ir, [s], [x])
+    np.testing.assert_array_equal(ts, X[:1])
+    np.testing.assert_array_equal(xv, X + np.array([[0.0], [1.0], [1.0]]))
 
 
 def test_read_of_a_view_unordered_with_a_write_to_its_source_is_ambiguous():
