@@ -110,7 +110,16 @@ class Aliases:
         if self.find(a) is not self.find(b) or not a.nelms or not b.nelms:
             return False
         eb = self.elements(b) if b_elements is None else b_elements
-        return np.intersect1d(self.elements(a), eb).size > 0
+        return bool(self._mask(a)[eb].any())
+
+    def _mask(self, t):
+        """Returns: bool array over ``t``'s group storage, True at ``t``'s elements (cached)."""
+        key = ("mask", id(t))
+        if key not in self._index:
+            mask = np.zeros(sum(o.nelms for o in self.owners(self.find(t))), bool)
+            mask[self.elements(t)] = True
+            self._index[key] = mask
+        return self._index[key]
 
 
 _REGION_READS = ("slice", "slice_", "subsample")  # ops reading a region of their input
