@@ -63,7 +63,10 @@ class Aliases:
     def nbytes(self, root):
         """Returns: bytes of storage the group of ``root`` owns (views and in-place outputs
         allocate nothing)."""
-        return sum(t._nbytes for t in self.owners(root))
+        key = ("bytes", id(root))
+        if key not in self._index:
+            self._index[key] = sum(t._nbytes for t in self.owners(root))
+        return self._index[key]
 
     def elements(self, t):
         """Flat indices of ``t``'s elements in its group's storage (owners laid end to end).
