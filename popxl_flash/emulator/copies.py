@@ -42,6 +42,7 @@ graphs conflict only when one parent is a constant or variable. Regions are whol
 from collections import defaultdict
 
 from .tensor import Constant, Variable
+from .views import Aliases  # noqa: F401 - the storage groups; imported from here too
 
 #: Kinds of ``RunProfile.bytes_copied_by_kind``: the boundary kinds, then ``"view"`` (outplace
 #: views' cloneNcopy) and ``"op"`` (ops' own copies), both from the lowering table.
@@ -51,21 +52,6 @@ KINDS = ("call", "branch", "loop_carried", "loop_in_out", "loop_control", "view"
 #: ``true`` into the condition's clone and ``false`` into the exit flag.
 ITERATOR_BYTES, COND_BYTES = 4, 1
 LOOP_CONTROL_ONCE, LOOP_CONTROL_STEP = 2 * COND_BYTES, ITERATOR_BYTES + 2 * COND_BYTES
-
-
-class Aliases:
-    """Union of tensors sharing storage (in-place outputs and views alias input 0)."""
-
-    def __init__(self, graph):
-        self.parent = {}
-        for op in graph._ops:
-            if op.alias:
-                self.parent[id(op.outputs[0])] = self.find(op.inputs[0])
-
-    def find(self, t):
-        while id(t) in self.parent:
-            t = self.parent[id(t)]
-        return t
 
 
 class Liveness:

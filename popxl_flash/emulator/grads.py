@@ -12,8 +12,14 @@ nothing. Like PopART's, a rule needs the gradient of every output of a multi-out
 one off the loss path raises "input is not optional".
 
 ``NO_GRAD`` kinds have no grad op in PopART (``Op::getGradOps`` returns none, e.g. the random
-ops and ModifyRandomSeed): the gradient silently stops there. Kinds in
-neither table raise ``NotImplementedError`` when a gradient is needed through them.
+ops and ModifyRandomSeed): the gradient silently stops there. That includes the in-place views
+``reshape_`` and ``transpose_`` (``ReshapeInplaceOp``/``TransposeInplaceOp`` do not override
+``Op::getGradOps``, ``willow/src/op.cpp``) and ``detach_`` (``DetachOp::getGradOps`` returns
+``{}``, ``willow/include/popart/op/detach.hpp``): a gradient through them is zero, or
+"[Autodiff] Unable to provide required gradient output" when nothing else reaches a required
+input. ``RAISES`` kinds throw when PopART grows their grad ops (``slice_``:
+``SliceInplaceOp::getGradOps`` throws ``internal_error``, ``willow/src/op/slice.cpp``). Kinds
+in no table raise ``NotImplementedError`` when a gradient is needed through them.
 """
 from . import dtypes
 from . import ops
@@ -24,8 +30,14 @@ NO_GRAD = frozenset((
     "detach", "init", "scaled_add", "increment_mod", "host_load", "greater", "equal",
     "logical_and", "logical_or", "logical_not", "isnan", "isinf", "isfinite", "floor", "ceil",
     "sign", "replicated_all_reduce", "random_uniform", "random_normal", "modify_random_seed",
-    "io_tile_copy",
+    "io_tile_copy", "reshape_", "transpose_", "detach_",
 ))
+
+#: kind -> message of the ``popart_internal_exception`` its ``getGradOps`` throws
+RAISES = {
+    "slice_": "[SliceInplaceOp::getGradOps] All gradients should be generated before any "
+              "inplacing is performed. This for Op {op}",
+}
 
 
 def unbroadcast(g, shape):

@@ -120,7 +120,7 @@ class Runtime:
         live -= plan.entry_free_bytes
         for s in plan.entry_free:
             env[s] = None
-        for fn, ins, outs, attrs, code, alloc, freed, free, data in plan.steps:
+        for fn, ins, outs, attrs, code, alloc, freed, free, data, sync in plan.steps:
             if code == PLAIN:
                 r = fn(*[env[i] for i in ins], **attrs)
                 env[outs[0]] = r if r.__class__ is _ndarray else _asarray(r)
@@ -134,6 +134,8 @@ class Runtime:
                 self.live = live - release
                 for s, r in zip(outs, fn(self, data, [env[i] for i in ins])):
                     env[s] = r
+            if sync is not None:  # views computed as copies follow a write (plan._sync)
+                sync(env)
             live += alloc
             if live > self.peak:
                 self.peak = live

@@ -1,11 +1,20 @@
 """Compile step of a Session: checks PopXL defers to compile time and builds execution plans.
 
 Each graph gets one ``Plan``: slot-indexed environment template, a list of step tuples
-``(fn, in_slots, out_slots, attrs, code, alloc_bytes, freed_bytes, free_slots, data)`` and the
-liveness/copy facts the interpreter and the run profile need. Built once per Session.
+``(fn, in_slots, out_slots, attrs, code, alloc_bytes, freed_bytes, free_slots, data, sync)``
+and the liveness/copy facts the interpreter and the run profile need. Built once per Session.
+
+Storage is per alias group (:class:`.views.Aliases`): views allocate nothing, a group is freed
+after the last use of any member and frees the bytes its owners allocated. ``sync`` (None for
+most steps) keeps views numpy cannot express (``concat_``, a reshape of a non-contiguous
+source; computed as copies) coherent with their sources after a step that modifies their
+group: see :func:`_sync_step`.
 """
 import copy
+import functools
 from collections import defaultdict
+
+import numpy as np
 
 from . import dtypes
 from .context import FRAGMENTS
@@ -106,12 +115,12 @@ def _build(g, plan_of, fp_checks, model, invariant_from=None):
     tensors = list(g._tensors.values())
     slot = {id(t): i for i, t in enumerate(tensors)}
     plan.template = [None] * len(tensors)
-    pinned = _pinned(g, tensors, plan, slot)
+    pinned = {id(al.find(t)) for t in _pinned(g, tensors, plan, slot)}
     modified = _modified_roots(g, al, pinned)
     last, members = _liveness(order, g, al, slot)
     out_roots = {id(al.find(o)) for o in g._outputs}
     plan.shared_in = model.shared(g)
-    _plan_inputs(g, plan, slot, modified, last, out_roots)
+    _plan_inputs(g, plan, slot, al, modified, last, out_roots)
     _plan_outputs(g, plan, slot, al, pinned)
     plan.branch_copies = model.branch_bytes(g)
     held = set(pinned)  # storage no step frees: pinned, a repeat body's invariant inputs, and
@@ -121,8 +130,10 @@ def _build(g, plan_of, fp_checks, model, invariant_from=None):
     if bins:  # and what one program fragment leaves for a later one
         held.update(_carry(plan, g, order, bins, al, slot, members, pinned))
     steps = []
+    copying = any(op.kind in _COPYING_VIEWS for op in order)
     for k, op in enumerate(order):
-        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of, model, modified)
+        step = _step(op, k, slot, al, held, last, members, out_roots, plan_of, model)
+        step += (_sync_step(op, order[:k], slot, al) if copying and op.modifies else None,)
         if fp_checks and step[4] != CONTROL:  # a control op's callee ops check themselves
             step = (checking(step[0], op),) + step[1:]
         steps.append(step)
@@ -187,18 +198,19 @@ def _carry(plan, g, order, bins, al, slot, members, pinned):
 
 
 def _pinned(g, tensors, plan, slot):
-    """Storage not managed by frame liveness: constants, variables, by-ref inputs."""
-    pinned = set()
+    """Storage not managed by frame liveness: constants, variables, by-ref inputs.
+    Returns: those tensors (a storage group holding one is pinned as a whole)."""
+    pinned = []
     for t in tensors:
         if isinstance(t, Constant):
             plan.template[slot[id(t)]] = t._data
             plan.const_bytes += t._nbytes
-            pinned.add(id(t))
+            pinned.append(t)
         elif isinstance(t, Variable):
             plan.var_slots.append((slot[id(t)], t))
             plan.const_bytes += t._nbytes
-            pinned.add(id(t))
-    pinned.update(id(t) for t in g._by_ref_inputs)
+            pinned.append(t)
+    pinned.extend(g._by_ref_inputs)
     return pinned
 
 
@@ -207,9 +219,11 @@ def _modified_roots(g, al, pinned):
     for op in g._ops:
         for pos in op.modifies:
             root = al.find(op.inputs[pos])
-            if isinstance(root, Constant):
-                raise NotImplementedError(f"{op.kind} modifies constant {root.id} in place; not "
-                                          "supported by the emulator")
+            for owner in al.owners(root):  # a concat_ may join a constant to other storage
+                if isinstance(owner, Constant) and al.overlap(owner, op.inputs[pos]):
+                    raise NotImplementedError(f"{op.kind} modifies constant {owner.id} (or a "
+                                              "view of it) in place; not supported by the "
+                                              "emulator")
             modified.add(id(root))
     return modified
 
@@ -224,26 +238,30 @@ def _liveness(order, g, al, slot):
     return last, members
 
 
-def _plan_inputs(g, plan, slot, modified, last, out_roots):
-    """Input slots, numeric copies (a by-value input the callee modifies gets its own array)
-    and live-byte facts: an input not sharing the caller's storage is the callee's buffer
-    (``in_bytes``); a by-value one nobody reads is freed at entry."""
+def _plan_inputs(g, plan, slot, al, modified, last, out_roots):
+    """Input slots, numeric copies (a by-value input the callee modifies, or a view of it
+    does, gets its own array) and live-byte facts: an input not sharing the caller's storage
+    is the callee's buffer (``in_bytes``); a by-value one whose storage group nobody uses is
+    freed at entry."""
     for t, shared in zip(g._inputs, plan.shared_in):
         by_ref = t in g._by_ref_inputs
+        root = id(al.find(t))
         plan.in_slots.append(slot[id(t)])
-        plan.copy_in.append(not by_ref and id(t) in modified)
+        plan.copy_in.append(not by_ref and root in modified)
         if shared:
             continue
         plan.in_bytes += t._nbytes
         if by_ref:
             continue
-        if id(t) not in last and id(t) not in out_roots:
+        if root not in last and root not in out_roots:
             plan.entry_free.append(slot[id(t)])
             plan.entry_free_bytes += t._nbytes
 
 
 def _plan_outputs(g, plan, slot, al, pinned):
-    seen, inputs = set(), {id(t) for t in g._inputs}
+    """Output slots; an output is copied out when its storage group holds pinned storage, a
+    graph input (a ``concat_`` may join an input to local storage) or an earlier output."""
+    seen, inputs = set(), {id(al.find(t)) for t in g._inputs}
     for o in g._outputs:
         root = id(al.find(o))
         plan.out_slots.append(slot[id(o)])
@@ -252,16 +270,15 @@ def _plan_outputs(g, plan, slot, al, pinned):
         seen.add(root)
 
 
-def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model, modified=()):
-    """One step tuple of a plan (module docstring). ``held``: storage roots no step frees
-    (pinned storage, and a repeat body's loop-invariant inputs). ``modified``: storage roots
-    some op writes (a view of other storage may be computed as a copy)."""
+def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model):
+    """One step tuple of a plan but its ``sync`` (module docstring). ``held``: storage roots
+    no step frees (pinned storage, and a repeat body's loop-invariant inputs)."""
     alloc = 0 if op.alias else sum(t._nbytes for t in op.outputs)
     freed, free = 0, []
     roots = {id(al.find(t)): al.find(t) for t in op.inputs + op.outputs}
     for rid, root in roots.items():
         if last[rid] == k and rid not in held and rid not in out_roots:
-            freed += root._nbytes
+            freed += al.nbytes(root)
             free.extend(members[rid])
     ins = tuple(slot[id(t)] for t in op.inputs)
     outs = tuple(slot[id(t)] for t in op.outputs)
@@ -270,10 +287,7 @@ def _step(op, k, slot, al, held, last, members, out_roots, plan_of, model, modif
         code, attrs = CONTROL, _entry_accounting(op, data, al, last, k, held, out_roots)
     else:
         code, data, attrs = (MULTI if op.kind in MULTI_OUTPUT else PLAIN), None, op.attrs
-    fn = IMPLS[op.kind]
-    if op.alias == "view" and id(al.find(op.inputs[0])) not in modified:
-        fn = getattr(fn, "unmodified", fn)
-    return (fn, ins, outs, attrs, code, alloc, freed, tuple(free), data)
+    return (IMPLS[op.kind], ins, outs, attrs, code, alloc, freed, tuple(free), data)
 
 
 def _with_copies(op, data, model):
@@ -314,7 +328,7 @@ def _entry_accounting(op, data, al, last, k, pinned, out_roots):
         rid = id(al.find(t))
         if last[rid] == k and rid not in pinned and rid not in out_roots and rid not in by_ref \
                 and rid not in shared:
-            release[rid] = al.find(t)._nbytes
+            release[rid] = al.nbytes(al.find(t))
     return sum(release.values()), entry
 
 
@@ -322,6 +336,13 @@ def check_ambiguity(g, al, bins=None):
     """Raise PopartError for a read/modify (or modify/modify) pair of aliased storage that no
     data dependency, ``in_sequence`` constraint or program fragment (``bins``, by op index:
     an earlier fragment's ops run first) orders (PopXL's inplacing ambiguity check).
+
+    Aliasing is per element (poprithms ``Graph::containsAmbiguity`` over ``allAliases``, in
+    ``memory/inplace/graph.cpp``; :meth:`.views.Aliases.overlap`): a modifier of one ``slice_``
+    region and a reader of a disjoint region are not ambiguous. Every op reads its inputs,
+    view ops included: PopART grows a view as a view change then an alias gate, and a gate is
+    not a pure view (``readingConsumers``); a slice reads only its region
+    (:meth:`.views.Aliases.read_elements`).
 
     A modifier is an op input that is modified *and* aliases an output: PopART's alias model
     (``Op::growAliasModelMulti``) adds a modifying edge only there. A call or repeat that
@@ -340,21 +361,86 @@ def check_ambiguity(g, al, bins=None):
             if p is not None:
                 a |= anc[p] | (1 << p)
         anc.append(a)
-    readers, modifiers, names = defaultdict(set), defaultdict(set), {}
+    readers, modifiers = defaultdict(list), defaultdict(list)
     for k, op in enumerate(ops):
         for pos, t in enumerate(op.inputs):
             root = id(al.find(t))
-            names[root] = al.find(t).id
             if pos in op.modifies and op.alias == "modify":
-                modifiers[root].add(k)
-            if op.alias != "view":
-                readers[root].add(k)
+                modifiers[root].append((k, t))
+            readers[root].append((k, t, pos))
     for root, mods in modifiers.items():
-        for m in mods:
-            for k in readers[root]:
-                if k != m and not ((anc[m] >> k) & 1 or (anc[k] >> m) & 1):
+        for m, t0 in mods:
+            for k, t1, pos in readers[root]:
+                if k != m and not ((anc[m] >> k) & 1 or (anc[k] >> m) & 1) \
+                        and al.overlap(t0, t1, al.read_elements(ops[k], pos)):
                     raise PopartError(
-                        f"Inplacing ambiguity in graph {g.name}: {ops[m]} modifies "
-                        f"{names[root]} (or an alias of it) while "
-                        f"{ops[k]} reads it, and nothing orders the two. Use popxl.in_sequence() "
-                        "or a data dependency.")
+                        f"Inplacing ambiguity detected in graph {g.name}. The tensor {t0.id} is "
+                        f"modified by {ops[m]}, and the tensor {t1.id}, which is an alias of "
+                        f"{t0.id}, is used by the consuming op {ops[k]}. There is no order "
+                        "constraint, explicit or implicit, between these 2 Ops. Use "
+                        "popxl.in_sequence() or a data dependency.")
+
+
+_COPYING_VIEWS = ("concat_", "reshape_")  # views numpy may have to compute as copies
+
+
+def _sync_step(op, before, slot, al):
+    """The ``sync`` of ``op``'s step: None unless ``op`` modifies (in place, or through a call
+    or repeat by reference) a storage group in which an earlier op (``before``) made a view
+    numpy may compute as a copy (``_COPYING_VIEWS``).
+
+    Returns: fn(env) making every such copy hold its source's values again (PopART's views
+    are one storage: a write through any alias is seen by every other): :func:`_sync`."""
+    if not op.modifies:
+        return None
+    groups = {id(al.find(op.inputs[p])) for p in op.modifies}
+    in_group = [v for v in before if v.alias and id(al.find(v.outputs[0])) in groups]
+    down = tuple((v.kind, tuple(slot[id(t)] for t in v.inputs), slot[id(v.outputs[0])], v.attrs)
+                 for v in in_group if v.alias == "view" and v.kind in _COPYING_VIEWS)
+    if not down:
+        return None
+    up = {slot[id(v.outputs[0])]: (v.kind, tuple(slot[id(t)] for t in
+                                                 (v.inputs if v.alias == "view" else v.inputs[:1])),
+                                   v.attrs) for v in in_group}
+    targets = tuple(slot[id(op.inputs[p])] for p in op.modifies)
+    return functools.partial(_sync, up, targets, down)
+
+
+def _copied(kind, out, arrays):
+    """Whether view ``kind``'s output array ``out`` is a copy of its input ``arrays``."""
+    return kind == "concat_" or not np.may_share_memory(out, arrays[0])
+
+
+def _scatter(kind, out, arrays, attrs):
+    """Write a copied view's values back into its inputs (the inverse of the view)."""
+    if kind == "reshape_":
+        arrays[0][...] = out.reshape(arrays[0].shape)
+        return
+    bounds = np.cumsum([a.shape[attrs["axis"]] for a in arrays])
+    for a, part in zip(arrays, np.split(out, bounds[:-1], axis=attrs["axis"])):
+        if a.flags.writeable:  # a constant (read-only): no op writes it (_modified_roots)
+            a[...] = part
+
+
+def _sync(up, targets, down, env):
+    """After a step wrote the tensors in slots ``targets``: walk from them up through the view
+    and in-place ops that made them (``up``: {out slot: (kind, source slots, attrs)}),
+    writing each copied view back into its sources, then recompute every copied view of the
+    group (``down``, in schedule order) from its now current sources."""
+    stack, seen = list(targets), set()
+    while stack:
+        s = stack.pop()
+        if s in seen or s not in up or env[s] is None:
+            continue
+        seen.add(s)
+        kind, ins, attrs = up[s]
+        arrays = [env[i] for i in ins]
+        if any(a is None for a in arrays):  # not in this program fragment's environment
+            continue
+        if kind in _COPYING_VIEWS and _copied(kind, env[s], arrays):
+            _scatter(kind, env[s], arrays, attrs)
+        stack.extend(ins)
+    for kind, ins, o, attrs in down:
+        out, arrays = env[o], [env[i] for i in ins]
+        if out is not None and all(a is not None for a in arrays) and _copied(kind, out, arrays):
+            out[...] = IMPLS[kind](*arrays, **attrs)

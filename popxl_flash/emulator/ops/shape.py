@@ -1,6 +1,11 @@
 """Shape ops: reshape, transpose, squeeze, concat, slice, subsample, split, gather, detach.
 
-Out-of-place results are fresh arrays; ``*_`` variants are views aliasing their input.
+Out-of-place results are fresh arrays (PopART's outplace ``reshape``/``transpose``/``slice``/
+``concat`` each ``cloneNcopy`` their output: ``willow/src/popx/op/reshapex.cpp``,
+``transposex.cpp``, ``slicex.cpp``, ``concatx.cpp``). The ``*_`` variants are views: their
+output aliases the input (``concat_``: every input), registered with ``alias="view"``; the
+alias model is :mod:`..views`, the run-time coherence of views numpy cannot express
+(``concat_``, a reshape of a non-contiguous source) is ``plan._sync``.
 """
 import builtins
 from collections.abc import Iterable
@@ -17,20 +22,6 @@ INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
 _pyslice = builtins.slice
 
 
-def _view(fn):
-    def impl(a, **attrs):
-        out = fn(a, **attrs)
-        if out.size and not np.may_share_memory(out, a):
-            raise NotImplementedError("emulator: in-place view op could not alias its input "
-                                      "(non-contiguous source)")
-        return out
-    # When no op writes the storage (plan.py: not a modified root), a copy holds the same
-    # values as a view would, so a view numpy cannot make (a reshape of a transposed view)
-    # may be a copy.
-    impl.unmodified = fn
-    return impl
-
-
 def _copy(fn):
     def impl(a, **attrs):
         return np.array(fn(a, **attrs), copy=True)
@@ -38,8 +29,11 @@ def _copy(fn):
 
 
 def _register_pair(kind, rule, fn):
+    """Register ``kind`` (a copy) and ``kind_`` (a view: ``fn``'s numpy view when numpy can
+    express it, such as a transpose, a slice or a reshape of a contiguous source, else a copy
+    that the plan keeps in step with its source, ``plan._sync``)."""
     register(kind, rule, _copy(fn))
-    register(kind + "_", rule, _view(fn), alias="view")
+    register(kind + "_", rule, fn, alias="view")
 
 
 def _tensor_arg(name, t):
@@ -218,28 +212,13 @@ def concat(ts, axis=0):
     return emit("concat", {f"ts_{i}": t for i, t in enumerate(ts)}, {"axis": axis})[0]
 
 
-def _check_concat_inplace(op):
-    """``concat_``'s output aliases all its inputs (ConcatInplaceOp); the emulator computes it
-    as a copy, which holds the same values unless some op writes one of those storages in
-    place: then NotImplementedError."""
-    from ..copies import Aliases
-    g = op.graph
-    al = Aliases(g)
-    written = {id(al.find(o.inputs[p])) for o in g._ops for p in o.modifies}
-    for t in op.inputs + op.outputs:
-        if id(al.find(t)) in written:
-            raise NotImplementedError(f"concat_ {op.outputs[0].id}: an op writes {t.id} (or an "
-                                      "alias of it) in place; the emulator does not model the "
-                                      "inputs and output of concat_ sharing storage")
-
-
-register("concat_", _concat_rule, _concat)
-COMPILE_CHECKS["concat_"] = _check_concat_inplace
+register("concat_", _concat_rule, _concat, alias="view")
 
 
 def concat_(ts, axis=0):
-    """``ops.concat_``: concat whose output aliases the inputs (see
-    :func:`_check_concat_inplace`). Returns: Tensor."""
+    """``ops.concat_``: concat whose output aliases every input (ConcatInplaceOp): a write
+    through the output reaches the inputs and a write to an input is seen by the output.
+    Returns: Tensor."""
     ts = list(ts)
     if len({t.dtype for t in ts if isinstance(t, Tensor)}) > 1:
         raise TypeError("All inputs to a concat operation must have the same type: "
@@ -294,8 +273,10 @@ def _norm_index(index, dim, flip):
     return index + dim if index < 0 else index
 
 
-def _slices(t, start, stop, step, axis):
-    """PopART BaseSliceOp::getSlices: returns [(axis, begin, end, flip)]."""
+def _slices(t, start, stop, step, axis, inverted_ok=False):
+    """PopART BaseSliceOp::getSlices: returns [(axis, begin, end, flip)]. ``inverted_ok``:
+    keep bounds with end < begin (``slice_``: PopART builds the op and refuses it when the
+    Session builds its alias regions, :func:`_check_slice_bounds`)."""
     out = []
     for s, e, st, ax in zip(start, stop, step, axis):
         if ax < 0 or ax >= t.rank:
@@ -306,7 +287,7 @@ def _slices(t, start, stop, step, axis):
         b, en = _norm_index(s, dim, flip), _norm_index(e, dim, flip)
         if flip:
             b, en = en + 1, b + 1
-        if en < b:
+        if en < b and not inverted_ok:
             raise ValueError(f"slice of {t.id} axis {ax}: start {s} / stop {e} give inverted "
                              f"bounds [{b}, {en}); PopART computes length {b - en} and reads "
                              "unspecified data (negative integer indices are broken in PopXL)")
@@ -318,7 +299,7 @@ def _slice_rule(t, slices, steps):
     # BaseSliceOp::createOutInfo (willow/src/op/slice.cpp): ceil(len / |step|)
     shape = list(t.shape)
     for (ax, b, e, _), st in zip(slices, steps):
-        shape[ax] = -(-(e - b) // abs(st))
+        shape[ax] = -(-abs(e - b) // abs(st))  # PopART: ceil(abs(len / step))
     return [(tuple(shape), t.dtype)]
 
 
@@ -340,8 +321,21 @@ def _slice_view(a, slices, steps):
     return np.flip(out, axis=flips) if flips else out
 
 
+def _check_slice_bounds(op):
+    # SliceInplaceOp::aliases -> BaseSliceOp::getFullInRegion builds a view::Region from the
+    # slice bounds; Region::checks (willow/src/region.cpp) throws popart::error when a lower
+    # bound exceeds the upper one. The alias map is built when the Session lowers the Ir.
+    _check_unit_steps(op)
+    for ax, b, e, _ in op.attrs["slices"]:
+        if b > e:
+            raise PopartError(f"lower bound {b}, is greater than upper bound {e}, in "
+                              f"Region::checks for dimension {ax} ({op.kind} "
+                              f"{op.outputs[0].id})")
+
+
 _register_pair("slice", _slice_rule, _slice_view)
-COMPILE_CHECKS["slice"] = COMPILE_CHECKS["slice_"] = _check_unit_steps
+COMPILE_CHECKS["slice"] = _check_unit_steps
+COMPILE_CHECKS["slice_"] = _check_slice_bounds
 
 
 def _process_slice_args(start, stop, step, axis):
@@ -369,7 +363,8 @@ def _slice_op(kind, t, start, stop, step, axis):
         return t
     args = [int_vector(kind, name, v) for name, v in
             zip(("start", "stop", "step", "axis"), _process_slice_args(start, stop, step, axis))]
-    return emit(kind, {"t": t}, {"slices": _slices(t, *args), "steps": args[2]})[0]
+    slices = _slices(t, *args, inverted_ok=kind == "slice_")
+    return emit(kind, {"t": t}, {"slices": slices, "steps": args[2]})[0]
 
 
 def slice(t, start=None, stop=None, step=None, axis=None):  # noqa: A001 - PopXL name

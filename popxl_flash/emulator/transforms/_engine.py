@@ -15,9 +15,13 @@ For the target graph and every graph reachable from it (children first), unless
    neither a forward input nor output becomes a new forward output, and every ``ops.call`` of
    the forward graph gets the extra output.
 
+In-place views follow PopART (:mod:`..grads`): ``concat_`` has ``concat``'s grad ops,
+``reshape_``/``transpose_``/``detach_`` none, ``slice_``'s getGradOps throws
+(``PopartInternalError`` when the op can grow grad ops).
+
 Differences from PopART, all refusals: recompute stitching (a graph that needs stitching but is
 also called by ``ops.repeat``/``ops.conditional``), gradients through ``ops.conditional``,
-in-place view ops and ops without a rule in :mod:`..grads` raise ``NotImplementedError``; an
+and ops without a rule in :mod:`..grads` raise ``NotImplementedError``; an
 ``ops.repeat`` whose input needs a gradient raises ``PopartError`` (PopART's LoopOp has no grad op
 and the gradient would silently miss that path).
 """
@@ -25,7 +29,7 @@ from collections import defaultdict
 
 from .. import _internal_ir as _ir
 from .. import grads as _grads
-from ..errors import PopartError
+from ..errors import PopartError, PopartInternalError
 from ..tensor import Tensor
 from .autodiff import GradGraphInfo
 
@@ -240,6 +244,8 @@ class _Builder:
         return self._finish(outputs, expected_out)
 
     def _grow(self, op):
+        if op.kind in _grads.RAISES:  # PopART calls getGradOps on every op it can grow
+            raise PopartInternalError(_grads.RAISES[op.kind].format(op=op))
         need = [i for i in self.produces(op) if id(op.inputs[i]) in self.needed]
         if op.kind == "repeat" and any(id(t) in self.needed for t in op.inputs):
             raise PopartError(f"[Autodiff] {op} (ops.repeat of {op.attrs['graph'].id}) is on the "
