@@ -18,6 +18,9 @@ cast), so ``popxl.transforms.autodiff`` and ``pf.autodiff`` differentiate it; th
 read with ``ops.slice`` (static positions) or ``ops.gather`` (run-time positions, which are
 not differentiated: the tables are constants of the model).
 """
+import math
+import numbers
+
 import numpy as np
 
 from popxl_flash.backend import popxl
@@ -26,7 +29,7 @@ from popxl_flash.api.functional import check_tensors
 
 ops = popxl.ops
 
-__all__ = ["apply_rotary", "check_tables", "rotary_tables", "table_rows"]
+__all__ = ["apply_rotary", "check_base", "check_tables", "rotary_tables", "table_rows"]
 
 
 def rotary_tables(positions, rotary_dim, base=10000.0, dtype=np.float32):
@@ -35,15 +38,40 @@ def rotary_tables(positions, rotary_dim, base=10000.0, dtype=np.float32):
 
     Args:
         positions: the table rows (the longest sequence or cache). rotary_dim: even, ``>= 2``.
-        base: the frequency base (10000 in GPT-J, GPT-NeoX and Llama).
+        base: the frequency base (10000 in GPT-J, GPT-NeoX and Llama): a finite real number
+            ``> 0`` (``TypeError`` for a non-number, ``ValueError`` for ``base <= 0``, whose
+            frequencies ``base**(-2i / rotary_dim)`` are NaN or infinite).
+
+    Returns:
+        ``(cos, sin)``: ``dtype`` arrays ``[positions, rotary_dim / 2]``.
     """
     positions = _check_int("positions", positions, low=1)
     rotary_dim = _check_int("rotary_dim", rotary_dim, low=2)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got rotary_dim={rotary_dim}")
-    inv = 1.0 / (float(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    base = check_base(base)
+    inv = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     phase = np.outer(np.arange(positions, dtype=np.float64), inv)
     return np.cos(phase).astype(dtype), np.sin(phase).astype(dtype)
+
+
+def check_base(base, name="base"):
+    """``base`` as a float: a finite real number ``> 0`` (bools and strings refused).
+
+    Returns:
+        The float.
+    """
+    value = base.item() if isinstance(base, np.generic) or (
+        isinstance(base, np.ndarray) and base.ndim == 0) else base
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (the rotary frequency base, e.g. "
+                        f"10000.0), got {name}={base!r} ({type(base).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0 (the rotary frequency base, e.g. "
+                         f"10000.0; the frequencies base**(-2i / rotary_dim) are NaN or "
+                         f"infinite otherwise), got {name}={value!r}")
+    return value
 
 
 def check_tables(cos, sin, head_dim, name_cos="cos", name_sin="sin"):
