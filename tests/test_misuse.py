@@ -7,6 +7,8 @@ import pytest
 import popxl_flash as pf
 from popxl_flash import popxl
 
+from attention_utils import build_only, zeros_variable
+
 
 # -- rotary tables -----------------------------------------------------------------------------
 @pytest.mark.parametrize("base, exc, fragment", [
@@ -44,3 +46,68 @@ def test_autodiff_refuses_non_graph(graph, fragment):
     with pytest.raises(TypeError) as err:
         pf.autodiff(graph)
     assert fragment in str(err.value)
+
+
+# -- pf.kvcache.explain validates as flash_attn_with_kvcache ---------------------------------
+def _kv_call(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
+             new_len=None, window=(-1, -1), **options):
+    """Build ``flash_attn_with_kvcache`` with tensors of the explain arguments' sizes."""
+    kv_heads = q_heads if kv_heads is None else kv_heads
+    new_len = q_len if new_len is None else new_len
+
+    def fn():
+        q = zeros_variable((batch, q_len, q_heads, head_dim), dtype)
+        kc, vc = (zeros_variable((batch, cache_len, kv_heads, head_dim), dtype)
+                  for _ in range(2))
+        k, v = (zeros_variable((batch, new_len, kv_heads, head_dim), dtype)
+                for _ in range(2)) if new_len else (None, None)
+        return pf.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=0 if new_len else None,
+                                          window_size=window, **options)
+    return build_only(fn)
+
+
+KV_SHAPE = dict(q_heads=8, kv_heads=8, head_dim=16)
+KV_EXPLAIN_BAD = [
+    # (positional sizes, options, exception, message fragment)
+    ((1, 0, 64), {}, ValueError, "q_len must be >= 1, got q_len=0"),
+    ((1, 1, 0), {}, ValueError, "cache_len must be >= 1, got cache_len=0"),
+    ((0, 1, 64), {}, ValueError, "batch must be >= 1, got batch=0"),
+    ((1, 1, 64), dict(head_dim=0), ValueError, "head_dim must be >= 1, got head_dim=0"),
+    ((1, 1, 64), dict(num_splits=-2), ValueError,
+     "num_splits must be in [0, 64], got num_splits=-2"),
+    ((1, 1, 64), dict(num_splits=1000), ValueError,
+     "num_splits must be in [0, 64], got num_splits=1000"),
+    ((1, 1, 64), dict(dtype="int8"), TypeError,
+     "dtype must be one of ('float16', 'float32') (a name, a NumPy or a PopXL dtype), got "
+     "dtype='int8'"),
+    ((1, 1, 64), dict(kv_heads=3), ValueError,
+     "q's head count q_heads=8 must be a multiple of the caches' kv_heads=3"),
+    ((1, 1, 64), dict(new_len=65), ValueError,
+     "k has new_len=65 new rows, more than the cache holds (cache_len=64)"),
+    ((1, 1, 64), dict(window=(-5, 0)), ValueError, "window=(-5, 0) has a side -5 < -1"),
+    ((1, 1, 64), dict(softcap=-1.0), ValueError, "softcap must be in [0.0, "),
+    ((1, 1, 64), dict(causal="yes"), TypeError, "causal must be a bool"),
+    ((1, 1, 64), dict(alibi=1), TypeError, "alibi must be a bool"),
+]
+
+
+@pytest.mark.parametrize("sizes, options, exc, fragment", KV_EXPLAIN_BAD)
+def test_kvcache_explain_refuses_what_the_call_refuses(sizes, options, exc, fragment):
+    """The explain names its own argument; the call, built at the same sizes, refuses too
+    (same exception type) -- except the sizes a tensor cannot have (0) or spell (dtype)."""
+    with pytest.raises(exc) as err:
+        pf.kvcache.explain(*sizes, **dict(KV_SHAPE, **options))
+    assert fragment in str(err.value)
+    call = dict(KV_SHAPE, **options)
+    if 0 in sizes or call["head_dim"] == 0 or call.get("dtype") == "int8" or "alibi" in call:
+        return  # no tensor of that shape or dtype; alibi is a tensor in the call
+    with pytest.raises(exc):
+        _kv_call(*sizes, **call)
+
+
+@pytest.mark.parametrize("dtype", ["float32", np.float32, np.dtype("float32"), popxl.float32])
+def test_kvcache_explain_takes_dtype_spellings(dtype):
+    """A NumPy or PopXL dtype explains the same call as its name."""
+    want = pf.kvcache.explain(2, 1, 256, **KV_SHAPE, dtype="float32")
+    got = pf.kvcache.explain(2, 1, 256, **KV_SHAPE, dtype=dtype)
+    assert got == want
