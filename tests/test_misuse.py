@@ -111,3 +111,72 @@ def test_kvcache_explain_takes_dtype_spellings(dtype):
     want = pf.kvcache.explain(2, 1, 256, **KV_SHAPE, dtype="float32")
     got = pf.kvcache.explain(2, 1, 256, **KV_SHAPE, dtype=dtype)
     assert got == want
+
+
+# -- pf.explain validates as the call it explains --------------------------------------------
+EXPLAIN_BAD = [
+    (dict(max_seqlen=(8,)), ValueError,
+     "max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair, got max_seqlen=(8,)"),
+    (dict(max_seqlen=(8, 0)), ValueError, "max_seqlen_k must be >= 1, got max_seqlen_k=0"),
+    (dict(score_mod=3), TypeError, "score_mod must be a callable score_mod(score, g, q_idx, "
+                                   "kv_idx, *inputs) or None, got score_mod=3 (int)"),
+    (dict(score_mod_inputs=(popxl.TensorSpec((2,), popxl.float32),)), ValueError,
+     "score_mod_inputs given (1 tensors) without a score_mod"),
+    (dict(score_mod_inputs=3), TypeError, "score_mod_inputs must be a tuple of popxl.TensorSpec"),
+    (dict(segment_ids="yes"), TypeError,
+     "segment_ids must be a bool (Python or NumPy), got segment_ids='yes' (str)"),
+    (dict(dtype="int8"), TypeError, "dtype must be one of ('float16', 'float32')"),
+    (dict(dtype=np.int32), TypeError, "dtype must be one of ('float16', 'float32')"),
+    (dict(groups=4, kv_groups=3), ValueError, "kv_groups=3 must divide groups=4"),
+    (dict(head_dim=0), ValueError, "head_dim must be >= 1, got head_dim=0"),
+    (dict(Lq=0), ValueError, "Lq must be >= 1, got Lq=0"),
+    (dict(segment_ids=True, score_mod=lambda s, g, q, k: s), ValueError,
+     "score_mod with segment_ids or max_seqlen"),
+]
+
+
+@pytest.mark.parametrize("options, exc, fragment", EXPLAIN_BAD)
+def test_explain_refuses_with_the_calls_checks(options, exc, fragment):
+    args = dict(dict(Lq=64, Lkv=64, head_dim=16), **options)
+    with pytest.raises(exc) as err:
+        pf.explain(args.pop("Lq"), args.pop("Lkv"), **args)
+    assert fragment in str(err.value)
+
+
+def test_call_refuses_what_explain_refuses():
+    """The calls raise the same type for the score_mod cases pf.explain refuses."""
+    def call(**options):
+        def fn():
+            q, k, v = (zeros_variable((2, 8, 4)) for _ in range(3))
+            extra = dict(score_mod_inputs=(zeros_variable((2,)),)) if options.pop("inputs") \
+                else {}
+            return pf.flash_attention(q, k, v, **options, **extra)
+        return build_only(fn)
+    with pytest.raises(TypeError, match=r"got score_mod=3 \(int\)"):
+        call(score_mod=3, inputs=False)
+    with pytest.raises(ValueError, match="without a score_mod"):
+        call(inputs=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.dtype("float16"), popxl.float16])
+def test_explain_takes_dtype_spellings(dtype):
+    want = pf.explain(256, 512, head_dim=32, groups=4, dtype="float16")
+    got = pf.explain(256, 512, head_dim=32, groups=4, dtype=dtype)
+    assert got.chosen == want.chosen and got.candidates == want.candidates
+
+
+# -- varlen ALiBi slopes -----------------------------------------------------------------------
+@pytest.mark.parametrize("slopes", [(3, 2), (2, 2), (2,)])
+def test_varlen_slopes_message_has_no_batch(slopes):
+    """Packed sequences have no B: the message offers [Hq] or [1, Hq]."""
+    def fn():
+        q, k, v = (zeros_variable((10, 4, 8)) for _ in range(3))
+        cu = [zeros_variable((4,), np.int32) for _ in range(2)]
+        return pf.flash_attn_varlen_func(q, k, v, *cu, 5, 5,
+                                         alibi_slopes=zeros_variable(slopes))
+    with pytest.raises(ValueError) as err:
+        build_only(fn)
+    msg = str(err.value)
+    assert msg.startswith("alibi_slopes must be float32 [Hq=4] or [1, Hq=4] (packed sequences "
+                          "have no batch axis")
+    assert f"got {slopes} float32" in msg and "B=" not in msg
