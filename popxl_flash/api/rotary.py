@@ -16,7 +16,9 @@ The rotation is computed in float32 (the tables are cast to it) and the result c
 x's dtype. Every op is an ordinary differentiable PopXL op (slice, reshape, mul, add, concat,
 cast), so ``popxl.transforms.autodiff`` and ``pf.autodiff`` differentiate it; the tables are
 read with ``ops.slice`` (static positions) or ``ops.gather`` (run-time positions, which are
-not differentiated: the tables are constants of the model).
+not differentiated: the tables are constants of the model). Run-time positions outside the
+tables are clamped for the gather and their rows made NaN (:func:`guard_positions`,
+:func:`poison_rows`): the IPU checks no gather index.
 """
 import math
 import numbers
@@ -114,7 +116,7 @@ def table_rows(table, positions, rows):
 
 def _check_positions(positions, B, L, Lro):
     """``None`` -> 0; an int offset with ``offset + L <= Lro``; or an int32 tensor ``[L]`` or
-    ``[B, L]`` (run time; values ``< Lro`` are the caller's contract)."""
+    ``[B, L]`` (run time; values outside ``[0, Lro)`` give NaN rows, :func:`guard_positions`)."""
     if positions is None:
         positions = 0
     if isinstance(positions, popxl.Tensor):
@@ -171,8 +173,12 @@ def apply_rotary(x, cos, sin, *, interleaved=False, positions=None):
         interleaved: ``False``: half-split pairs ``(i, i + R/2)`` (GPT-NeoX, Llama);
             ``True``: adjacent pairs ``(2i, 2i+1)`` (GPT-J). flash-attn's name and default.
         positions: the position of each row: ``None`` (rows ``0 .. L-1``), an int offset
-            (rows ``p .. p + L - 1``, flash-attn's ``seqlen_offsets``), or an int32 run-time
-            tensor ``[L]`` or ``[B, L]`` (values in ``[0, Lro)``: the caller's contract).
+            (rows ``p .. p + L - 1``, flash-attn's ``seqlen_offsets``; past the tables:
+            ``ValueError``), or an int32 run-time tensor ``[L]`` or ``[B, L]`` with values in
+            ``[0, Lro)``: a row whose position is outside (negative, or ``>= Lro``) comes out
+            NaN (all of its heads and dims), an invalid operation that floating-point checks
+            trap (scope ``positions_out_of_range``), as the KV cache's out-of-range
+            ``cache_seqlens``; the other rows are unchanged.
 
     Returns:
         The rotated x, its shape and dtype (computed in float32).
@@ -189,7 +195,49 @@ def apply_rotary(x, cos, sin, *, interleaved=False, positions=None):
     interleaved = check_bool("interleaved", interleaved)
     positions = _check_positions(positions, B, L, Lro)
     with popxl.name_scope("apply_rotary"):
+        bad = None
+        if isinstance(positions, popxl.Tensor):
+            bad, positions = guard_positions(positions, Lro)
         c, s = (table_rows(t, positions, L) for t in (cos, sin))  # [(B,) L, R/2]
         lead = (B, L) if len(c.shape) == 3 else (1, L)
         c, s = (t.reshape(lead + (1, t.shape[-1])) for t in (c, s))
-        return rotate(x, c, s, interleaved)
+        out = rotate(x, c, s, interleaved)
+        return out if bad is None else poison_rows(out, bad, lead)
+
+
+def guard_positions(positions, rows):
+    """Run-time positions outside ``[0, rows)`` (the IPU checks no gather index).
+
+    Args:
+        positions: int32 ``[L]`` or ``[B, L]``. rows: the tables' ``Lro``.
+
+    Returns:
+        ``(bad, clamped)``: bool, ``positions``' shape, where a position is out of range; the
+        positions clamped into ``[0, rows)``, so the gather reads a table row (which
+        :func:`poison_rows` then turns to NaN).
+    """
+    i32 = popxl.int32
+    low, high = popxl.constant(np.int32(0), i32), popxl.constant(np.int32(rows - 1), i32)
+    low_bad, high_bad = ops.greater(low, positions), ops.greater(positions, high)
+    clamped = ops.where(low_bad, low, ops.where(high_bad, high, positions))
+    return ops.logical_or(low_bad, high_bad), clamped
+
+
+def poison_rows(out, bad, lead):
+    """``out [B, L, H, D]`` NaN in the rows ``bad`` (bool ``[L]`` or ``[B, L]``), unchanged
+    elsewhere.
+
+    The NaN is ``sqrt(-1)``, an invalid operation: with floating-point checks on
+    (:func:`popxl_flash.enable_floating_point_checks`) the run stops there (in the name scope
+    ``positions_out_of_range``); without, the rows read NaN, never a plausible rotation (as the
+    KV cache's out-of-range ``cache_seqlens``).
+
+    Args:
+        lead: ``(B, L)`` or ``(1, L)``, the leading dims ``bad`` broadcasts to.
+    """
+    f32 = popxl.float32
+    with popxl.name_scope("positions_out_of_range"):  # what a trap's message names
+        nan = ops.sqrt(ops.where(bad, popxl.constant(np.float32(-1.0), f32),
+                                 popxl.constant(np.float32(0.0), f32)))
+    add = nan if out.dtype == f32 else ops.cast(nan, out.dtype)
+    return out + add.reshape(lead + (1, 1))
