@@ -127,7 +127,7 @@ EXPLAIN_BAD = [
      "segment_ids must be a bool (Python or NumPy), got segment_ids='yes' (str)"),
     (dict(dtype="int8"), TypeError, "dtype must be one of ('float16', 'float32')"),
     (dict(dtype=np.int32), TypeError, "dtype must be one of ('float16', 'float32')"),
-    (dict(groups=4, kv_groups=3), ValueError, "kv_groups=3 must divide groups=4"),
+    (dict(groups=4, kv_groups=3), ValueError, "kv_groups must divide groups=4, got kv_groups=3"),
     (dict(head_dim=0), ValueError, "head_dim must be >= 1, got head_dim=0"),
     (dict(Lq=0), ValueError, "Lq must be >= 1, got Lq=0"),
     (dict(segment_ids=True, score_mod=lambda s, g, q, k: s), ValueError,

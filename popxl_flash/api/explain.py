@@ -57,8 +57,8 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         ("Lq", Lq), ("Lkv", Lkv), ("head_dim", head_dim), ("groups", groups)))
     kv_groups = groups if kv_groups is None else _check_int("kv_groups", kv_groups, low=1)
     if groups % kv_groups:
-        raise ValueError(f"kv_groups={kv_groups} must divide groups={groups} (Gk = G for "
-                         "multi-head attention; Gk < G is grouped-query attention)")
+        raise ValueError(f"kv_groups must divide groups={groups}, got kv_groups={kv_groups} "
+                         "(Gk = G for multi-head attention; Gk < G is grouped-query attention)")
     dtype = check_dtype_name(dtype)
     segment_ids = check_bool("segment_ids", segment_ids)
     inputs = score_mod_input_tuple(score_mod_inputs, (popxl.TensorSpec, popxl.Tensor),
