@@ -45,8 +45,6 @@ from popxl_flash.api.autodiff import called_graphs_grad_info
 from popxl_flash.backend import popxl
 from popxl_flash.plan.config import _check_int
 
-ops = popxl.ops
-
 
 def register_flash_entries(module):
     """Add the gradient entries of the flash graphs in the current graph to ``module``.
