@@ -121,7 +121,7 @@ def check_dtype_name(dtype, name="dtype"):
     else:
         try:
             dtype_name = np.dtype(dtype).name  # np.float16, float
-        except TypeError:
+        except (TypeError, ValueError):
             dtype_name = None
     if dtype_name not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES} (a name, a NumPy or a PopXL "
