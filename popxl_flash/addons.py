@@ -30,19 +30,20 @@ and returns that same tensor therefore gets ``out`` fed where ``build_grad`` exp
 the gradients are silently wrong. :class:`FlashAttention` stashes the flash call's ``out`` and
 returns a different tensor, ``ops.identity(out)`` (PopART's inplace pattern makes that an alias,
 no copy), so the returned output's gradient is ``FwdGrad`` and the stash is ``Fwd``.
+
+The modules are thin adapters: the graph logic between the projections (layouts, transposes,
+rotary and cache wiring, modifiers, ALiBi slope shapes, the flash build and build_grad) is in
+plain functions, :mod:`popxl_flash.api.layers`, which CI tests without popxl-addons; this
+module adds the ``addons.Module`` parts (the ``Linear`` projections and their variables, the
+``aux`` stash, the gradient entries).
 """
 import popxl_addons as addons
 from popxl_addons.layers import Linear
 
-from popxl_flash.api import kvcache
+from popxl_flash.api import layers
 from popxl_flash.api.autodiff import called_graphs_grad_info
-from popxl_flash.api.functional import flash_attention, flash_attention_grad
-from popxl_flash.api.kvcache import flash_attn_with_kvcache
-from popxl_flash.api.rotary import apply_rotary, rotary_tables
 from popxl_flash.backend import popxl
-from popxl_flash.plan.config import _check_int, check_bool
-
-ops = popxl.ops
+from popxl_flash.plan.config import _check_int
 
 
 def register_flash_entries(module):
@@ -56,33 +57,6 @@ def register_flash_entries(module):
     """
     for graph, info in called_graphs_grad_info(popxl.gcg(), grads_provided=[]).items():
         module.called_graphs_grad_info.add(graph, info)
-
-
-def _check_modifiers(softcap, alibi, dropout, score_mod):
-    """The layers' modifier options (values fixed at construction; the slopes, the seed and
-    score_mod inputs are build inputs)."""
-    if not isinstance(alibi, bool):
-        raise TypeError(f"alibi must be a bool (the slopes are a build input), got "
-                        f"alibi={alibi!r}")
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"score_mod must be None or a callable, got score_mod={score_mod!r}")
-    return dict(softcap=softcap, alibi=alibi, dropout=dropout, score_mod=score_mod)
-
-
-def _split_extras(extras, mods, n_mod_inputs, where):
-    """``(alibi_slopes, seed, score_mod_inputs)`` out of a build's extra inputs, in that order
-    (each present only when its modifier is on)."""
-    want = int(mods["alibi"]) + int(mods["dropout"] > 0) + n_mod_inputs
-    if len(extras) != want:
-        names = (["alibi_slopes"] if mods["alibi"] else []) + \
-            (["seed"] if mods["dropout"] > 0 else []) + \
-            [f"score_mod_inputs[{i}]" for i in range(n_mod_inputs)]
-        raise ValueError(f"{where} takes {want} extra input(s) after its tensors with these "
-                         f"options: {names or 'none'}; got {len(extras)}")
-    extras = list(extras)
-    slopes = extras.pop(0) if mods["alibi"] else None
-    seed = extras.pop(0) if mods["dropout"] > 0 else None
-    return slopes, seed, tuple(extras)
 
 
 class FlashAttention(addons.Module):
@@ -108,15 +82,9 @@ class FlashAttention(addons.Module):
         super().__init__(grad_inlining_error=grad_inlining_error)
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window)
-        self.mods = _check_modifiers(softcap, alibi, dropout, score_mod)
         self.n_mod_inputs = _check_int("score_mod_inputs", score_mod_inputs, low=0)
-
-    def _modifiers(self, extras):
-        slopes, seed, inputs = _split_extras(extras, self.mods, self.n_mod_inputs,
-                                             "FlashAttention.build")
-        m = self.mods
-        return dict(softcap=m["softcap"], alibi_slopes=slopes, dropout=m["dropout"], seed=seed,
-                    score_mod=m["score_mod"], score_mod_inputs=inputs)
+        self.mods = layers.check_modifiers(softcap, alibi, dropout, score_mod,
+                                           self.n_mod_inputs)
 
     def build(self, q, k, v, *extras):
         """Args: q ``[G, Lq, D]``; k, v ``[Gk, Lkv, D]`` (``G % Gk == 0``), q's dtype;
@@ -125,31 +93,24 @@ class FlashAttention(addons.Module):
         Returns:
             out ``[G, Lq, D]``: an identity of the flash call's output, which is stashed (see the
             module docstring: returning the stashed tensor itself would make its gradient
-            input ``Fwd``).
+            input ``Fwd``); :func:`popxl_flash.api.layers.flash_forward`.
         """
-        modifiers = self._modifiers(extras)
-        out, lse = flash_attention(q, k, v, return_lse=True, **self.options, **modifiers)
+        out, stash = layers.flash_forward(q, k, v, extras, self.options, self.mods,
+                                          self.n_mod_inputs)
         register_flash_entries(self)
-        for name, t in dict(q=q, k=k, v=v, out=out, lse=lse).items():
-            self.aux[name] = t  # forward outputs the gradient graph reads (Fwd)
-        for i, t in enumerate(extras):
-            self.aux[f"extra{i}"] = t
-        return ops.identity(out)
+        for name, t in stash.items():
+            self.aux[name] = t  # forward tensors the gradient graph reads (Fwd)
+        return out
 
     def build_grad(self, dout):
         """Args: dout ``[G, Lq, D]``, the gradient of ``out``.
 
         Returns:
-            ``(dq, dk, dv, *zeros)``: stash-mode :func:`popxl_flash.flash_attention_grad`, and
-            a zero gradient per extra input.
+            ``(dq, dk, dv, *zeros)``: :func:`popxl_flash.api.layers.flash_backward`
+            (stash-mode :func:`popxl_flash.flash_attention_grad`, a zero gradient per extra
+            input).
         """
-        a = self.aux
-        count = int(self.mods["alibi"]) + int(self.mods["dropout"] > 0) + self.n_mod_inputs
-        extras = [a[f"extra{i}"] for i in range(count)]
-        grads = flash_attention_grad(dout, a["q"], a["k"], a["v"], a["out"], a["lse"],
-                                     **self.options, **self._modifiers(extras))
-        zeros = [ops.init(t.shape, t.dtype, init_type="zero") for t in extras]
-        return (*grads, *zeros)
+        return layers.flash_backward(dout, self.aux, self.options, self.mods, self.n_mod_inputs)
 
 
 class SelfAttention(addons.Module):
@@ -162,7 +123,8 @@ class SelfAttention(addons.Module):
     (``heads * D -> hidden_size``), ``D = hidden_size / heads``. Heads flatten batch-major into
     the core's groups (``g = b * heads + h``), so q head ``h`` reads k/v head
     ``h // (heads / kv_heads)`` (grouped-query attention; ``kv_heads = 1``: multi-query), the
-    order of Hugging Face's ``repeat_kv`` and Graphcore's Llama.
+    order of Hugging Face's ``repeat_kv`` and Graphcore's Llama. The logic between the
+    projections is :mod:`popxl_flash.api.layers`'.
 
     Args:
         hidden_size: E, divisible by ``heads``.
@@ -173,19 +135,22 @@ class SelfAttention(addons.Module):
         rotary_dim: ``None``/0 for no rotary embeddings, else the rotated dims ``R <= D``
             (even) of q and k, at positions ``0 .. L-1`` in training and at the cache positions
             with a cache (:func:`popxl_flash.apply_rotary`).
-        rotary_base: the frequency base (10000). rotary_interleaved: ``False`` (Llama,
-            GPT-NeoX: half-split pairs, the default) or ``True`` (GPT-J: adjacent pairs).
+        rotary_base: the frequency base (10000; a finite number > 0). rotary_interleaved:
+            ``False`` (Llama, GPT-NeoX: half-split pairs, the default) or ``True`` (GPT-J:
+            adjacent pairs).
         softcap, dropout, score_mod: as :func:`popxl_flash.flash_attention`.
-        alibi: ``True`` to take ALiBi slopes (float32 ``[heads]``) as a build input.
+        alibi: ``True`` to take ALiBi slopes (float32 ``[heads]``, or ``[B, heads]`` per batch
+            row) as a build input.
         cache_len: ``None`` (training: ``build(x, *extras)``) or the KV cache's rows
             (inference: ``build(x, k_cache, v_cache, cache_seqlens, *extras)``, the caches by
-            reference and written in place, see :meth:`build_cached`).
+            reference, ``cache_len`` rows long, and written in place, see
+            :meth:`build_cached`).
         k_cache_layout, v_cache_layout: the caches' layouts with ``cache_len``
             (:func:`popxl_flash.flash_attn_with_kvcache`; Graphcore's Llama: ``"BHDS"`` and
             ``"BHSD"``).
         **options: ``num_chunks_q``, ``num_chunks_kv``, ``scale``, ``window`` of
             :func:`popxl_flash.flash_attention` (with a cache: ``scale`` and ``window``, and
-            ``num_splits``).
+            ``num_splits``), checked here.
 
     Extra build inputs after the layer's tensors, in this order: the slopes (with ``alibi``),
     the uint32 ``[2]`` seed (with ``dropout > 0``, training only: give each layer its own).
@@ -196,99 +161,46 @@ class SelfAttention(addons.Module):
                  alibi=False, dropout=0.0, score_mod=None, cache_len=None,
                  k_cache_layout="BSHD", v_cache_layout="BSHD", **options):
         super().__init__()
-        self.hidden_size = _check_int("hidden_size", hidden_size, low=1)
-        self.heads = _check_int("heads", heads, low=1)
-        self.kv_heads = _check_int("kv_heads", heads if kv_heads is None else kv_heads, low=1)
-        if hidden_size % heads:
-            raise ValueError(f"hidden_size={hidden_size} must be a multiple of heads={heads}")
-        if heads % self.kv_heads:
-            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={heads}")
-        allowed = {"num_chunks_q", "num_chunks_kv", "scale", "window"} if cache_len is None \
-            else {"scale", "window", "num_splits"}
-        unknown = set(options) - allowed
-        if unknown:
-            raise TypeError(f"SelfAttention got unexpected options {sorted(unknown)}; expected "
-                            f"{', '.join(sorted(allowed))}"
-                            f"{' (with cache_len)' if cache_len is not None else ''}")
-        self.head_dim = hidden_size // heads
-        self.bias = check_bool("bias", bias)
-        self.rotary_dim = None if not rotary_dim else _check_int(
-            "rotary_dim", rotary_dim, low=2, high=self.head_dim)
-        if self.rotary_dim is not None and self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even, got rotary_dim={rotary_dim}")
-        self.rotary_base = rotary_base
-        self.rotary_interleaved = check_bool("rotary_interleaved", rotary_interleaved)
-        self.mods = _check_modifiers(softcap, alibi, dropout, score_mod)
-        self.cache_len = None if cache_len is None else _check_int("cache_len", cache_len,
-                                                                    low=1)
-        if self.cache_len is not None:
-            if dropout:
-                raise ValueError(f"dropout={dropout} with cache_len: the KV-cache mode is "
-                                 "inference only (no dropout)")
-            if score_mod is not None:
-                raise ValueError("score_mod with cache_len: flash_attn_with_kvcache takes no "
-                                 "score_mod")
-            self.layouts = dict(
-                k_cache_layout=kvcache.check_layout("k_cache_layout", k_cache_layout,
-                                                    kvcache.K_CACHE_LAYOUTS),
-                v_cache_layout=kvcache.check_layout("v_cache_layout", v_cache_layout,
-                                                    kvcache.V_CACHE_LAYOUTS))
+        cfg = layers.layer_config(
+            hidden_size, heads, kv_heads, causal, bias=bias, rotary_dim=rotary_dim,
+            rotary_base=rotary_base, rotary_interleaved=rotary_interleaved, softcap=softcap,
+            alibi=alibi, dropout=dropout, score_mod=score_mod, cache_len=cache_len,
+            k_cache_layout=k_cache_layout, v_cache_layout=v_cache_layout, **options)
+        self.cfg = cfg
+        self.hidden_size, self.heads, self.kv_heads = cfg.hidden_size, cfg.heads, cfg.kv_heads
+        self.head_dim, self.bias, self.rotary_dim = cfg.head_dim, cfg.bias, cfg.rotary_dim
+        self.rotary_base, self.rotary_interleaved = cfg.rotary_base, cfg.rotary_interleaved
+        self.mods, self.cache_len, self.options = cfg.mods, cfg.cache_len, cfg.options
+        if cfg.cache_len is not None:
+            self.layouts = cfg.layouts
             self.build = self.build_cached  # its signature takes the caches by reference
-        self.options = dict(options, causal=causal)
-        self.q = Linear(heads * self.head_dim, bias=self.bias)
-        self.k = Linear(self.kv_heads * self.head_dim, bias=self.bias)
-        self.v = Linear(self.kv_heads * self.head_dim, bias=self.bias)
-        self.o = Linear(hidden_size, bias=self.bias)
-
-    # -- shared pieces --------------------------------------------------------------------
-    def _check_x(self, x):
-        if len(x.shape) != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, L, hidden_size={self.hidden_size}], got "
-                             f"{tuple(x.shape)}")
-        return x.shape[0], x.shape[1]
+        self.q = Linear(cfg.heads * cfg.head_dim, bias=cfg.bias)
+        self.k = Linear(cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.v = Linear(cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.o = Linear(cfg.hidden_size, bias=cfg.bias)
 
     def _project(self, x):
         """q ``[B, L, heads, D]``, k, v ``[B, L, kv_heads, D]`` (flash-attn's layout)."""
-        B, L, E = x.shape
-        flat = x.reshape((B * L, E))
-        q, k, v = (proj(flat).reshape((B, L, h, self.head_dim))
-                   for proj, h in ((self.q, self.heads), (self.k, self.kv_heads),
-                                   (self.v, self.kv_heads)))
-        return q, k, v
+        B, L = layers.check_x(self.cfg, x)
+        flat = x.reshape((B * L, self.hidden_size))
+        return tuple(layers.split_heads(proj(flat), B, L, h, self.head_dim)
+                     for proj, h in ((self.q, self.heads), (self.k, self.kv_heads),
+                                     (self.v, self.kv_heads)))
 
-    def _tables(self, rows, dtype):
-        """Rotary cos/sin constants ``[rows, R/2]`` (float32)."""
-        cos, sin = rotary_tables(rows, self.rotary_dim, self.rotary_base)
-        return popxl.constant(cos, popxl.float32), popxl.constant(sin, popxl.float32)
-
-    def _output(self, out):
-        """``out [B, L, heads, D] -> y [B, L, hidden_size]``."""
-        B, L = out.shape[0], out.shape[1]
-        y = self.o(out.reshape((B * L, self.heads * self.head_dim)))
-        return y.reshape((B, L, self.hidden_size))
+    def _output(self, flat, x):
+        """The attention's ``[B * L, heads * D]`` -> y ``[B, L, hidden_size]``."""
+        return self.o(flat).reshape(tuple(x.shape))
 
     # -- training -------------------------------------------------------------------------
     def build(self, x, *extras):
         """Args: x ``[B, L, hidden_size]``; extras: the slopes and seed the options ask for.
         Returns: y ``[B, L, hidden_size]``, x's dtype."""
-        B, L = self._check_x(x)
-        slopes, seed, _ = _split_extras(extras, self.mods, 0, "SelfAttention.build")
         q, k, v = self._project(x)
-        if self.rotary_dim is not None:
-            cos, sin = self._tables(L, x.dtype)
-            q, k = (apply_rotary(t, cos, sin, interleaved=self.rotary_interleaved)
-                    for t in (q, k))
-        groups = [t.transpose((0, 2, 1, 3)).reshape((B * h, L, self.head_dim))
-                  for t, h in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads))]
-        if slopes is not None and B > 1:  # [heads] -> the core's [B * heads]
-            slopes = ops.concat([slopes.reshape((1, self.heads))] * B, axis=0).reshape(
-                (B * self.heads,))
-        m = self.mods
-        self._call_mods = dict(softcap=m["softcap"], alibi_slopes=slopes, dropout=m["dropout"],
-                               seed=seed, score_mod=m["score_mod"])
-        out = self.attend(*groups)  # [B*H, L, D]
-        out = out.reshape((B, self.heads, L, self.head_dim)).transpose((0, 2, 1, 3))
-        return self._output(out)
+        return self._output(layers.self_attention(self.cfg, q, k, v, extras, self._attend), x)
+
+    def _attend(self, q, k, v, mods):
+        self._call_mods = mods
+        return self.attend(q, k, v)
 
     def attend(self, q, k, v):
         """The attention between the projections (override it to compare another attention
@@ -302,10 +214,7 @@ class SelfAttention(addons.Module):
             options and modifiers (``self._call_mods``), its gradient entries registered in
             ``called_graphs_grad_info``.
         """
-        mods = dict(getattr(self, "_call_mods", {}))
-        mods = {n: val for n, val in mods.items()
-                if val is not None and not (isinstance(val, float) and val == 0.0)}
-        out = flash_attention(q, k, v, **self.options, **mods)
+        out = layers.default_attend(self.cfg, q, k, v, dict(getattr(self, "_call_mods", {})))
         register_flash_entries(self)
         return out
 
@@ -326,19 +235,6 @@ class SelfAttention(addons.Module):
         Returns:
             y ``[B, L, hidden_size]``.
         """
-        B, L = self._check_x(x)
-        slopes, _, _ = _split_extras(extras, self.mods, 0, "SelfAttention.build_cached")
         q, k, v = self._project(x)
-        rotary = {}
-        if self.rotary_dim is not None:
-            cos, sin = self._tables(self.cache_len, x.dtype)
-            rotary = dict(rotary_cos=cos, rotary_sin=sin,
-                          rotary_interleaved=self.rotary_interleaved)
-        opts = self.options
-        window = opts.get("window")
-        window = (-1, -1) if window is None else tuple(-1 if w is None else w for w in window)
-        out = flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, causal=opts["causal"],
-            softmax_scale=opts.get("scale"), window_size=window, softcap=self.mods["softcap"],
-            alibi_slopes=slopes, num_splits=opts.get("num_splits"), **rotary, **self.layouts)
-        return self._output(out)
+        return self._output(layers.cached_self_attention(
+            self.cfg, q, k, v, k_cache, v_cache, cache_seqlens, extras), x)

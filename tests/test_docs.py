@@ -221,3 +221,38 @@ def test_docstring_names_every_parameter(fn):
     doc = inspect.getdoc(fn)
     missing = [p for p in inspect.signature(fn).parameters if not re.search(rf"\b{p}\b", doc)]
     assert not missing, f"{fn.__name__} docstring does not mention {missing}"
+
+
+def _signature_blocks(text):
+    """``{function name: the parameter names its user-guide signature block lists}`` (the first
+    block that is one ``x = pf.name(...)`` call: the section's signature)."""
+    blocks = {}
+    for m in re.finditer(r"```python\n[^\n=`]+? = pf\.(\w+)\(((?:(?!```).)*?)\)\n```", text, re.S):
+        names = re.findall(r"(?:^|,)\s*\**(\w+)", m.group(2).replace("\n", " "))
+        blocks.setdefault(m.group(1), names)
+    return blocks
+
+
+SIGNATURE_FUNCTIONS = ["flash_attention", "flash_attention_qkv_packed", "flash_attention_grad",
+                       "flash_attention_qkv_packed_grad", "flash_attn_func",
+                       "flash_attn_func_grad", "flash_attn_varlen_func",
+                       "flash_attn_with_kvcache"]
+
+
+@pytest.mark.parametrize("name", SIGNATURE_FUNCTIONS)
+def test_user_guide_signature_blocks_list_every_parameter(name):
+    """Each signature block in docs/user-guide.md lists the function's parameters, in order
+    (memory_budget= and deterministic= were once missing)."""
+    blocks = _signature_blocks((ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8"))
+    fn = inspect.unwrap(getattr(pf, name))
+    assert blocks.get(name) == list(inspect.signature(fn).parameters), name
+
+
+def test_install_commands_match_ci():
+    """The README and the user guide install the extras .ci/run installs."""
+    ci = re.search(r'pip install -e "(\.\[[^"]*\])"',
+                   (ROOT / ".ci" / "run").read_text(encoding="utf-8")).group(1)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "user-guide.md"):
+        installs = re.findall(r'pip install -e "(\.\[[^"]*\])" && python -m pytest',
+                              doc.read_text(encoding="utf-8"))
+        assert installs == [ci], doc.name

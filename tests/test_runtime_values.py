@@ -63,6 +63,53 @@ def test_out_of_range_cache_seqlens_trap_under_fp_checks(new):
         _kvcache([2, LC + 1, 0], new, fp_checks=True)
 
 
+def _rotary(positions, fp_checks=False, dtype=np.float32):
+    """apply_rotary on x [2, 3, 2, 6] (rotary_dim 4 of 6) at run-time positions over tables of
+    4 rows; returns (out, the same call at in-range positions given as an int offset per row)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 2, 6)).astype(dtype)
+    cos, sin = pf.rotary_tables(4, 4)
+
+    def build(x, pos):
+        c, s = popxl.constant(cos), popxl.constant(sin)
+        return [pf.apply_rotary(x, c, s, positions=pos)]
+    (out,), _ = run_graph(build, [x, np.asarray(positions, np.int32)], fp_checks=fp_checks)
+    return out, x, cos, sin
+
+
+def _rotate_row(x, cos, sin, p):
+    """Host half-split rotation of x [H, D] at table row p (float64)."""
+    x = x.astype(np.float64)
+    c, s = cos[p].astype(np.float64), sin[p].astype(np.float64)
+    a, b = x[:, :2], x[:, 2:4]
+    return np.concatenate([a * c - b * s, b * c + a * s, x[:, 4:]], axis=-1)
+
+
+@pytest.mark.parametrize("positions", [[0, 3, 10], [-1, 2, 3], [[0, 1, 2], [3, 4, 2**31 - 1]]])
+def test_out_of_range_rotary_positions_give_nan_rows(positions):
+    """apply_rotary at run-time positions past its tables: those rows NaN (every head and dim),
+    the others equal the host rotation at their positions."""
+    out, x, cos, sin = _rotary(positions)
+    pos = np.broadcast_to(np.asarray(positions, np.int64), (2, 3))
+    for b in range(2):
+        for i in range(3):
+            if 0 <= pos[b, i] < 4:
+                np.testing.assert_allclose(out[b, i], _rotate_row(x[b, i], cos, sin, pos[b, i]),
+                                           rtol=0, atol=1e-6)
+            else:
+                assert np.isnan(out[b, i]).all()
+
+
+def test_out_of_range_rotary_positions_trap_under_fp_checks():
+    with pytest.raises(FloatingPointError, match="positions_out_of_range"):
+        _rotary([0, 3, 10], fp_checks=True)
+
+
+def test_in_range_rotary_positions_are_not_poisoned():
+    out, *_ = _rotary([[0, 3, 1], [2, 0, 3]], fp_checks=True, dtype=np.float16)
+    assert not np.isnan(out).any()
+
+
 @pytest.mark.parametrize("new", [False, True], ids=["read-only", "write"])
 def test_in_range_edges_are_not_poisoned(new):
     """0 and Lcache - Lnew are valid lengths (a row that sees no key: out 0, lse -inf)."""

@@ -112,7 +112,14 @@ def autodiff(graph, **kwargs):
         ValueError: ``graph`` was already differentiated by this function (autodiff added the
             activations its gradient graph reads as outputs of ``graph``; differentiate each
             forward graph once and reuse the first result).
+        TypeError: ``graph`` is not a ``popxl.Graph`` (e.g. ``None``, or a popxl-addons
+            ``GraphWithNamedArgs``: differentiate its ``.graph``, or use ``addons.autodiff``).
     """
+    if not isinstance(graph, popxl.Graph):
+        hint = " (a popxl-addons GraphWithNamedArgs: pass its .graph, or use addons.autodiff)" \
+            if isinstance(getattr(graph, "graph", None), popxl.Graph) else ""
+        raise TypeError(f"graph must be a popxl.Graph{hint}, got graph={graph!r} "
+                        f"({type(graph).__name__})")
     _check_not_differentiated(graph)
     n_outputs = len(graph.outputs)
     if kwargs.get("grads_required") is None:

@@ -1,10 +1,11 @@
 """``pf.explain``: the cost model's figures behind the automatic chunk choice of one call."""
-from popxl_flash.api.functional import score_mod_traced
+from popxl_flash.api.functional import score_mod_input_tuple, score_mod_traced
+from popxl_flash.backend import popxl
 from popxl_flash.graph import score_mods
 from popxl_flash.plan import costmodel, packed
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
-from popxl_flash.plan.config import AttentionConfig, _check_int
+from popxl_flash.plan.config import AttentionConfig, _check_int, check_bool, check_dtype_name
 from popxl_flash.plan.segments import SegmentConfig
 from popxl_flash.plan.memory import check_budget
 
@@ -18,7 +19,7 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     Args:
         Lq, Lkv: query and key/value lengths.
         head_dim: D; groups: G = batch x heads.
-        dtype: ``"float16"`` or ``"float32"``.
+        dtype: ``"float16"`` or ``"float32"``, or the NumPy or PopXL dtype.
         causal, window: the mask, as :func:`popxl_flash.flash_attention`.
         num_chunks_q, num_chunks_kv: as :func:`popxl_flash.flash_attention`; a given count
             fixes that axis's chunk length and only the other is chosen.
@@ -28,7 +29,7 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
             its inputs: also count its ops and FLOPs at the chosen chunking (built in a scratch
             Ir; the chunk choice itself does not see it).
         memory_budget: bytes, as :func:`popxl_flash.flash_attention` (``None``: the default).
-        segment_ids: explain a call with segment ids (packed sequences,
+        segment_ids: a bool: explain a call with segment ids (packed sequences,
             :func:`popxl_flash.flash_attention`'s ``q_segment_ids``): the packed choice
             (:func:`popxl_flash.plan.packed.choose`) priced against one sequence over the whole
             row (every visited block runs).
@@ -36,6 +37,10 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
             ``Lkv`` = ``total_q``, ``total_k``; ``groups`` = Hq): an int or a ``(max_seqlen_q,
             max_seqlen_k)`` pair, priced against sequences of those lengths back to back,
             causal and window per sequence.
+
+    Every argument is validated by the checks of the call explained (shared with it, not
+    restated): a setting the call refuses raises the same ``ValueError``/``TypeError`` here,
+    naming this function's argument (``Lq``, ``head_dim``, ``kv_groups``, ``max_seqlen``, ...).
 
     Returns:
         :class:`popxl_flash.plan.costmodel.ChunkChoice`: ``chosen`` (the chunking
@@ -48,8 +53,23 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
         ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.graph.score_mods.ScoreModCost`
         and ``table()`` ends with its line.
     """
-    kv_shape = (groups if kv_groups is None else kv_groups, Lkv, head_dim)
+    Lq, Lkv, head_dim, groups = (_check_int(name, value, low=1) for name, value in (
+        ("Lq", Lq), ("Lkv", Lkv), ("head_dim", head_dim), ("groups", groups)))
+    kv_groups = groups if kv_groups is None else _check_int("kv_groups", kv_groups, low=1)
+    if groups % kv_groups:
+        raise ValueError(f"kv_groups must divide groups={groups}, got kv_groups={kv_groups} "
+                         "(Gk = G for multi-head attention; Gk < G is grouped-query attention)")
+    dtype = check_dtype_name(dtype)
+    segment_ids = check_bool("segment_ids", segment_ids)
+    inputs = score_mod_input_tuple(score_mod_inputs, (popxl.TensorSpec, popxl.Tensor),
+                                   "popxl.TensorSpec")
+    score_mods.options(score_mod=score_mod, num_mod_inputs=len(inputs))  # the call's check
+    kv_shape = (kv_groups, Lkv, head_dim)
     if segment_ids or max_seqlen is not None:
+        if score_mod is not None:
+            raise ValueError("score_mod with segment_ids or max_seqlen: pf.explain prices a "
+                             "score_mod only for a call without segments (its cost is counted "
+                             "at the chosen chunking of one sequence)")
         return _explain_packed(Lq, Lkv, kv_shape, head_dim=head_dim, groups=groups, dtype=dtype,
                                causal=causal, window=window, num_chunks_q=num_chunks_q,
                                num_chunks_kv=num_chunks_kv, memory_budget=memory_budget,
@@ -72,7 +92,7 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     mod_cost = score_mod_traced(score_mods.cost, score_mod, groups=groups,
                                 chunk_q=chosen.chunk_q, chunk_kv=chosen.chunk_kv,
                                 steps=calls, cells=_steps.executed_cells(sched),
-                                input_specs=tuple(score_mod_inputs))
+                                input_specs=inputs)
     return score_mods.with_score_mod_cost(choice, mod_cost)
 
 
@@ -85,9 +105,7 @@ def _explain_packed(Lq, Lkv, kv_shape, *, head_dim, groups, dtype, causal, windo
     if max_seqlen is None:
         segments, packing = SegmentConfig(1, 1, False), packed.ONE_SEQUENCE
     else:
-        pair = tuple(max_seqlen) if isinstance(max_seqlen, (tuple, list)) else (max_seqlen,) * 2
-        seqlens = [_check_int(name, n, low=1) for name, n in zip(("max_seqlen_q",
-                                                                   "max_seqlen_k"), pair)]
+        seqlens = check_max_seqlen(max_seqlen)
         segments, packing = SegmentConfig(1, 1, True), packed.max_seqlen(*seqlens)
     return packed.choose(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
                          causal=cfg.causal, window=cfg.window, segments=segments,
@@ -95,3 +113,21 @@ def _explain_packed(Lq, Lkv, kv_shape, *, head_dim, groups, dtype, causal, windo
                          chunk_q=None if num_chunks_q is None else cfg.chunk_q,
                          chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv,
                          memory_budget=check_budget(memory_budget))
+
+
+def check_max_seqlen(max_seqlen):
+    """``max_seqlen``: an int (both sides) or a ``(max_seqlen_q, max_seqlen_k)`` pair of ints
+    ``>= 1``, each checked as :func:`popxl_flash.flash_attn_varlen_func` checks its own.
+
+    Returns:
+        ``[max_seqlen_q, max_seqlen_k]``.
+    """
+    if isinstance(max_seqlen, (tuple, list)):
+        if len(max_seqlen) != 2:
+            raise ValueError(f"max_seqlen must be an int or a (max_seqlen_q, max_seqlen_k) pair, "
+                             f"got max_seqlen={max_seqlen!r} ({len(max_seqlen)} entries)")
+        pair = tuple(max_seqlen)
+    else:
+        pair = (max_seqlen,) * 2
+    return [_check_int(name, n, low=1) for name, n in zip(("max_seqlen_q", "max_seqlen_k"),
+                                                           pair)]

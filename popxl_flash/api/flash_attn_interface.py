@@ -228,36 +228,40 @@ def user_inputs(modifiers):
     return {n: t for n, t in named.items() if t is not None}
 
 
-def check_alibi_slopes(alibi_slopes, dims):
+def check_alibi_slopes(alibi_slopes, dims, varlen=False):
     """Raise unless ``alibi_slopes`` is ``None`` or a float32 tensor ``[Hq]`` or ``[B, Hq]``
-    of the current graph (flash-attn's layouts; ``dims``: the call's :class:`Dims`)."""
+    of the current graph (flash-attn's layouts; ``dims``: the call's :class:`Dims`; with
+    ``varlen``, packed sequences with no batch axis: ``[Hq]`` or ``[1, Hq]``)."""
     if alibi_slopes is None:
         return
     check_tensors(alibi_slopes=alibi_slopes)
     shape = tuple(alibi_slopes.shape)
     if shape not in ((dims.q_heads,), (dims.batch, dims.q_heads)) or \
             alibi_slopes.dtype.name != "float32":
-        raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or "
-                         f"[B={dims.batch}, Hq={dims.q_heads}], got {shape} "
-                         f"{alibi_slopes.dtype.name}")
+        want = f"[B={dims.batch}, Hq={dims.q_heads}]" if not varlen else \
+            f"[1, Hq={dims.q_heads}] (packed sequences have no batch axis: one slope per " \
+            "head, shared by every sequence)"
+        raise ValueError(f"alibi_slopes must be float32 [Hq={dims.q_heads}] or {want}, got "
+                         f"{shape} {alibi_slopes.dtype.name}")
 
 
 def modifier_options(dims, qkv, options, *, softcap, alibi_slopes, score_mod, score_mod_inputs,
-                     dropout_p, seed, return_attn_probs, backward=False):
+                     dropout_p, seed, return_attn_probs, backward=False, varlen=False):
     """flash-attn's score-modifier and dropout options -> the core's keywords, validated
     (before any graph or scope is opened; a ``score_mod``'s graphs are built here, so its
     errors come before the scope too).
 
     Args:
         dims: the call's :class:`Dims`; qkv: the tensors; options: the core options
-            (:func:`core_options`); backward: also build the score_mod's gradient graph; the
-            rest: flash-attn's names.
+            (:func:`core_options`); backward: also build the score_mod's gradient graph;
+            varlen: packed sequences (the slopes' messages name no batch); the rest:
+            flash-attn's names.
 
     Returns:
         Keyword arguments of :func:`popxl_flash.flash_attention` (``alibi_slopes`` still
         ``[H]`` or ``[B, H]``: :func:`group_slopes` reshapes it inside the scope).
     """
-    check_alibi_slopes(alibi_slopes, dims)
+    check_alibi_slopes(alibi_slopes, dims, varlen=varlen)
     mods, _ = modifier_inputs(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
                               score_mod_inputs=score_mod_inputs, dropout=dropout_p, seed=seed,
                               dropout_name="dropout_p")

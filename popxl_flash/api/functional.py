@@ -259,6 +259,26 @@ def score_mod_traced(build, *args, **kwargs):
             from err
 
 
+def score_mod_input_tuple(score_mod_inputs, kinds=None, what="popxl.Tensor"):
+    """``score_mod_inputs`` as a tuple (one tensor alone becomes a 1-tuple).
+
+    Args:
+        score_mod_inputs: a tuple or list (or one item) of ``kinds``.
+        kinds: the accepted item types (default ``popxl.Tensor``; each item is checked by the
+            caller, e.g. :func:`check_tensors`). what: their name in the message.
+
+    Returns:
+        The tuple.
+    """
+    kinds = (popxl.Tensor,) if kinds is None else kinds
+    if isinstance(score_mod_inputs, kinds):
+        score_mod_inputs = (score_mod_inputs,)
+    if not isinstance(score_mod_inputs, (tuple, list)):
+        raise TypeError(f"score_mod_inputs must be a tuple of {what}, got "
+                        f"{type(score_mod_inputs).__name__}")
+    return tuple(score_mod_inputs)
+
+
 def modifier_inputs(*, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_inputs=(),
                     dropout=0.0, seed=None, dropout_name="dropout"):
     """Validate the score-modifier and dropout arguments.
@@ -267,12 +287,7 @@ def modifier_inputs(*, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod
         ``(mods, extras)``: the :class:`~popxl_flash.graph.score_mods.ScoreMods` (``None`` when all
         are off) and the module's extra inputs (slopes, seed, score_mod inputs).
     """
-    if isinstance(score_mod_inputs, popxl.Tensor):
-        score_mod_inputs = (score_mod_inputs,)
-    if not isinstance(score_mod_inputs, (tuple, list)):
-        raise TypeError("score_mod_inputs must be a tuple of popxl.Tensor, got "
-                        f"{type(score_mod_inputs).__name__}")
-    inputs = tuple(score_mod_inputs)
+    inputs = score_mod_input_tuple(score_mod_inputs)
     named = {f"score_mod_inputs[{n}]": t for n, t in enumerate(inputs)}
     named.update({n: t for n, t in (("alibi_slopes", alibi_slopes), ("seed", seed))
                   if t is not None})

@@ -71,10 +71,9 @@ from popxl_flash.api.functional import (check_tensors, keyword_hints, modifier_i
 from popxl_flash.plan.kvcache import (DECODE_CHUNKS, DECODE_SPLITS, MAX_DECODE_Q,
                                       MODEL_FILLS, OPS_DECODE, OPS_MODS, PREFILL_CHUNK_Q,
                                       STRUCTURES, VEC_DECODE, DecodeCandidate, DecodeChoice,
-                                      Dims, _structure, decode_choice, evaluate, explain,
+                                      Dims, _structure, check_dims, decode_choice, evaluate, explain,
                                       straight_counts)
 from popxl_flash.graph import decode
-from popxl_flash.graph.segments import MAX_LEN
 
 ops = popxl.ops
 
@@ -169,9 +168,6 @@ def check_shapes(q, k_cache, v_cache, k, v, k_layout="BSHD", v_layout="BSHD"):
         raise ValueError(f"v_cache must have the shape of k_cache{same}: B={Bc}, "
                          f"Lcache={Lc}, Hkv={Hkv}, D={Dc} as {v_order} = {want}, got v_cache "
                          f"shape {v_shape}")
-    if Hq % Hkv:
-        raise ValueError(f"q's head count Hq={Hq} must be a multiple of the caches' Hkv={Hkv} "
-                         "(grouped-query attention)")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (or both None), got "
                          f"k={'None' if k is None else tuple(k.shape)}, "
@@ -185,17 +181,13 @@ def check_shapes(q, k_cache, v_cache, k, v, k_layout="BSHD", v_layout="BSHD"):
         if tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got v shape "
                              f"{tuple(v.shape)}")
-        if Lnew > Lc:
-            raise ValueError(f"k has Lnew={Lnew} new rows, more than the cache holds "
-                             f"(Lcache={Lc})")
-    if Lc > MAX_LEN:
-        raise ValueError(f"k_cache supports up to {MAX_LEN} rows, got Lcache={Lc}")
+    dims = check_dims(Dims(B, Lq, Lc, Lnew, Hq, Hkv, D))  # shared with pf.kvcache.explain
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache)
     if k is not None:
         named.update(k=k, v=v)
     dtypes = {name: t.dtype.name for name, t in named.items()}
     AttentionConfig._check_dtypes(dtypes)
-    return Dims(B, Lq, Lc, Lnew, Hq, Hkv, D)
+    return dims
 
 
 def check_aliasing(q, k_cache, v_cache, k, v):

@@ -16,8 +16,13 @@ The rotation is computed in float32 (the tables are cast to it) and the result c
 x's dtype. Every op is an ordinary differentiable PopXL op (slice, reshape, mul, add, concat,
 cast), so ``popxl.transforms.autodiff`` and ``pf.autodiff`` differentiate it; the tables are
 read with ``ops.slice`` (static positions) or ``ops.gather`` (run-time positions, which are
-not differentiated: the tables are constants of the model).
+not differentiated: the tables are constants of the model). Run-time positions outside the
+tables are clamped for the gather and their rows made NaN (:func:`guard_positions`,
+:func:`poison_rows`): the IPU checks no gather index.
 """
+import math
+import numbers
+
 import numpy as np
 
 from popxl_flash.backend import popxl
@@ -26,7 +31,7 @@ from popxl_flash.api.functional import check_tensors
 
 ops = popxl.ops
 
-__all__ = ["apply_rotary", "check_tables", "rotary_tables", "table_rows"]
+__all__ = ["apply_rotary", "check_base", "check_tables", "rotary_tables", "table_rows"]
 
 
 def rotary_tables(positions, rotary_dim, base=10000.0, dtype=np.float32):
@@ -35,15 +40,40 @@ def rotary_tables(positions, rotary_dim, base=10000.0, dtype=np.float32):
 
     Args:
         positions: the table rows (the longest sequence or cache). rotary_dim: even, ``>= 2``.
-        base: the frequency base (10000 in GPT-J, GPT-NeoX and Llama).
+        base: the frequency base (10000 in GPT-J, GPT-NeoX and Llama): a finite real number
+            ``> 0`` (``TypeError`` for a non-number, ``ValueError`` for ``base <= 0``, whose
+            frequencies ``base**(-2i / rotary_dim)`` are NaN or infinite).
+
+    Returns:
+        ``(cos, sin)``: ``dtype`` arrays ``[positions, rotary_dim / 2]``.
     """
     positions = _check_int("positions", positions, low=1)
     rotary_dim = _check_int("rotary_dim", rotary_dim, low=2)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got rotary_dim={rotary_dim}")
-    inv = 1.0 / (float(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    base = check_base(base)
+    inv = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     phase = np.outer(np.arange(positions, dtype=np.float64), inv)
     return np.cos(phase).astype(dtype), np.sin(phase).astype(dtype)
+
+
+def check_base(base, name="base"):
+    """``base`` as a float: a finite real number ``> 0`` (bools and strings refused).
+
+    Returns:
+        The float.
+    """
+    value = base.item() if isinstance(base, np.generic) or (
+        isinstance(base, np.ndarray) and base.ndim == 0) else base
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (the rotary frequency base, e.g. "
+                        f"10000.0), got {name}={base!r} ({type(base).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0 (the rotary frequency base, e.g. "
+                         f"10000.0; the frequencies base**(-2i / rotary_dim) are NaN or "
+                         f"infinite otherwise), got {name}={value!r}")
+    return value
 
 
 def check_tables(cos, sin, head_dim, name_cos="cos", name_sin="sin"):
@@ -86,7 +116,7 @@ def table_rows(table, positions, rows):
 
 def _check_positions(positions, B, L, Lro):
     """``None`` -> 0; an int offset with ``offset + L <= Lro``; or an int32 tensor ``[L]`` or
-    ``[B, L]`` (run time; values ``< Lro`` are the caller's contract)."""
+    ``[B, L]`` (run time; values outside ``[0, Lro)`` give NaN rows, :func:`guard_positions`)."""
     if positions is None:
         positions = 0
     if isinstance(positions, popxl.Tensor):
@@ -143,8 +173,12 @@ def apply_rotary(x, cos, sin, *, interleaved=False, positions=None):
         interleaved: ``False``: half-split pairs ``(i, i + R/2)`` (GPT-NeoX, Llama);
             ``True``: adjacent pairs ``(2i, 2i+1)`` (GPT-J). flash-attn's name and default.
         positions: the position of each row: ``None`` (rows ``0 .. L-1``), an int offset
-            (rows ``p .. p + L - 1``, flash-attn's ``seqlen_offsets``), or an int32 run-time
-            tensor ``[L]`` or ``[B, L]`` (values in ``[0, Lro)``: the caller's contract).
+            (rows ``p .. p + L - 1``, flash-attn's ``seqlen_offsets``; past the tables:
+            ``ValueError``), or an int32 run-time tensor ``[L]`` or ``[B, L]`` with values in
+            ``[0, Lro)``: a row whose position is outside (negative, or ``>= Lro``) comes out
+            NaN (all of its heads and dims), an invalid operation that floating-point checks
+            trap (scope ``positions_out_of_range``), as the KV cache's out-of-range
+            ``cache_seqlens``; the other rows are unchanged.
 
     Returns:
         The rotated x, its shape and dtype (computed in float32).
@@ -161,7 +195,49 @@ def apply_rotary(x, cos, sin, *, interleaved=False, positions=None):
     interleaved = check_bool("interleaved", interleaved)
     positions = _check_positions(positions, B, L, Lro)
     with popxl.name_scope("apply_rotary"):
+        bad = None
+        if isinstance(positions, popxl.Tensor):
+            bad, positions = guard_positions(positions, Lro)
         c, s = (table_rows(t, positions, L) for t in (cos, sin))  # [(B,) L, R/2]
         lead = (B, L) if len(c.shape) == 3 else (1, L)
         c, s = (t.reshape(lead + (1, t.shape[-1])) for t in (c, s))
-        return rotate(x, c, s, interleaved)
+        out = rotate(x, c, s, interleaved)
+        return out if bad is None else poison_rows(out, bad, lead)
+
+
+def guard_positions(positions, rows):
+    """Run-time positions outside ``[0, rows)`` (the IPU checks no gather index).
+
+    Args:
+        positions: int32 ``[L]`` or ``[B, L]``. rows: the tables' ``Lro``.
+
+    Returns:
+        ``(bad, clamped)``: bool, ``positions``' shape, where a position is out of range; the
+        positions clamped into ``[0, rows)``, so the gather reads a table row (which
+        :func:`poison_rows` then turns to NaN).
+    """
+    i32 = popxl.int32
+    low, high = popxl.constant(np.int32(0), i32), popxl.constant(np.int32(rows - 1), i32)
+    low_bad, high_bad = ops.greater(low, positions), ops.greater(positions, high)
+    clamped = ops.where(low_bad, low, ops.where(high_bad, high, positions))
+    return ops.logical_or(low_bad, high_bad), clamped
+
+
+def poison_rows(out, bad, lead):
+    """``out [B, L, H, D]`` NaN in the rows ``bad`` (bool ``[L]`` or ``[B, L]``), unchanged
+    elsewhere.
+
+    The NaN is ``sqrt(-1)``, an invalid operation: with floating-point checks on
+    (:func:`popxl_flash.enable_floating_point_checks`) the run stops there (in the name scope
+    ``positions_out_of_range``); without, the rows read NaN, never a plausible rotation (as the
+    KV cache's out-of-range ``cache_seqlens``).
+
+    Args:
+        lead: ``(B, L)`` or ``(1, L)``, the leading dims ``bad`` broadcasts to.
+    """
+    f32 = popxl.float32
+    with popxl.name_scope("positions_out_of_range"):  # what a trap's message names
+        nan = ops.sqrt(ops.where(bad, popxl.constant(np.float32(-1.0), f32),
+                                 popxl.constant(np.float32(0.0), f32)))
+    add = nan if out.dtype == f32 else ops.cast(nan, out.dtype)
+    return out + add.reshape(lead + (1, 1))

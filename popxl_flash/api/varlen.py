@@ -145,7 +145,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     modifiers = modifier_options(dims, (q, k, v), options, softcap=softcap,
                                  alibi_slopes=alibi_slopes,
                                  score_mod=score_mod, score_mod_inputs=score_mod_inputs,
-                                 dropout_p=dropout_p, seed=seed, return_attn_probs=return_probs)
+                                 dropout_p=dropout_p, seed=seed, return_attn_probs=return_probs,
+                                 varlen=True)
     options["packing"] = packing_of(max_q, max_k)  # what the automatic chunks are priced for
     with popxl.name_scope("flash_attn_varlen_func"):
         q_ids, q_pos = varlen_segments(cu_seqlens_q, dims.q_len)  # [1, total_q]

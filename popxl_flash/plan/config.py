@@ -104,6 +104,31 @@ def _check_int(name, value, *, low=1, high=None):
     return value
 
 
+def check_dtype_name(dtype, name="dtype"):
+    """A dtype argument of the explain functions as its name: ``"float16"``/``"float32"``,
+    or the NumPy (``np.float16``, ``np.dtype("float32")``) or PopXL (``popxl.float16``) dtype.
+
+    Returns:
+        The name, one of :data:`SUPPORTED_DTYPES`.
+
+    Raises:
+        TypeError: anything else (another dtype, a non-dtype).
+    """
+    if isinstance(dtype, str):
+        dtype_name = dtype
+    elif isinstance(getattr(dtype, "name", None), str) and not isinstance(dtype, type):
+        dtype_name = dtype.name  # popxl.dtype, np.dtype
+    else:
+        try:
+            dtype_name = np.dtype(dtype).name  # np.float16, float
+        except (TypeError, ValueError):
+            dtype_name = None
+    if dtype_name not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES} (a name, a NumPy or a PopXL "
+                        f"dtype), got {name}={dtype!r}")
+    return dtype_name
+
+
 def _check_shape(name, shape, rank, meaning):
     """Check a tensor shape's rank and positive dims; return it as a tuple."""
     shape = tuple(int(d) for d in shape)

@@ -23,7 +23,7 @@ import numpy as np
 from popxl_flash.plan import costmodel
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan.config import _check_int
-from popxl_flash.plan.segments import RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
+from popxl_flash.plan.segments import MAX_LEN, RT_FULL, RT_MASKED, RT_SKIP, SegmentConfig
 
 #: Chunk lengths the automatic decode choice tries (rows of the cache per chunk).
 DECODE_CHUNKS = (16, 32, 64, 128, 256)
@@ -73,6 +73,66 @@ class Dims:
     def group_size(self):
         """r = Hq // Hkv."""
         return self.q_heads // self.kv_heads
+
+
+#: How :func:`check_dims` names the sizes of a ``flash_attn_with_kvcache`` call (its tensors'
+#: dims); :func:`explain` names them by its arguments.
+CALL_NAMES = dict(batch="B", q_len="Lq", cache_len="Lcache", new_len="Lnew", q_heads="Hq",
+                  kv_heads="Hkv", head_dim="D")
+
+
+def check_dims(dims, names=None):
+    """The sizes of a cache call, checked alike for :func:`flash_attn_with_kvcache
+    <popxl_flash.api.kvcache.flash_attn_with_kvcache>` (its tensors' dims) and :func:`explain`
+    (its arguments).
+
+    Args:
+        dims: :class:`Dims`.
+        names: ``{field: name in messages}`` (default :data:`CALL_NAMES`).
+
+    Returns:
+        ``dims``.
+
+    Raises:
+        ValueError: a size below 1 (``new_len`` below 0), ``q_heads`` not a multiple of
+            ``kv_heads``, more new rows than the cache holds, a cache over ``MAX_LEN`` rows.
+    """
+    n = dict(CALL_NAMES, **(names or {}))
+    for field in ("batch", "q_len", "cache_len", "q_heads", "kv_heads", "head_dim"):
+        _check_int(n[field], getattr(dims, field), low=1)
+    _check_int(n["new_len"], dims.new_len, low=0)
+    if dims.q_heads % dims.kv_heads:
+        raise ValueError(f"q's head count {n['q_heads']}={dims.q_heads} must be a multiple of "
+                         f"the caches' {n['kv_heads']}={dims.kv_heads} (grouped-query "
+                         "attention)")
+    if dims.new_len > dims.cache_len:
+        raise ValueError(f"k has {n['new_len']}={dims.new_len} new rows, more than the cache "
+                         f"holds ({n['cache_len']}={dims.cache_len})")
+    if dims.cache_len > MAX_LEN:
+        raise ValueError(f"k_cache supports up to {MAX_LEN} rows, got "
+                         f"{n['cache_len']}={dims.cache_len}")
+    return dims
+
+
+def check_structure_options(dims, num_splits=None, num_chunks_q=None, num_chunks_kv=None):
+    """A call's ``num_splits``, ``num_chunks_q``, ``num_chunks_kv``, checked (shared by the
+    call and :func:`explain`).
+
+    Returns:
+        ``(num_splits, chunk_kv, num_chunks_q)``: ``None`` where the choice is automatic
+        (``num_splits`` 0 or ``None``), ``chunk_kv`` the cache rows per chunk of a fixed
+        ``num_chunks_kv``.
+    """
+    if num_splits is not None:
+        num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
+        num_splits = None if num_splits == 0 else num_splits  # flash-attn: 0 = automatic
+    chunk_kv = None
+    if num_chunks_kv is not None:
+        n = _check_int("num_chunks_kv", num_chunks_kv, low=1, high=dims.cache_len)
+        chunk_kv = -(-dims.cache_len // n)
+    if num_chunks_q is not None:
+        num_chunks_q = _check_int("num_chunks_q", num_chunks_q, low=1, high=dims.q_len)
+    return num_splits, chunk_kv, num_chunks_q
 
 
 # -- structure choice ------------------------------------------------------------------------
@@ -468,18 +528,48 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
                         memory_budget=budget)
 
 
+#: How :func:`explain` names the sizes in messages (its arguments).
+EXPLAIN_NAMES = {field: field for field in CALL_NAMES}
+
+
 def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype="float16",
             num_splits=None, softcap=0.0, alibi=False, new_len=None, causal=False,
             window=(-1, -1), return_lse=False, memory_budget=None):
     """The structure choice of a :func:`flash_attn_with_kvcache` call with a run-time
     ``cache_seqlens`` (a :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs,
     supersteps and memory; ``softcap > 0`` and ``alibi=True`` count the score modifiers;
-    ``memory_budget`` as the call's)."""
-    return decode_choice(batch, q_len, cache_len, q_heads=q_heads,
-                         kv_heads=q_heads if kv_heads is None else kv_heads,
-                         head_dim=head_dim, dtype=dtype, num_splits=num_splits,
-                         softcap=bool(softcap), alibi=bool(alibi), new_len=new_len,
-                         causal=causal, window=window, return_lse=return_lse,
+    ``memory_budget`` as the call's).
+
+    Validated as the call: the sizes by :func:`check_dims`, ``num_splits`` by
+    :func:`check_structure_options`, the options by the call's own checks; a setting the call
+    refuses raises the same ``ValueError``/``TypeError`` here, naming this function's argument.
+
+    Args:
+        batch, q_len, cache_len: B, Lq, Lcache (``>= 1``). q_heads, kv_heads: Hq and Hkv
+            (``None``: Hq), Hkv dividing Hq. head_dim: D. new_len: Lnew, the new rows
+            (``None``: ``q_len``; ``0 <= new_len <= cache_len``).
+        dtype: ``"float16"``/``"float32"`` or the NumPy or PopXL dtype.
+        num_splits, softcap, causal, window (the call's ``window_size``), return_lse,
+        memory_budget: as the call's. alibi: whether the call has ALiBi slopes (a bool).
+
+    Returns:
+        :class:`DecodeChoice`.
+    """
+    from popxl_flash.plan.config import check_bool, check_dtype_name, check_window
+    from popxl_flash.plan.score_mods import options as mod_options
+    dims = check_dims(Dims(batch, q_len, cache_len, q_len if new_len is None else new_len,
+                           q_heads, q_heads if kv_heads is None else kv_heads, head_dim),
+                      EXPLAIN_NAMES)
+    num_splits, _, _ = check_structure_options(dims, num_splits)
+    mods = mod_options(softcap, check_bool("alibi", alibi))
+    return decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
+                         kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+                         dtype=check_dtype_name(dtype), num_splits=num_splits,
+                         softcap=mods is not None and mods.softcap > 0,
+                         alibi=mods is not None and mods.alibi, new_len=dims.new_len,
+                         causal=check_bool("causal", causal),
+                         window=check_window(window, name="window"),
+                         return_lse=check_bool("return_lse", return_lse),
                          memory_budget=memory_budget)
 
 
@@ -488,16 +578,8 @@ def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None, 
                max_splits=None, memory_budget=None):
     """``(straight, splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a
     call."""
-    if num_splits is not None:
-        num_splits = _check_int("num_splits", num_splits, low=0, high=dims.cache_len)
-        num_splits = None if num_splits == 0 else num_splits  # flash-attn: 0 = automatic
-    chunk_kv = None
-    if num_chunks_kv is not None:
-        n = _check_int("num_chunks_kv", num_chunks_kv, low=1, high=dims.cache_len)
-        chunk_kv = -(-dims.cache_len // n)
-    nq_fixed = None
-    if num_chunks_q is not None:
-        nq_fixed = _check_int("num_chunks_q", num_chunks_q, low=1, high=dims.q_len)
+    num_splits, chunk_kv, nq_fixed = check_structure_options(dims, num_splits, num_chunks_q,
+                                                             num_chunks_kv)
     choice = decode_choice(dims.batch, dims.q_len, dims.cache_len, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, dtype=dtype,
                            num_splits=num_splits, chunk_kv=chunk_kv,

@@ -64,7 +64,8 @@ def options(softcap=0.0, alibi=False, score_mod=None, num_mod_inputs=0, dropout=
     dropout = _real("dropout", 0.0 if dropout is None else dropout, 0.0, 1.0, True)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a callable score_mod(score, g, q_idx, kv_idx, "
-                        f"*inputs) or None, got {type(score_mod).__name__}")
+                        f"*inputs) or None, got score_mod={score_mod!r} "
+                        f"({type(score_mod).__name__})")
     if num_mod_inputs and score_mod is None:
         raise ValueError(f"score_mod_inputs given ({num_mod_inputs} tensors) without a "
                          "score_mod")

@@ -72,3 +72,18 @@ def test_self_attention_mask_option(causal):
         np.testing.assert_allclose(got, ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
     # the other mask is far off (so a layer that ignored causal= fails above)
     assert np.abs(y - other_y).max() > 0.1 * np.abs(ref_y).max()
+
+
+def test_self_attention_misuse_is_answered_in_the_layers_terms():
+    """Issue 33 through the adapter: window=3 with a cache at construction; [B * heads] slopes
+    at build time (the layer's heads and B, not the core's G)."""
+    import re
+    with pytest.raises(TypeError, match=re.escape("window=3 must be None or a (left, right)")):
+        SelfAttention(E, H, cache_len=8, window=3)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.zeros((B, L, E), np.float32))
+        slopes = popxl.variable(np.ones(B * H, np.float32))
+        with pytest.raises(ValueError, match=re.escape(
+                f"alibi_slopes must be float32 [heads={H}] or [B={B}, heads={H}]")):
+            SelfAttention(E, H, alibi=True).create_graph(x.spec, slopes.spec)

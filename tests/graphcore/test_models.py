@@ -124,7 +124,9 @@ def _outcomes(junit):
                                    "bloom"])
 def test_model_suite(model, tmp_path):
     if sys.version_info >= (3, 11):
-        pytest.skip("the models' config dataclasses have mutable defaults (Python < 3.11)")
+        pytest.skip(f"the models' config dataclasses have mutable defaults, which Python "
+                    f"3.11+ refuses (running {sys.version_info.major}.{sys.version_info.minor}; "
+                    "they need Python < 3.11)")
     examples, addons, utils = require_paths("GRAPHCORE_EXAMPLES_PATH", "POPXL_ADDONS_PATH",
                                             "EXAMPLES_UTILS_PATH")
     for module in ("torch", "simple_parsing", *NEEDS.get(model, ())):
