@@ -22,15 +22,25 @@ after the segment inputs ("extras": :func:`split_inputs`), are prepared once per
 (:func:`prepare`), enter each loop body after its segment inputs, and each step turns them into
 operands the update takes after its own (:func:`step_operands`).
 
-Dropout keep masks: the step whose (sub-)block starts at row ``i0``, column ``j0`` draws
-``random_uniform(seed_ij, [G, rows, cols])`` and keeps ``u > p``, with
-``seed_ij = base + [0, i0 * Lkv_pad + j0]`` (uint32, wrapping) and ``base`` the first seed of
-``ops.split_random_seed(seed, 1)``. The seed depends on the step's (sub-)block, not on the loop
-step, so the backward (kv-major, with the same sub-blocks: :mod:`popxl_flash.plan.steps`)
-regenerates exactly the forward's (q-major) mask; on the IPU this relies on poprand giving
-equal values for an equal seed and shape (``RandomUniformOpx`` maps a fresh output linearly).
-Masks are tied to the chunk sizes: the backward must use the forward's (checked for stashed
-outputs). Distinct steps get distinct seeds while ``Lq_pad * Lkv_pad < 2**32``.
+Dropout keep masks are a function of (seed, g, row, column) alone, FlashAttention's contract
+(its Philox takes the element's position as the counter): element ``(g, r, c)`` is kept iff
+``y >= round(p * 2**32)`` with, in uint32 arithmetic wrapping modulo 2**32,
+
+    A = R(R(r * HASH_ROW + s0) + g * HASH_GROUP + s1)     (per row and group)
+    B = R(R(c * HASH_COL + s1) + s0)                      (per column)
+    y = (A + B)(2 (A + B) + 1)                            (per element)
+
+``s0, s1`` the words of the user's seed and ``R(x)`` = ``x (2x + 1)`` rotated by 16 bits
+(:func:`_hash_round`; PopXL 3.4 has no bitwise ops, so the rotation is ``y / 2**16 +
+y * 2**16``). Each call computes ``[A; 2A + 1]`` for every (padded) row and ``[B; 2B]`` for
+every column once (:func:`prepare`, ~30 small ops); a step slices its rows and columns (two
+``dynamic_slice``, none when the step spans the call) and runs 3 ops on its block (one add
+on both halves, one mul, one compare) and the ``where`` that makes ``keep / (1 - p)``. Every
+structure (one-block pass, row passes, loops, the kv-major backward, any chunks) computes the
+same bits for an element, and :func:`dropout_mask` returns them. ``r`` and ``c`` are the rows'
+and columns' indices in the call's tensors (with segment ids and varlen: in the packed rows);
+with ``mods.dropout_positions`` (context parallelism) they are the step's position operands, the
+global positions, hashed per step.
 """
 from dataclasses import dataclass, replace
 
@@ -94,15 +104,19 @@ def prepare(cfg, extras):
     """The loop-invariant tensors of the extras, once per call (outside the loop).
 
     Returns:
-        list: ``-slopes [G, 1, 1]`` (ALiBi), the base seed uint32 ``[2]`` (dropout), the
-        score_mod inputs.
+        list: ``-slopes [G, 1, 1]`` (ALiBi); with dropout the hash halves of every row and
+        column index (:func:`hash_keys`, uint32 ``[2, G, Lq_pad, 1]`` and ``[2, 1, 1,
+        Lkv_pad]``), or with ``mods.dropout_positions`` the seed; the score_mod inputs.
     """
     named = unpack_names(cfg.mods, extras)
     out = []
     if cfg.mods.alibi:
         out.append(ops.negate(named["alibi_slopes"]).reshape((cfg.groups, 1, 1)))
     if cfg.mods.dropout > 0:
-        out.append(ops.split_random_seed(named["seed"], 1)[0])
+        if cfg.mods.dropout_positions:
+            out.append(named["seed"])
+        else:
+            out += list(_index_keys(cfg, named["seed"]))
     return out + list(named["inputs"])
 
 
@@ -110,23 +124,120 @@ def _i32(value):
     return popxl.constant(np.array(value, dtype=np.int32))
 
 
-def block_seed(cfg, base, i0, j0):
-    """uint32 ``[2]`` seed of the step whose (sub-)block starts at row ``i0``, column ``j0``
-    (int32 ``[1]``): ``base + [0, i0 * Lkv_pad + j0]`` (wrapping)."""
-    u32 = popxl.uint32
-    word = ops.cast(i0, u32) * popxl.constant(np.array([cfg.padded_kv_len], np.uint32)) + \
-        ops.cast(j0, u32)  # [1]
-    return base + ops.concat([popxl.constant(np.zeros(1, np.uint32)), word], axis=0)
+# -- the dropout keep mask: a hash of (seed, g, row, column) ------------------------------------
+#: Odd multipliers of the keep-mask hash (the golden ratio's and murmur3's constants; any odd
+#: constants would do, these spread consecutive rows and columns over all 32 bits).
+HASH_ROW, HASH_COL, HASH_GROUP = 0x9E3779B1, 0x85EBCA77, 0x632BE5AB
 
 
-def keep_scale(cfg, seed, shape):
-    """``keep / (1 - p)``, float32 ``[G, rows, cols]`` (``shape = (rows, cols)``), from a
-    step's seed: ``random_uniform(seed) > p``."""
-    u = ops.random_uniform(seed, (cfg.groups, *shape))
+def _u32(value):
+    return popxl.constant(np.array(value, dtype=np.uint32))
+
+
+def _hash_round(x):
+    """One mixing round on uint32 (wrapping): ``y = x (2x + 1)`` (RC6's quadratic, a bijection
+    of the 32-bit integers), then ``y`` rotated by 16 bits as ``y / 2**16 + y * 2**16`` (the two
+    halves do not overlap, so ``+`` is the bitwise or PopXL lacks). 6 elementwise ops.
+
+    Args:
+        x: uint32 tensor. Returns: uint32, ``x``'s shape.
+    """
+    y = x * (x * _u32(2) + _u32(1))
+    return y / _u32(1 << 16) + y * _u32(1 << 16)
+
+
+def _seed_words(seed):
+    """The user's uint32 ``[2]`` seed as two ``[1]`` tensors."""
+    return (ops.slice(seed, start=[i], stop=[i + 1], axis=[0]) for i in (0, 1))
+
+
+def hash_keys(groups, seed, rows, cols):
+    """The row and column halves of the keep-mask hash (:func:`keep_from_keys`).
+
+    ``A[g, r] = R(R(r * HASH_ROW + s0) + g * HASH_GROUP + s1)`` and ``B[c] = R(R(c * HASH_COL +
+    s1) + s0)`` with ``R`` = :func:`_hash_round` and ``s0, s1`` the seed's words.
+
+    Args:
+        groups: G. seed: the user's uint32 ``[2]`` seed.
+        rows: uint32 ``[1 or G, n, 1]``, the rows' global indices; cols: uint32 ``[1, 1, m]``
+            (or ``[1 or G, 1, m]``), the columns'.
+
+    Returns:
+        ``(a, b)``: uint32 ``[2, G, n, 1]`` = ``[A; 2A + 1]`` and ``[2, 1 or G, 1, m]`` =
+        ``[B; 2B]`` (one tensor each, so a step slices each once).
+    """
+    s0, s1 = _seed_words(seed)
+    g = _u32((np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2**32).reshape(groups, 1, 1))
+    a = _hash_round(_hash_round(rows * _u32(HASH_ROW) + s0) + (g + s1))
+    b = _hash_round(_hash_round(cols * _u32(HASH_COL) + s1) + s0)
+    a_shape, b_shape = (1,) + tuple(a.shape), (1,) + tuple(b.shape)
+    a = ops.concat([a.reshape(a_shape), (a * _u32(2) + _u32(1)).reshape(a_shape)], axis=0)
+    b = ops.concat([b.reshape(b_shape), (b * _u32(2)).reshape(b_shape)], axis=0)
+    return a, b
+
+
+def threshold(p):
+    """``T - 1`` as a uint32 constant, ``T = round(p * 2**32)`` (within ``[1, 2**32 - 1]``): a
+    hash ``y`` keeps its element iff ``y > T - 1``, with probability ``1 - p`` to 2**-32."""
+    t = min(max(int(round(p * 2.0 ** 32)), 1), 2 ** 32 - 1)
+    return _u32(t - 1)
+
+
+def keep_from_keys(a, b, p):
+    """The keep mask from the hash halves of a block's rows and columns.
+
+    ``x = A + B`` and ``y = x (2x + 1) = (A + B)(2A + 1 + 2B)`` (uint32, wrapping; one add on
+    both halves at once, one mul), kept iff ``y >= round(p * 2**32)``: 3 ops on the block,
+    whatever its position.
+
+    Args:
+        a: uint32 ``[2, G, rows, 1]``; b: uint32 ``[2, 1 or G, 1, cols]`` (:func:`hash_keys`,
+            sliced to the block). p: the dropout probability.
+
+    Returns:
+        bool ``[G, rows, cols]``.
+    """
+    x = a + b  # [2, G, rows, cols]
+    halves = [ops.slice(x, start=[i], stop=[i + 1], axis=[0]) for i in (0, 1)]
+    y = halves[0] * halves[1]
+    keep = ops.greater(y, threshold(p))
+    return keep.reshape(tuple(keep.shape[1:]))
+
+
+def keep_scale(cfg, a, b):
+    """``keep / (1 - p)``, float32 ``[G, rows, cols]``, from the block's hash halves
+    (:func:`keep_from_keys`)."""
     p = cfg.mods.dropout
-    keep = ops.greater(u, popxl.constant(np.float32(p)))
-    return ops.where(keep, popxl.constant(np.float32(1.0 / (1.0 - p))),
+    return ops.where(keep_from_keys(a, b, p), popxl.constant(np.float32(1.0 / (1.0 - p))),
                      popxl.constant(np.float32(0.0)))
+
+
+def _index_keys(cfg, seed):
+    """:func:`hash_keys` of every (padded) row and column index, once per call."""
+    rows = _u32(np.arange(cfg.padded_q_len).reshape(1, -1, 1))
+    cols = _u32(np.arange(cfg.padded_kv_len).reshape(1, 1, -1))
+    return hash_keys(cfg.groups, seed, rows, cols)
+
+
+def _cut(t, offset, axis, size):
+    """``t``'s ``size`` entries from ``offset`` (int32 ``[1]``) on ``axis``; ``t`` itself when
+    it has exactly ``size``."""
+    if t.shape[axis] == size:
+        return t
+    return ops.dynamic_slice(t, offset, axes=[axis], sizes=[size], no_overlap=True)
+
+
+def _step_keep(cfg, prepared, i0, j0, shape, seg_operands):
+    """A step's ``keep / (1 - p)`` from the prepared dropout tensors (consumed from
+    ``prepared``): the call's hash halves sliced at ``(i0, j0)``, or, with
+    ``mods.dropout_positions``, the halves of the step's position operands."""
+    if cfg.mods.dropout_positions:
+        seed = prepared.pop(0)
+        rows = ops.cast(_rows(seg_operands[2], _position_rows(cfg)), popxl.uint32)
+        a, b = hash_keys(cfg.groups, seed, rows, ops.cast(seg_operands[3], popxl.uint32))
+        return keep_scale(cfg, a, b)
+    a, b = prepared.pop(0), prepared.pop(0)
+    return keep_scale(cfg, _cut(a, i0, 2, shape[0]), _cut(b, j0, 3, shape[1]))
 
 
 def _position_rows(cfg):
@@ -157,7 +268,7 @@ def step_operands(cfg, prepared, i0, j0, shape, seg_operands=()):
     if mods.alibi:
         out.append(prepared.pop(0))
     if mods.dropout > 0:
-        out.append(keep_scale(cfg, block_seed(cfg, prepared.pop(0), i0, j0), shape))
+        out.append(_step_keep(cfg, prepared, i0, j0, shape, seg_operands))
     return out + prepared
 
 
@@ -317,31 +428,25 @@ def _call_score_mod(cfg, s, x, backward):
 
 # -- the returned dropout mask ------------------------------------------------------------------
 def dropout_mask(cfg, seed):
-    """The keep mask of every step, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
-    sizes only). Built in the current graph from the user's seed, step by step as the loops
-    draw it (:mod:`popxl_flash.plan.steps`: the forward's sub-blocks, or the whole block of a
-    pass of one block; the backward's are the same);
-    cells no step covers are never visible and read True.
+    """The keep mask of a call, bool ``[G, Lq, Lkv]`` (O(L^2): tests and small sizes only): the
+    hash of every (g, row, column) (:func:`keep_from_keys`), the very values every step of
+    every pass computes for its block, whatever the chunks."""
+    rows = _u32(np.arange(cfg.q_len).reshape(1, -1, 1))
+    cols = _u32(np.arange(cfg.kv_len).reshape(1, 1, -1))
+    return keep_at(cfg.groups, seed, cfg.mods.dropout, rows, cols)
+
+
+def keep_at(groups, seed, p, rows, cols):
+    """The keep mask at given global indices, bool ``[G, n, m]``.
+
+    Args:
+        groups: G. seed: the user's uint32 ``[2]`` seed. p: the dropout probability.
+        rows: int32 or uint32 ``[1, n, 1]``; cols: ``[1, 1, m]`` (context parallelism: a
+            replica's global positions).
     """
-    from popxl_flash.plan import steps
-    base = ops.split_random_seed(seed, 1)[0]
-    mask = popxl.constant(np.ones((cfg.groups, cfg.padded_q_len, cfg.padded_kv_len),
-                                  np.float32))
-    blocks = [(group.rows, group.cols, r0, c0)
-              for group in steps.step_groups(cfg.schedule, "q_major")
-              for r0, c0 in zip(group.q_row, group.kv_row)]
-    if steps.single_block(cfg.schedule, cfg.segments is not None):  # one draw, whole block
-        blocks = [(cfg.q_len, cfg.kv_len, 0, 0)]
-    for rows, cols, r0, c0 in blocks:
-        i0, j0 = (popxl.constant(np.array([x], np.int32)) for x in (r0, c0))
-        keep = keep_scale(cfg, block_seed(cfg, base, i0, j0), (rows, cols))
-        at = popxl.constant(np.array([r0, c0], np.int32))
-        mask = ops.dynamic_update(mask, at, keep, axes=[1, 2], sizes=[rows, cols],
-                                  no_overlap=True)
-    mask = ops.greater(mask, popxl.constant(np.float32(0.0)))
-    if (cfg.padded_q_len, cfg.padded_kv_len) != (cfg.q_len, cfg.kv_len):
-        mask = ops.slice(mask, start=[0, 0], stop=[cfg.q_len, cfg.kv_len], axis=[1, 2])
-    return mask
+    rows, cols = (t if t.dtype == popxl.uint32 else ops.cast(t, popxl.uint32)
+                  for t in (rows, cols))
+    return keep_from_keys(*hash_keys(groups, seed, rows, cols), p)
 
 
 # -- cost report (pf.explain) -------------------------------------------------------------------

@@ -20,6 +20,8 @@ class ScoreMods:
         dropout: dropout probability in ``[0, 1)`` (a seed input when ``> 0``).
         mod_input_specs: ``((shape, dtype name), ...)`` of the score_mod inputs (set when the
             inputs are validated, :func:`check_extras`).
+        dropout_positions: the keep mask hashes the varlen position inputs (context
+            parallelism's global positions) instead of the row and column indices.
     """
     softcap: float = 0.0
     alibi: bool = False
@@ -27,6 +29,7 @@ class ScoreMods:
     num_mod_inputs: int = 0
     dropout: float = 0.0
     mod_input_specs: tuple = ()
+    dropout_positions: bool = False
 
     @property
     def num_inputs(self):
