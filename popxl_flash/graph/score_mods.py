@@ -51,7 +51,8 @@ from popxl_flash.backend import popxl
 ops = popxl.ops
 
 
-from popxl_flash.plan.score_mods import ScoreMods, options  # noqa: F401
+from popxl_flash.plan.score_mods import (HASH_COL, HASH_GROUP, HASH_ROW,  # noqa: F401
+                                         ScoreMods, keep_threshold, options)
 
 
 def split_inputs(mods, inputs):
@@ -125,11 +126,6 @@ def _i32(value):
 
 
 # -- the dropout keep mask: a hash of (seed, g, row, column) ------------------------------------
-#: Odd multipliers of the keep-mask hash (the golden ratio's and murmur3's constants; any odd
-#: constants would do, these spread consecutive rows and columns over all 32 bits).
-HASH_ROW, HASH_COL, HASH_GROUP = 0x9E3779B1, 0x85EBCA77, 0x632BE5AB
-
-
 def _u32(value):
     return popxl.constant(np.array(value, dtype=np.uint32))
 
@@ -177,10 +173,9 @@ def hash_keys(groups, seed, rows, cols):
 
 
 def threshold(p):
-    """``T - 1`` as a uint32 constant, ``T = round(p * 2**32)`` (within ``[1, 2**32 - 1]``): a
+    """``T - 1`` as a uint32 constant (:func:`popxl_flash.plan.score_mods.keep_threshold`): a
     hash ``y`` keeps its element iff ``y > T - 1``, with probability ``1 - p`` to 2**-32."""
-    t = min(max(int(round(p * 2.0 ** 32)), 1), 2 ** 32 - 1)
-    return _u32(t - 1)
+    return _u32(keep_threshold(p) - 1)
 
 
 def keep_from_keys(a, b, p):
