@@ -239,8 +239,8 @@ def _dropout_mask(q, k, plan, group, extras):
     keep hash at its rows' global positions and every column
     (:func:`popxl_flash.graph.score_mods.keep_at`), as the rounds' flash calls compute it."""
     rank = replica_index(plan.replicas, group)
-    rows = _q_positions(plan, group, rank).reshape((1, plan.local_len, 1))
-    cols = popxl.constant(np.arange(plan.table.size, dtype=np.int32).reshape(1, 1, -1))
+    rows = _q_positions(plan, group, rank)
+    cols = np.arange(plan.table.size)
     seed = extras[int(plan.mods.alibi)]  # order: slopes, seed, score_mod inputs
     return score_mods.keep_at(q.shape[0], seed, plan.mods.dropout, rows, cols)
 

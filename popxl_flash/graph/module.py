@@ -132,7 +132,7 @@ class AttentionModule(popxl.Module):
             seg, classes = segments.prepare(cfg, *segment_inputs)
         prepared = []
         if cfg.mods is not None and cfg.schedule.visited_blocks:
-            prepared = score_mods.prepare(cfg, extras)
+            prepared = score_mods.prepare(cfg, extras, segment_inputs)
         loops = blocks.PassLoops(spec, cfg, order, operands, state, seg, prepared)
         step_classes = loops.step_classes(classes)
         with blocks.in_order():

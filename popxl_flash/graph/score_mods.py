@@ -26,21 +26,22 @@ Dropout keep masks are a function of (seed, g, row, column) alone, FlashAttentio
 (its Philox takes the element's position as the counter): element ``(g, r, c)`` is kept iff
 ``y >= round(p * 2**32)`` with, in uint32 arithmetic wrapping modulo 2**32,
 
-    A = R(R(r * HASH_ROW + s0) + g * HASH_GROUP + s1)     (per row and group)
-    B = R(R(c * HASH_COL + s1) + s0)                      (per column)
+    A = R(R(r * HASH_ROW + s0) + s1 + g * HASH_GROUP)     (per row and group)
+    B = R(R(c * HASH_COL + s0) + s1)                      (per column)
     y = (A + B)(2 (A + B) + 1)                            (per element)
 
 ``s0, s1`` the words of the user's seed and ``R(x)`` = ``x (2x + 1)`` rotated by 16 bits
 (:func:`_hash_round`; PopXL 3.4 has no bitwise ops, so the rotation is ``y / 2**16 +
 y * 2**16``). Each call computes ``[A; 2A + 1]`` for every (padded) row and ``[B; 2B]`` for
-every column once (:func:`prepare`, ~30 small ops); a step slices its rows and columns (two
-``dynamic_slice``, none when the step spans the call) and runs 3 ops on its block (one add
-on both halves, one mul, one compare) and the ``where`` that makes ``keep / (1 - p)``. Every
+every column once (:func:`prepare`: ~20 small ops, rows and columns in one tensor); a step
+slices its rows and columns (two ``dynamic_slice``, none when the step spans the call) and
+runs 3 ops on its block (one add on both halves, one mul, one compare) and the ``where`` that
+makes ``keep / (1 - p)``. Every
 structure (one-block pass, row passes, loops, the kv-major backward, any chunks) computes the
 same bits for an element, and :func:`dropout_mask` returns them. ``r`` and ``c`` are the rows'
 and columns' indices in the call's tensors (with segment ids and varlen: in the packed rows);
-with ``mods.dropout_positions`` (context parallelism) they are the step's position operands, the
-global positions, hashed per step.
+with ``mods.dropout_positions`` (context parallelism) they are the call's position inputs, the
+global positions, hashed once per call the same way.
 """
 from dataclasses import dataclass, replace
 
@@ -101,13 +102,18 @@ def unpack_names(mods, extras):
     return named
 
 
-def prepare(cfg, extras):
+def prepare(cfg, extras, segment_inputs=()):
     """The loop-invariant tensors of the extras, once per call (outside the loop).
 
+    Args:
+        cfg: the config. extras: the module's score-modifier inputs. segment_inputs: the
+            module's segment inputs (read with ``mods.dropout_positions`` only).
+
     Returns:
-        list: ``-slopes [G, 1, 1]`` (ALiBi); with dropout the hash halves of every row and
-        column index (:func:`hash_keys`, uint32 ``[2, G, Lq_pad, 1]`` and ``[2, 1, 1,
-        Lkv_pad]``), or with ``mods.dropout_positions`` the seed; the score_mod inputs.
+        list: ``-slopes [G, 1, 1]`` (ALiBi); with dropout the hash halves of every (padded)
+        row and column (:func:`hash_keys`, uint32 ``[2, G, Lq_pad, 1]`` and ``[2, 1, 1,
+        Lkv_pad]``: of the indices, or with ``mods.dropout_positions`` of the positions);
+        the score_mod inputs.
     """
     named = unpack_names(cfg.mods, extras)
     out = []
@@ -115,7 +121,7 @@ def prepare(cfg, extras):
         out.append(ops.negate(named["alibi_slopes"]).reshape((cfg.groups, 1, 1)))
     if cfg.mods.dropout > 0:
         if cfg.mods.dropout_positions:
-            out.append(named["seed"])
+            out += list(_position_keys(cfg, named["seed"], segment_inputs))
         else:
             out += list(_index_keys(cfg, named["seed"]))
     return out + list(named["inputs"])
@@ -147,29 +153,63 @@ def _seed_words(seed):
     return (ops.slice(seed, start=[i], stop=[i + 1], axis=[0]) for i in (0, 1))
 
 
-def hash_keys(groups, seed, rows, cols):
-    """The row and column halves of the keep-mask hash (:func:`keep_from_keys`).
+def _scaled_keys(rows, cols):
+    """uint32 ``[1, 1, n + m]``: ``rows * HASH_ROW`` then ``cols * HASH_COL`` (wrapping).
 
-    ``A[g, r] = R(R(r * HASH_ROW + s0) + g * HASH_GROUP + s1)`` and ``B[c] = R(R(c * HASH_COL +
-    s1) + s0)`` with ``R`` = :func:`_hash_round` and ``s0, s1`` the seed's words.
+    Args:
+        rows, cols: host integer arrays (a constant, no op) or int32/uint32 tensors of ``n``
+            and ``m`` elements (context parallelism's positions: a cast, a mul each, a concat).
+    """
+    parts = [_scaled(x, k) for x, k in ((rows, HASH_ROW), (cols, HASH_COL))]
+    if not any(isinstance(x, popxl.Tensor) for x in parts):
+        return _u32(np.concatenate(parts, axis=2))
+    return ops.concat([x if isinstance(x, popxl.Tensor) else _u32(x) for x in parts], axis=2)
+
+
+def _scaled(x, k):
+    """``x * k`` modulo 2**32 as ``[1, 1, n]``: a host array for a host ``x``, else a tensor."""
+    if not isinstance(x, popxl.Tensor):
+        return (np.asarray(x, np.uint64).reshape(1, 1, -1) * k % 2 ** 32).astype(np.uint32)
+    x = x if x.dtype == popxl.uint32 else ops.cast(x, popxl.uint32)
+    return x.reshape((1, 1, _count(x))) * _u32(k)
+
+
+def hash_keys(groups, seed, rows, cols):
+    """The row and column halves of the keep-mask hash (:func:`keep_from_keys`), all rows and
+    columns in one tensor ``[G, 1, n + m]`` (one op per hash step for both)::
+
+        A[g, r] = R(R(r * HASH_ROW + s0) + s1 + g * HASH_GROUP)
+        B[c]    = R(R(c * HASH_COL + s0) + s1)
+
+    ``R`` = :func:`_hash_round`, ``s0, s1`` the seed's words (~20 ops).
 
     Args:
         groups: G. seed: the user's uint32 ``[2]`` seed.
-        rows: uint32 ``[1 or G, n, 1]``, the rows' global indices; cols: uint32 ``[1, 1, m]``
-            (or ``[1 or G, 1, m]``), the columns'.
+        rows, cols: the global row and column indices, ``n`` and ``m`` of them (host arrays
+            or int32/uint32 tensors, :func:`_scaled_keys`).
 
     Returns:
-        ``(a, b)``: uint32 ``[2, G, n, 1]`` = ``[A; 2A + 1]`` and ``[2, 1 or G, 1, m]`` =
+        ``(a, b)``: uint32 ``[2, G, n, 1]`` = ``[A; 2A + 1]`` and ``[2, 1, 1, m]`` =
         ``[B; 2B]`` (one tensor each, so a step slices each once).
     """
+    keys = _scaled_keys(rows, cols)
+    n, total = _count(rows), keys.shape[2]
     s0, s1 = _seed_words(seed)
-    g = _u32((np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2**32).reshape(groups, 1, 1))
-    a = _hash_round(_hash_round(rows * _u32(HASH_ROW) + s0) + (g + s1))
-    b = _hash_round(_hash_round(cols * _u32(HASH_COL) + s1) + s0)
-    a_shape, b_shape = (1,) + tuple(a.shape), (1,) + tuple(b.shape)
-    a = ops.concat([a.reshape(a_shape), (a * _u32(2) + _u32(1)).reshape(a_shape)], axis=0)
-    b = ops.concat([b.reshape(b_shape), (b * _u32(2)).reshape(b_shape)], axis=0)
+    group_terms = np.zeros((groups, 1, total), np.uint64)
+    group_terms[:, :, :n] = (np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2 ** 32)[:, None,
+                                                                                      None]
+    z = _hash_round(_hash_round(keys + s0) + s1 + _u32(group_terms))  # [G, 1, n + m]
+    odd = np.zeros((1, 1, total), np.uint32)
+    odd[..., :n] = 1
+    h = z * _u32(2) + _u32(odd)  # 2A + 1 on the rows, 2B on the columns
+    both = ops.concat([t.reshape((1, groups, 1, total)) for t in (z, h)], axis=0)
+    a = ops.slice(both, start=[0], stop=[n], axis=[3]).reshape((2, groups, n, 1))
+    b = ops.slice(both, start=[0, n], stop=[1, total], axis=[1, 3])
     return a, b
+
+
+def _count(x):
+    return int(np.prod(x.shape)) if isinstance(x, popxl.Tensor) else int(np.size(x))
 
 
 def threshold(p):
@@ -208,10 +248,10 @@ def keep_scale(cfg, a, b):
 
 
 def _index_keys(cfg, seed):
-    """:func:`hash_keys` of every (padded) row and column index, once per call."""
-    rows = _u32(np.arange(cfg.padded_q_len).reshape(1, -1, 1))
-    cols = _u32(np.arange(cfg.padded_kv_len).reshape(1, 1, -1))
-    return hash_keys(cfg.groups, seed, rows, cols)
+    """:func:`hash_keys` of every (padded) row and column index, once per call (host
+    constants for the scaled indices)."""
+    return hash_keys(cfg.groups, seed, np.arange(cfg.padded_q_len),
+                     np.arange(cfg.padded_kv_len))
 
 
 def _cut(t, offset, axis, size):
@@ -222,15 +262,25 @@ def _cut(t, offset, axis, size):
     return ops.dynamic_slice(t, offset, axes=[axis], sizes=[size], no_overlap=True)
 
 
-def _step_keep(cfg, prepared, i0, j0, shape, seg_operands):
-    """A step's ``keep / (1 - p)`` from the prepared dropout tensors (consumed from
-    ``prepared``): the call's hash halves sliced at ``(i0, j0)``, or, with
-    ``mods.dropout_positions``, the halves of the step's position operands."""
-    if cfg.mods.dropout_positions:
-        seed = prepared.pop(0)
-        rows = ops.cast(_rows(seg_operands[2], _position_rows(cfg)), popxl.uint32)
-        a, b = hash_keys(cfg.groups, seed, rows, ops.cast(seg_operands[3], popxl.uint32))
-        return keep_scale(cfg, a, b)
+def _position_keys(cfg, seed, segment_inputs):
+    """:func:`hash_keys` of the call's positions (``mods.dropout_positions``), once per call:
+    ``q_positions``/``kv_positions`` (int32 ``[1, L]``) padded with zeros to the padded
+    lengths (padding is never visible)."""
+    keys = []
+    for t, length in ((segment_inputs[2], cfg.padded_q_len),
+                      (segment_inputs[3], cfg.padded_kv_len)):
+        if t is None or t.shape[0] != 1:
+            raise ValueError("dropout keyed by positions needs q_positions and kv_positions "
+                             f"of one row, [1, L]; got {None if t is None else tuple(t.shape)}")
+        pad = length - t.shape[1]
+        keys.append(t if pad == 0 else ops.concat(
+            [t, popxl.constant(np.zeros((1, pad), np.int32))], axis=1))
+    return hash_keys(cfg.groups, seed, *keys)
+
+
+def _step_keep(cfg, prepared, i0, j0, shape):
+    """A step's ``keep / (1 - p)``: the call's prepared hash halves (consumed from
+    ``prepared``) sliced at ``(i0, j0)``."""
     a, b = prepared.pop(0), prepared.pop(0)
     return keep_scale(cfg, _cut(a, i0, 2, shape[0]), _cut(b, j0, 3, shape[1]))
 
@@ -263,7 +313,7 @@ def step_operands(cfg, prepared, i0, j0, shape, seg_operands=()):
     if mods.alibi:
         out.append(prepared.pop(0))
     if mods.dropout > 0:
-        out.append(_step_keep(cfg, prepared, i0, j0, shape, seg_operands))
+        out.append(_step_keep(cfg, prepared, i0, j0, shape))
     return out + prepared
 
 
@@ -426,9 +476,8 @@ def dropout_mask(cfg, seed):
     """The keep mask of a call, bool ``[G, Lq, Lkv]`` (O(L^2): tests and small sizes only): the
     hash of every (g, row, column) (:func:`keep_from_keys`), the very values every step of
     every pass computes for its block, whatever the chunks."""
-    rows = _u32(np.arange(cfg.q_len).reshape(1, -1, 1))
-    cols = _u32(np.arange(cfg.kv_len).reshape(1, 1, -1))
-    return keep_at(cfg.groups, seed, cfg.mods.dropout, rows, cols)
+    return keep_at(cfg.groups, seed, cfg.mods.dropout, np.arange(cfg.q_len),
+                   np.arange(cfg.kv_len))
 
 
 def keep_at(groups, seed, p, rows, cols):
@@ -436,11 +485,9 @@ def keep_at(groups, seed, p, rows, cols):
 
     Args:
         groups: G. seed: the user's uint32 ``[2]`` seed. p: the dropout probability.
-        rows: int32 or uint32 ``[1, n, 1]``; cols: ``[1, 1, m]`` (context parallelism: a
-            replica's global positions).
+        rows, cols: ``n`` and ``m`` global indices, host arrays or int32 tensors (context
+            parallelism: a replica's positions).
     """
-    rows, cols = (t if t.dtype == popxl.uint32 else ops.cast(t, popxl.uint32)
-                  for t in (rows, cols))
     return keep_from_keys(*hash_keys(groups, seed, rows, cols), p)
 
 

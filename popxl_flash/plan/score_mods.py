@@ -103,11 +103,11 @@ def keep_mask(seed, groups, rows, cols, p):
         bool ``[G, len(rows), len(cols)]``.
     """
     u32 = np.uint32
-    s0, s1 = (np.asarray(seed, u32).reshape(2)[i:i + 1] for i in (0, 1))
-    r = np.asarray(rows, np.int64).astype(u32).reshape(1, -1, 1)
-    c = np.asarray(cols, np.int64).astype(u32).reshape(1, 1, -1)
-    g = (np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2 ** 32).astype(u32).reshape(-1, 1, 1)
-    a = _hash_round(_hash_round(r * u32(HASH_ROW) + s0) + (g + s1))
-    b = _hash_round(_hash_round(c * u32(HASH_COL) + s1) + s0)
+    s0, s1 = (u32(w) for w in np.asarray(seed, u32).reshape(2))
+    r = (np.asarray(rows, np.uint64).ravel() * HASH_ROW % 2 ** 32).astype(u32)
+    c = (np.asarray(cols, np.uint64).ravel() * HASH_COL % 2 ** 32).astype(u32)
+    g = (np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2 ** 32).astype(u32)
+    a = _hash_round(_hash_round(r[None, :, None] + s0) + s1 + g[:, None, None])  # [G, n, 1]
+    b = _hash_round(_hash_round(c[None, None, :] + s0) + s1)  # [1, 1, m]
     y = (a + b) * (a * u32(2) + u32(1) + b * u32(2))
     return y >= u32(keep_threshold(p))
