@@ -170,8 +170,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         alibi_slopes: ``None`` or float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: scores get
             ``-slope * |i + Lkv - Lq - j|``.
         return_attn_probs: also return the dropout keep mask, bool ``[B, Hq, Lq, Lkv]``, the
-            one any backward with this seed uses (needs ``dropout_p > 0``; O(Lq Lkv): tests at small sizes). flash-attn returns
-            its ``S_dmask`` there.
+            one any backward with this seed uses (needs ``dropout_p > 0``; O(Lq Lkv): tests
+            at small sizes). flash-attn returns its ``S_dmask`` there.
         score_mod, score_mod_inputs: as :func:`popxl_flash.flash_attention` (``g`` is the
             ``b * Hq + h`` group index).
         deterministic: accepted for flash-attn compatibility (a bool); the forward and the

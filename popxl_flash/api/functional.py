@@ -515,7 +515,8 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
 
 
 def check_stash_options(cfg, who="flash_attention_grad",
-                        names="causal, scale, window and score modifiers", inputs=None, renames=None, **stash):
+                        names="causal, scale, window and score modifiers", inputs=None,
+                        renames=None, **stash):
     """Refuse an ``out``/``lse`` that a forward call with other causal, scale or window options,
     other score modifiers, or other run-time tensors (ALiBi slopes, dropout seed,
     ``score_mod_inputs``, segment ids and positions) returned: its gradients would be silently
@@ -523,8 +524,8 @@ def check_stash_options(cfg, who="flash_attention_grad",
 
     Only the very tensors a forward returned in this Ir are known (see
     :mod:`popxl_flash.api.provenance`); chunk counts may differ, they do not change the result
-    (dropout's keep mask included). Run-time tensors are compared by identity: the backward must be given
-    the forward's very tensors.
+    (dropout's keep mask included). Run-time tensors are compared by identity: the backward
+    must be given the forward's very tensors.
 
     Args:
         cfg: the backward's :class:`AttentionConfig`. who, names: the calling function and its

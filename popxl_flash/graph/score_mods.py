@@ -226,7 +226,7 @@ def keep_from_keys(a, b, p):
     whatever its position.
 
     Args:
-        a: uint32 ``[2, G, rows, 1]``; b: uint32 ``[2, 1 or G, 1, cols]`` (:func:`hash_keys`,
+        a: uint32 ``[2, G, rows, 1]``; b: uint32 ``[2, 1, 1, cols]`` (:func:`hash_keys`,
             sliced to the block). p: the dropout probability.
 
     Returns:
