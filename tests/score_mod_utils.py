@@ -36,9 +36,11 @@ def run_modified(q, k, v, dout, extras, make_modifiers, options, *, stash=True, 
     return res[0], res[1], tuple(res[2:5]), (res[5] if mask else None)
 
 
-def check_rule(out, lse, grads, q, k, v, dout, options, ref_kwargs, dtype):
+def check_rule(out, lse, grads, q, k, v, dout, options, ref_kwargs, dtype, grad_options=None):
     """out and lse within 2x, dq, dk, dv within 3x of the naive same-precision error plus the
-    floors, against ``pf.reference`` with ``ref_kwargs`` (mask and modifier keywords)."""
+    floors, against ``pf.reference`` with ``ref_kwargs`` (mask and modifier keywords).
+    ``options``: the forward's chunk counts; ``grad_options``: the backward's (default the
+    forward's)."""
     ref_out, ref_lse = pf.reference.attention(q, k, v, **ref_kwargs)
     naive_out, _ = naive_attention(q, k, v, **ref_kwargs)
     chunks = {n: options.get(n) for n in ("num_chunks_q", "num_chunks_kv")}
@@ -58,6 +60,10 @@ def check_rule(out, lse, grads, q, k, v, dout, options, ref_kwargs, dtype):
                        magnitude=float(np.abs(ref_lse[~empty]).max(initial=1)))
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert np.isfinite(g).all(), f"{name} must be finite"
+    if grad_options is not None:
+        chunks = {n: grad_options.get(n) for n in ("num_chunks_q", "num_chunks_kv")}
+        cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape, (dtype,) * 3, **chunks,
+                                          **mask_opts)
     assert_grads_within_rule(grads, dout, q, k, v, dtype=dtype, steps=gradient_accum_steps(cfg),
                              **ref_kwargs)
 

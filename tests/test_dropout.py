@@ -1,9 +1,10 @@
-"""Attention dropout: per-block keep masks from the seed and the block's identity.
+"""Attention dropout: a keep mask that is a function of (seed, g, row, column).
 
 Checked: the keep fraction is within binomial bounds; out and gradients equal the float64
-reference computed with the returned mask (so the backward regenerates the forward's mask);
+reference computed with the returned mask (so the backward computes the forward's mask);
 stash and recompute are bit-identical; the same seed gives bit-identical results, another seed
-another mask; flash_attn_func's return_attn_probs; the stash check refuses other chunkings.
+another mask; flash_attn_func's return_attn_probs. Forward and backward under other chunks:
+``tests/test_dropout_chunks.py``.
 """
 import numpy as np
 import pytest
@@ -153,17 +154,6 @@ def test_varlen_dropout_mask_shape():
                                     kv_segment_ids=ids, q_positions=pos, kv_positions=pos,
                                     keep=keep, dropout=0.3)
     np.testing.assert_allclose(out.transpose(1, 0, 2), ref, atol=3e-6)
-
-
-def test_stash_from_other_chunking_refused():
-    def fn():
-        q = zeros_variable((2, 16, 8))
-        seed = popxl.variable(SEED)
-        out, lse = pf.flash_attention(q, q, q, return_lse=True, dropout=0.1, seed=seed,
-                                      num_chunks_q=2)
-        pf.flash_attention_grad(q, q, q, q, out, lse, dropout=0.1, seed=seed, num_chunks_q=4)
-    with pytest.raises(ValueError, match="with dropout, also its chunk counts"):
-        build_only(fn)
 
 
 def test_flash_attn_func_dropout_errors():

@@ -8,6 +8,8 @@ where it depends on the replica, none where no replica sees any) and
 dk/dv reduce-scattered to their owners). See :mod:`popxl_flash.api.context_parallel` for the
 method.
 """
+from dataclasses import replace
+
 import numpy as np
 
 from popxl_flash.backend import popxl
@@ -51,42 +53,13 @@ def _gather_piece(t, plan, step, group):
     return ops.collectives.replicated_all_gather(piece, axis=1, group=group)
 
 
-def round_seed(seed, plan, step, rank):
-    """The dropout seed of one replica's round, uint32 ``[2]``.
-
-    With one replica and one round it is ``seed`` itself (the flash call's own block seeds:
-    flash_attention's masks at equal chunk counts when no causal or window mask splits
-    blocks). Otherwise it is ``ops.split_random_seed(seed, 1)[0] + [0, rank * S + step]``: the
-    user's seed is hashed first (PopART's ModifyRandomSeed draws the second word from the
-    seed), then the (replica, round) index is added to that random word, and the round's
-    flash call hashes again before adding its block offsets
-    (:mod:`popxl_flash.graph.score_mods`). So every (replica, round, block) of one call has
-    its own stream, and a nearby user seed (``seed + [0, 1]``, ``seed + [1, 0]``) shares none
-    of them (only a hash collision could: odds about ``R S`` blocks in ``2**32``). The
-    backward, walking the same rounds and blocks, regenerates the forward's masks.
-
-    Args:
-        seed: the user's uint32 ``[2]`` seed. plan: the :class:`Plan`. step: the round.
-        rank: int32 scalar, the replica's rank (:func:`replica_index`).
-    """
-    if plan.replicas * plan.steps == 1:
-        return seed
-    u32 = popxl.uint32
-    word = ops.cast(rank, u32) * popxl.constant(np.uint32(plan.steps)) + \
-        popxl.constant(np.uint32(step))
-    base = ops.split_random_seed(seed, 1)[0]
-    return base + ops.concat([popxl.constant(np.zeros(1, np.uint32)), word.reshape((1,))],
-                             axis=0)
-
-
-def round_extras(extras, plan, step, rank):
-    """The score-modifier inputs of round ``step``: ``extras`` with the dropout seed replaced
-    by :func:`round_seed` (unchanged without dropout)."""
-    if plan.mods is None or plan.mods.dropout == 0:
-        return tuple(extras)
-    extras, at = list(extras), int(plan.mods.alibi)  # order: slopes, seed, score_mod inputs
-    extras[at] = round_seed(extras[at], plan, step, rank)
-    return tuple(extras)
+def round_mods(mods):
+    """The score modifiers of the rounds' flash calls: ``mods`` with dropout's keep mask keyed
+    by the calls' positions (``dropout_positions``), the global ones, so every replica, round
+    and block computes single-replica flash's mask (:mod:`popxl_flash.graph.score_mods`)."""
+    if mods is None or mods.dropout == 0:
+        return mods
+    return replace(mods, dropout_positions=True)
 
 
 def _zeros_ids(length):
@@ -217,8 +190,7 @@ def _forward_rounds(q, k, v, plan, group, extras=()):
         k_g, v_g = (_gather_piece(t, plan, step, group) for t in (k, v))
         kv_pos = popxl.constant(plan.kv_positions(step))
         out, lse = segmented_attention(q, k_g, v_g, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos,
-                                       kv_pos, mods=plan.mods,
-                                       extras=round_extras(extras, plan, step, rank),
+                                       kv_pos, mods=round_mods(plan.mods), extras=extras,
                                        step_table=_step_table(plan, 0, step, rank),
                                        **plan.flash_options())
         if plan.steps == 1:
@@ -302,7 +274,7 @@ def _backward_rounds(dout, q, k, v, out, lse, plan, group, extras=()):
         kv_pos = popxl.constant(plan.kv_positions(step))
         dq_s, dk_s, dv_s = segmented_attention_grad(
             dout, q, k_g, v_g, out, lse, q_ids, _zeros_ids(kv_pos.shape[1]), q_pos, kv_pos,
-            mods=plan.mods, extras=round_extras(extras, plan, step, rank),
+            mods=round_mods(plan.mods), extras=extras,
             step_table=_step_table(plan, 0, step, rank), **plan.flash_options())
         dq_s = ops.cast(dq_s, f32)
         dq = dq_s if dq is None else dq + dq_s

@@ -164,13 +164,14 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         num_chunks_q, num_chunks_kv: chunk counts, as :func:`popxl_flash.flash_attention`.
         memory_budget: bytes, as :func:`popxl_flash.flash_attention`.
         dropout_p: dropout probability on the attention probabilities, in ``[0, 1)``; needs
-            ``seed``, a uint32 ``[2]`` tensor (PopXL's random seed).
+            ``seed``, a uint32 ``[2]`` tensor (PopXL's random seed). Element ``(b, h, i, j)``
+            is dropped by a hash of (seed, ``b * Hq + h``, i, j) alone, whatever the chunks.
         softcap: ``> 0``: scores become ``softcap * tanh(s / softcap)``.
         alibi_slopes: ``None`` or float32 ``[Hq]`` or ``[B, Hq]`` runtime tensor: scores get
             ``-slope * |i + Lkv - Lq - j|``.
-        return_attn_probs: also return the dropout keep mask, bool ``[B, Hq, Lq, Lkv]``
-            (needs ``dropout_p > 0``; O(Lq Lkv): tests at small sizes). flash-attn returns
-            its ``S_dmask`` there.
+        return_attn_probs: also return the dropout keep mask, bool ``[B, Hq, Lq, Lkv]``, the
+            one any backward with this seed uses (needs ``dropout_p > 0``; O(Lq Lkv): tests
+            at small sizes). flash-attn returns its ``S_dmask`` there.
         score_mod, score_mod_inputs: as :func:`popxl_flash.flash_attention` (``g`` is the
             ``b * Hq + h`` group index).
         deterministic: accepted for flash-attn compatibility (a bool); the forward and the
@@ -334,8 +335,8 @@ def flash_attn_func_grad(dout, q, k, v, out=None, lse=None, *, dropout_p=0.0, so
         out, lse: the forward's ``out`` (layout of q) and ``lse`` (float32 ``[B, Hq, Lq]``),
             or both ``None``.
         softmax_scale, causal, window_size, layout, num_chunks_q, num_chunks_kv: the
-            forward's options (chunk counts may differ: they do not change the result, except
-            with dropout).
+            forward's options (chunk counts may differ: they do not change the result, dropout's
+            keep mask included).
         dropout_p, seed, softcap, alibi_slopes, score_mod, score_mod_inputs: the forward's
             score modifiers and dropout, as :func:`flash_attn_func`.
         memory_budget: the forward's, as :func:`popxl_flash.flash_attention_grad`.
@@ -388,7 +389,7 @@ def _check_stash(out, lse, dims, q, layout, options, modifiers):
                          f"{lse.dtype.name}")
     cfg = grouped_config(dims, (q, q, q), options, modifiers)
     check_stash_options(cfg, "flash_attn_func_grad", "causal, softmax_scale, window_size and "
-                        "score modifiers (with dropout_p, also the chunk counts)",
+                        "score modifiers",
                         inputs=user_inputs(modifiers), renames=FLASH_ATTN_NAMES,
                         out=out, lse=lse)
     return True

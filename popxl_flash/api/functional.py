@@ -203,9 +203,13 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
         score_mod_inputs: tensors passed to ``score_mod`` (by value, no gradient).
         dropout: probability in ``[0, 1)`` of dropping an attention probability (kept ones
             are scaled by ``1 / (1 - dropout)``); needs ``seed``.
-        seed: uint32 ``[2]`` tensor (PopXL's random seed) when ``dropout > 0``.
-        return_dropout_mask: also return the keep mask, bool ``[G, Lq, Lkv]``: O(Lq Lkv)
-            memory and ops, for tests at small sizes.
+        seed: uint32 ``[2]`` tensor (PopXL's random seed) when ``dropout > 0``. Element
+            ``(g, i, j)`` is dropped by a hash of (seed, g, i, j) alone (not of the chunks,
+            the budget or the pass), so any backward given this seed differentiates this
+            mask; see ``docs/user-guide.md``.
+        return_dropout_mask: also return the keep mask, bool ``[G, Lq, Lkv]`` (the one
+            the passes and any backward with this seed use): O(Lq Lkv) memory and ops, for
+            tests at small sizes.
 
     Returns:
         out ``[G, Lq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)`` where lse is
@@ -454,8 +458,8 @@ def flash_attention_grad(dout, q, k, v, out=None, lse=None, *, num_chunks_q=None
         out, lse: the forward's outputs, or both ``None``.
         num_chunks_q, num_chunks_kv, causal, scale, window, q_segment_ids, kv_segment_ids,
             softcap, alibi_slopes, score_mod, score_mod_inputs, dropout, seed: the forward's
-            options, segment ids and score modifiers (with dropout, also its chunk counts:
-            the keep masks are drawn per block).
+            options, segment ids and score modifiers (the chunk counts may differ, also with
+            dropout: its keep mask is a function of (seed, g, row, column) alone).
         memory_budget: as :func:`flash_attention` (give the forward's: the automatic choice
             is made for forward and backward together, so equal budgets give equal chunks).
 
@@ -526,8 +530,8 @@ def segmented_attention_grad(dout, q, k, v, out, lse, q_segment_ids, kv_segment_
 
 
 def check_stash_options(cfg, who="flash_attention_grad",
-                        names="causal, scale, window and score modifiers (with dropout, also its "
-                        "chunk counts)", inputs=None, renames=None, **stash):
+                        names="causal, scale, window and score modifiers", inputs=None,
+                        renames=None, **stash):
     """Refuse an ``out``/``lse`` that a forward call with other causal, scale or window options,
     other score modifiers, or other run-time tensors (ALiBi slopes, dropout seed,
     ``score_mod_inputs``, segment ids and positions) returned: its gradients would be silently
@@ -535,8 +539,8 @@ def check_stash_options(cfg, who="flash_attention_grad",
 
     Only the very tensors a forward returned in this Ir are known (see
     :mod:`popxl_flash.api.provenance`); chunk counts may differ, they do not change the result
-    (except with dropout). Run-time tensors are compared by identity: the backward must be given
-    the forward's very tensors.
+    (dropout's keep mask included). Run-time tensors are compared by identity: the backward
+    must be given the forward's very tensors.
 
     Args:
         cfg: the backward's :class:`AttentionConfig`. who, names: the calling function and its
@@ -608,8 +612,6 @@ def describe_options(options, renames=None):
                          f" with {mods.num_mod_inputs} {n('score_mod_inputs')}")
         if mods.dropout:
             parts.append(f"{n('dropout')}={mods.dropout!r}")
-    if "chunks" in options:
-        parts.append(f"chunk lengths {options['chunks']}")
     return "(" + ", ".join(parts) + ")"
 
 

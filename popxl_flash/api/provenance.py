@@ -51,14 +51,12 @@ class ForwardRecord:
 
 def attention_options(config):
     """The options of a configuration that change the result: ``causal``, ``scale`` and
-    ``window``; with score modifiers also those (``mods``), and with dropout the chunk
-    lengths (the keep masks are drawn per block)."""
+    ``window``; with score modifiers also those (``mods``). Not the chunks, even with
+    dropout: its keep mask is a function of (seed, g, row, column) alone."""
     options = dict(causal=config.causal, scale=config.scale, window=config.window)
     mods = config.mods
     if mods is not None:
         options["mods"] = mods
-        if mods.dropout > 0:
-            options["chunks"] = (config.chunk_q, config.chunk_kv)
     return options
 
 

@@ -67,10 +67,9 @@ class AttentionModule(popxl.Module):
     @staticmethod
     def row_passes(cfg):
         """Whether the passes run as row passes (:func:`popxl_flash.plan.steps.row_passes`:
-        the forward's straight-line passes, the backward's inline row steps); not with
-        dropout, whose masks are drawn per loop step."""
-        no_dropout = cfg.mods is None or cfg.mods.dropout == 0
-        return steps.row_passes(cfg.schedule, cfg.segments is not None) and no_dropout
+        the forward's straight-line passes, the backward's inline row steps); dropout's
+        masks do not depend on the structure (:mod:`popxl_flash.graph.score_mods`)."""
+        return steps.row_passes(cfg.schedule, cfg.segments is not None)
 
     @staticmethod
     def run_single(cfg, segment_inputs, extras, build):
@@ -133,7 +132,7 @@ class AttentionModule(popxl.Module):
             seg, classes = segments.prepare(cfg, *segment_inputs)
         prepared = []
         if cfg.mods is not None and cfg.schedule.visited_blocks:
-            prepared = score_mods.prepare(cfg, extras)
+            prepared = score_mods.prepare(cfg, extras, segment_inputs)
         loops = blocks.PassLoops(spec, cfg, order, operands, state, seg, prepared)
         step_classes = loops.step_classes(classes)
         with blocks.in_order():

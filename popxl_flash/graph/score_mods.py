@@ -22,15 +22,26 @@ after the segment inputs ("extras": :func:`split_inputs`), are prepared once per
 (:func:`prepare`), enter each loop body after its segment inputs, and each step turns them into
 operands the update takes after its own (:func:`step_operands`).
 
-Dropout keep masks: the step whose (sub-)block starts at row ``i0``, column ``j0`` draws
-``random_uniform(seed_ij, [G, rows, cols])`` and keeps ``u > p``, with
-``seed_ij = base + [0, i0 * Lkv_pad + j0]`` (uint32, wrapping) and ``base`` the first seed of
-``ops.split_random_seed(seed, 1)``. The seed depends on the step's (sub-)block, not on the loop
-step, so the backward (kv-major, with the same sub-blocks: :mod:`popxl_flash.plan.steps`)
-regenerates exactly the forward's (q-major) mask; on the IPU this relies on poprand giving
-equal values for an equal seed and shape (``RandomUniformOpx`` maps a fresh output linearly).
-Masks are tied to the chunk sizes: the backward must use the forward's (checked for stashed
-outputs). Distinct steps get distinct seeds while ``Lq_pad * Lkv_pad < 2**32``.
+Dropout keep masks are a function of (seed, g, row, column) alone, FlashAttention's contract
+(its Philox takes the element's position as the counter): element ``(g, r, c)`` is kept iff
+``y >= round(p * 2**32)`` with, in uint32 arithmetic wrapping modulo 2**32,
+
+    A = R(R(r * HASH_ROW + s0) + s1 + g * HASH_GROUP)     (per row and group)
+    B = R(R(c * HASH_COL + s0) + s1)                      (per column)
+    y = (A + B)(2 (A + B) + 1)                            (per element)
+
+``s0, s1`` the words of the user's seed and ``R(x)`` = ``x (2x + 1)`` rotated by 16 bits
+(:func:`_hash_round`; PopXL 3.4 has no bitwise ops, so the rotation is ``y / 2**16 +
+y * 2**16``). Each call computes ``[A; 2A + 1]`` for every (padded) row and ``[B; 2B]`` for
+every column once (:func:`prepare`: ~20 small ops, rows and columns in one tensor); a step
+slices its rows and columns (two ``dynamic_slice``, none when the step spans the call) and
+runs 3 ops on its block (one add on both halves, one mul, one compare) and the ``where`` that
+makes ``keep / (1 - p)``. Every
+structure (one-block pass, row passes, loops, the kv-major backward, any chunks) computes the
+same bits for an element, and :func:`dropout_mask` returns them. ``r`` and ``c`` are the rows'
+and columns' indices in the call's tensors (with segment ids and varlen: in the packed rows);
+with ``mods.dropout_positions`` (context parallelism) they are the call's position inputs, the
+global positions, hashed once per call the same way.
 """
 from dataclasses import dataclass, replace
 
@@ -41,7 +52,8 @@ from popxl_flash.backend import popxl
 ops = popxl.ops
 
 
-from popxl_flash.plan.score_mods import ScoreMods, options  # noqa: F401
+from popxl_flash.plan.score_mods import (HASH_COL, HASH_GROUP, HASH_ROW,  # noqa: F401
+                                         ScoreMods, keep_threshold, options)
 
 
 def split_inputs(mods, inputs):
@@ -90,19 +102,28 @@ def unpack_names(mods, extras):
     return named
 
 
-def prepare(cfg, extras):
+def prepare(cfg, extras, segment_inputs=()):
     """The loop-invariant tensors of the extras, once per call (outside the loop).
 
+    Args:
+        cfg: the config. extras: the module's score-modifier inputs. segment_inputs: the
+            module's segment inputs (read with ``mods.dropout_positions`` only).
+
     Returns:
-        list: ``-slopes [G, 1, 1]`` (ALiBi), the base seed uint32 ``[2]`` (dropout), the
-        score_mod inputs.
+        list: ``-slopes [G, 1, 1]`` (ALiBi); with dropout the hash halves of every (padded)
+        row and column (:func:`hash_keys`, uint32 ``[2, G, Lq_pad, 1]`` and ``[2, 1, 1,
+        Lkv_pad]``: of the indices, or with ``mods.dropout_positions`` of the positions);
+        the score_mod inputs.
     """
     named = unpack_names(cfg.mods, extras)
     out = []
     if cfg.mods.alibi:
         out.append(ops.negate(named["alibi_slopes"]).reshape((cfg.groups, 1, 1)))
     if cfg.mods.dropout > 0:
-        out.append(ops.split_random_seed(named["seed"], 1)[0])
+        if cfg.mods.dropout_positions:
+            out += list(_position_keys(cfg, named["seed"], segment_inputs))
+        else:
+            out += list(_index_keys(cfg, named["seed"]))
     return out + list(named["inputs"])
 
 
@@ -110,23 +131,158 @@ def _i32(value):
     return popxl.constant(np.array(value, dtype=np.int32))
 
 
-def block_seed(cfg, base, i0, j0):
-    """uint32 ``[2]`` seed of the step whose (sub-)block starts at row ``i0``, column ``j0``
-    (int32 ``[1]``): ``base + [0, i0 * Lkv_pad + j0]`` (wrapping)."""
-    u32 = popxl.uint32
-    word = ops.cast(i0, u32) * popxl.constant(np.array([cfg.padded_kv_len], np.uint32)) + \
-        ops.cast(j0, u32)  # [1]
-    return base + ops.concat([popxl.constant(np.zeros(1, np.uint32)), word], axis=0)
+# -- the dropout keep mask: a hash of (seed, g, row, column) ------------------------------------
+def _u32(value):
+    return popxl.constant(np.array(value, dtype=np.uint32))
 
 
-def keep_scale(cfg, seed, shape):
-    """``keep / (1 - p)``, float32 ``[G, rows, cols]`` (``shape = (rows, cols)``), from a
-    step's seed: ``random_uniform(seed) > p``."""
-    u = ops.random_uniform(seed, (cfg.groups, *shape))
+def _hash_round(x):
+    """One mixing round on uint32 (wrapping): ``y = x (2x + 1)`` (RC6's quadratic, a bijection
+    of the 32-bit integers), then ``y`` rotated by 16 bits as ``y / 2**16 + y * 2**16`` (the two
+    halves do not overlap, so ``+`` is the bitwise or PopXL lacks). 6 elementwise ops.
+
+    Args:
+        x: uint32 tensor. Returns: uint32, ``x``'s shape.
+    """
+    y = x * (x * _u32(2) + _u32(1))
+    return y / _u32(1 << 16) + y * _u32(1 << 16)
+
+
+def _seed_words(seed):
+    """The user's uint32 ``[2]`` seed as two ``[1]`` tensors."""
+    return (ops.slice(seed, start=[i], stop=[i + 1], axis=[0]) for i in (0, 1))
+
+
+def _scaled_keys(rows, cols):
+    """uint32 ``[1, 1, n + m]``: ``rows * HASH_ROW`` then ``cols * HASH_COL`` (wrapping).
+
+    Args:
+        rows, cols: host integer arrays (a constant, no op) or int32/uint32 tensors of ``n``
+            and ``m`` elements (context parallelism's positions: a cast, a mul each, a concat).
+    """
+    parts = [_scaled(x, k) for x, k in ((rows, HASH_ROW), (cols, HASH_COL))]
+    if not any(isinstance(x, popxl.Tensor) for x in parts):
+        return _u32(np.concatenate(parts, axis=2))
+    return ops.concat([x if isinstance(x, popxl.Tensor) else _u32(x) for x in parts], axis=2)
+
+
+def _scaled(x, k):
+    """``x * k`` modulo 2**32 as ``[1, 1, n]``: a host array for a host ``x``, else a tensor."""
+    if not isinstance(x, popxl.Tensor):
+        return (np.asarray(x, np.uint64).reshape(1, 1, -1) * k % 2 ** 32).astype(np.uint32)
+    x = x if x.dtype == popxl.uint32 else ops.cast(x, popxl.uint32)
+    return x.reshape((1, 1, _count(x))) * _u32(k)
+
+
+def hash_keys(groups, seed, rows, cols):
+    """The row and column halves of the keep-mask hash (:func:`keep_from_keys`), all rows and
+    columns in one tensor ``[G, 1, n + m]`` (one op per hash step for both)::
+
+        A[g, r] = R(R(r * HASH_ROW + s0) + s1 + g * HASH_GROUP)
+        B[c]    = R(R(c * HASH_COL + s0) + s1)
+
+    ``R`` = :func:`_hash_round`, ``s0, s1`` the seed's words (~20 ops).
+
+    Args:
+        groups: G. seed: the user's uint32 ``[2]`` seed.
+        rows, cols: the global row and column indices, ``n`` and ``m`` of them (host arrays
+            or int32/uint32 tensors, :func:`_scaled_keys`).
+
+    Returns:
+        ``(a, b)``: uint32 ``[2, G, n, 1]`` = ``[A; 2A + 1]`` and ``[2, 1, 1, m]`` =
+        ``[B; 2B]`` (one tensor each, so a step slices each once).
+    """
+    keys = _scaled_keys(rows, cols)
+    n, total = _count(rows), keys.shape[2]
+    s0, s1 = _seed_words(seed)
+    group_terms = np.zeros((groups, 1, total), np.uint64)
+    group_terms[:, :, :n] = (np.arange(groups, dtype=np.uint64) * HASH_GROUP % 2 ** 32)[:, None,
+                                                                                      None]
+    z = _hash_round(_hash_round(keys + s0) + s1 + _u32(group_terms))  # [G, 1, n + m]
+    odd = np.zeros((1, 1, total), np.uint32)
+    odd[..., :n] = 1
+    h = z * _u32(2) + _u32(odd)  # 2A + 1 on the rows, 2B on the columns
+    both = ops.concat([t.reshape((1, groups, 1, total)) for t in (z, h)], axis=0)
+    a = ops.slice(both, start=[0], stop=[n], axis=[3]).reshape((2, groups, n, 1))
+    b = ops.slice(both, start=[0, n], stop=[1, total], axis=[1, 3])
+    return a, b
+
+
+def _count(x):
+    return int(np.prod(x.shape)) if isinstance(x, popxl.Tensor) else int(np.size(x))
+
+
+def threshold(p):
+    """``T - 1`` as a uint32 constant (:func:`popxl_flash.plan.score_mods.keep_threshold`): a
+    hash ``y`` keeps its element iff ``y > T - 1``, with probability ``1 - p`` to 2**-32."""
+    return _u32(keep_threshold(p) - 1)
+
+
+def keep_from_keys(a, b, p):
+    """The keep mask from the hash halves of a block's rows and columns.
+
+    ``x = A + B`` and ``y = x (2x + 1) = (A + B)(2A + 1 + 2B)`` (uint32, wrapping; one add on
+    both halves at once, one mul), kept iff ``y >= round(p * 2**32)``: 3 ops on the block,
+    whatever its position.
+
+    Args:
+        a: uint32 ``[2, G, rows, 1]``; b: uint32 ``[2, 1, 1, cols]`` (:func:`hash_keys`,
+            sliced to the block). p: the dropout probability.
+
+    Returns:
+        bool ``[G, rows, cols]``.
+    """
+    x = a + b  # [2, G, rows, cols]
+    halves = [ops.slice(x, start=[i], stop=[i + 1], axis=[0]) for i in (0, 1)]
+    y = halves[0] * halves[1]
+    keep = ops.greater(y, threshold(p))
+    return keep.reshape(tuple(keep.shape[1:]))
+
+
+def keep_scale(cfg, a, b):
+    """``keep / (1 - p)``, float32 ``[G, rows, cols]``, from the block's hash halves
+    (:func:`keep_from_keys`)."""
     p = cfg.mods.dropout
-    keep = ops.greater(u, popxl.constant(np.float32(p)))
-    return ops.where(keep, popxl.constant(np.float32(1.0 / (1.0 - p))),
+    return ops.where(keep_from_keys(a, b, p), popxl.constant(np.float32(1.0 / (1.0 - p))),
                      popxl.constant(np.float32(0.0)))
+
+
+def _index_keys(cfg, seed):
+    """:func:`hash_keys` of every (padded) row and column index, once per call (host
+    constants for the scaled indices)."""
+    return hash_keys(cfg.groups, seed, np.arange(cfg.padded_q_len),
+                     np.arange(cfg.padded_kv_len))
+
+
+def _cut(t, offset, axis, size):
+    """``t``'s ``size`` entries from ``offset`` (int32 ``[1]``) on ``axis``; ``t`` itself when
+    it has exactly ``size``."""
+    if t.shape[axis] == size:
+        return t
+    return ops.dynamic_slice(t, offset, axes=[axis], sizes=[size], no_overlap=True)
+
+
+def _position_keys(cfg, seed, segment_inputs):
+    """:func:`hash_keys` of the call's positions (``mods.dropout_positions``), once per call:
+    ``q_positions``/``kv_positions`` (int32 ``[1, L]``) padded with zeros to the padded
+    lengths (padding is never visible)."""
+    keys = []
+    for t, length in ((segment_inputs[2], cfg.padded_q_len),
+                      (segment_inputs[3], cfg.padded_kv_len)):
+        if t is None or t.shape[0] != 1:
+            raise ValueError("dropout keyed by positions needs q_positions and kv_positions "
+                             f"of one row, [1, L]; got {None if t is None else tuple(t.shape)}")
+        pad = length - t.shape[1]
+        keys.append(t if pad == 0 else ops.concat(
+            [t, popxl.constant(np.zeros((1, pad), np.int32))], axis=1))
+    return hash_keys(cfg.groups, seed, *keys)
+
+
+def _step_keep(cfg, prepared, i0, j0, shape):
+    """A step's ``keep / (1 - p)``: the call's prepared hash halves (consumed from
+    ``prepared``) sliced at ``(i0, j0)``."""
+    a, b = prepared.pop(0), prepared.pop(0)
+    return keep_scale(cfg, _cut(a, i0, 2, shape[0]), _cut(b, j0, 3, shape[1]))
 
 
 def _position_rows(cfg):
@@ -157,7 +313,7 @@ def step_operands(cfg, prepared, i0, j0, shape, seg_operands=()):
     if mods.alibi:
         out.append(prepared.pop(0))
     if mods.dropout > 0:
-        out.append(keep_scale(cfg, block_seed(cfg, prepared.pop(0), i0, j0), shape))
+        out.append(_step_keep(cfg, prepared, i0, j0, shape))
     return out + prepared
 
 
@@ -317,31 +473,22 @@ def _call_score_mod(cfg, s, x, backward):
 
 # -- the returned dropout mask ------------------------------------------------------------------
 def dropout_mask(cfg, seed):
-    """The keep mask of every step, assembled: bool ``[G, Lq, Lkv]`` (O(L^2): tests and small
-    sizes only). Built in the current graph from the user's seed, step by step as the loops
-    draw it (:mod:`popxl_flash.plan.steps`: the forward's sub-blocks, or the whole block of a
-    pass of one block; the backward's are the same);
-    cells no step covers are never visible and read True.
+    """The keep mask of a call, bool ``[G, Lq, Lkv]`` (O(L^2): tests and small sizes only): the
+    hash of every (g, row, column) (:func:`keep_from_keys`), the very values every step of
+    every pass computes for its block, whatever the chunks."""
+    return keep_at(cfg.groups, seed, cfg.mods.dropout, np.arange(cfg.q_len),
+                   np.arange(cfg.kv_len))
+
+
+def keep_at(groups, seed, p, rows, cols):
+    """The keep mask at given global indices, bool ``[G, n, m]``.
+
+    Args:
+        groups: G. seed: the user's uint32 ``[2]`` seed. p: the dropout probability.
+        rows, cols: ``n`` and ``m`` global indices, host arrays or int32 tensors (context
+            parallelism: a replica's positions).
     """
-    from popxl_flash.plan import steps
-    base = ops.split_random_seed(seed, 1)[0]
-    mask = popxl.constant(np.ones((cfg.groups, cfg.padded_q_len, cfg.padded_kv_len),
-                                  np.float32))
-    blocks = [(group.rows, group.cols, r0, c0)
-              for group in steps.step_groups(cfg.schedule, "q_major")
-              for r0, c0 in zip(group.q_row, group.kv_row)]
-    if steps.single_block(cfg.schedule, cfg.segments is not None):  # one draw, whole block
-        blocks = [(cfg.q_len, cfg.kv_len, 0, 0)]
-    for rows, cols, r0, c0 in blocks:
-        i0, j0 = (popxl.constant(np.array([x], np.int32)) for x in (r0, c0))
-        keep = keep_scale(cfg, block_seed(cfg, base, i0, j0), (rows, cols))
-        at = popxl.constant(np.array([r0, c0], np.int32))
-        mask = ops.dynamic_update(mask, at, keep, axes=[1, 2], sizes=[rows, cols],
-                                  no_overlap=True)
-    mask = ops.greater(mask, popxl.constant(np.float32(0.0)))
-    if (cfg.padded_q_len, cfg.padded_kv_len) != (cfg.q_len, cfg.kv_len):
-        mask = ops.slice(mask, start=[0, 0], stop=[cfg.q_len, cfg.kv_len], axis=[1, 2])
-    return mask
+    return keep_from_keys(*hash_keys(groups, seed, rows, cols), p)
 
 
 # -- cost report (pf.explain) -------------------------------------------------------------------

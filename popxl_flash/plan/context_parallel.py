@@ -376,12 +376,9 @@ class Plan:
 
     def result_key(self):
         """What the result depends on (a stashed ``out``/``lse`` must come from a forward
-        with the same): the mask, layout and modifiers; with dropout also the rounds and
-        chunk counts (the keep masks are drawn per round and block)."""
-        key = (self.replicas, self.layout, self.causal, self.scale, self.window, self.mods)
-        if self.mods is not None and self.mods.dropout > 0:
-            key += (self.steps, self.num_chunks_q, self.num_chunks_kv)
-        return key
+        with the same): the mask, layout and modifiers (not the rounds or chunks: dropout's
+        keep mask is a function of the seed and global positions alone)."""
+        return (self.replicas, self.layout, self.causal, self.scale, self.window, self.mods)
 
     def key(self):
         """Hashable identity (graph cache key)."""

@@ -262,8 +262,7 @@ def row_passes(schedule, segments=False):
     """Whether the passes of ``schedule`` run as straight-line **row passes**: one kv chunk
     and 2 to :data:`MAX_ROW_PASSES` q chunks, without segment ids. Each q chunk then sees every
     key it sees in one block: the forward runs the one-block pass on its rows and the columns
-    they see (:func:`row_pass_plan`), the backward one inline step on the same; no loop. (The
-    modules also need no dropout, whose masks are drawn per loop step.)"""
+    they see (:func:`row_pass_plan`), the backward one inline step on the same; no loop."""
     return schedule.nkv == 1 and 1 < schedule.nq <= MAX_ROW_PASSES and not segments
 
 
@@ -379,8 +378,7 @@ def runs_inline(group, segments=False):
 def loop_steps(schedule, segments=False):
     """Loop iterations (repeat-body executions) of one pass: one per visited block, two per
     split block, less the steps that run without a loop (:func:`single_block`,
-    :func:`row_passes`, :func:`runs_inline`; the modules loop row-pass schedules with dropout,
-    which this does not count)."""
+    :func:`row_passes`, :func:`runs_inline`)."""
     if single_block(schedule, segments) or row_passes(schedule, segments):
         return 0
     return sum(group.steps for group in step_groups(schedule)
