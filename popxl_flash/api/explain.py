@@ -45,9 +45,11 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
     Returns:
         :class:`popxl_flash.plan.costmodel.ChunkChoice`: ``chosen`` (the chunking
         ``num_chunks_*=None`` uses), every ``candidates`` entry with its counted work per pass
-        (supersteps, matmul FLOPs, vector elements, bytes copied under PopART's rules), its
-        memory beyond the inputs and outputs and its modelled time by term
-        (:mod:`popxl_flash.plan.ipu_time`), the seed's 256-row rule (``seed``) and naive
+        (compute sets, matmul FLOPs, vector work and bytes copied as PopART lowers the graph,
+        :mod:`popxl_flash.lowering`), its memory beyond the inputs and outputs and its
+        modelled time by term (:mod:`popxl_flash.ipu_model`), ``worst_ratio`` (the chosen
+        one's largest ratio to the best over the corners of the constants' plausible box),
+        the seed's 256-row rule (``seed``) and naive
         attention (``naive``, and whether it fits the budget) priced alike, and ``table()``
         to print them (times labelled modelled, with the constants used). With
         ``score_mod``, ``.score_mod`` holds its :class:`popxl_flash.graph.score_mods.ScoreModCost`

@@ -151,6 +151,9 @@ class ChunkChoice:
         label: how the times are labelled (:func:`popxl_flash.plan.ipu_time.label`).
         seed_name: what ``seed`` is, in :meth:`table` (packed calls price the earlier 64-row
             rule there, :mod:`popxl_flash.plan.packed`).
+        worst_ratio: the chosen candidate's largest ratio to the best fitting candidate over
+            the corners of the constants' box (:func:`popxl_flash.ipu_model.corners`; 1.0 when
+            not computed).
     """
 
     chosen: Candidate
@@ -161,6 +164,7 @@ class ChunkChoice:
     naive: Optional[Baseline] = None
     label: str = ""
     seed_name: str = "seed's 256-row rule"
+    worst_ratio: float = 1.0
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``, the fastest few and
@@ -187,12 +191,29 @@ class ChunkChoice:
         lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason}); "
                      f"memory_budget {self.budget:,} bytes ({self.budget / 2**20:.1f} MiB)")
         lines.append(_compare_line("flash (chosen)", self.chosen))
+        lines.append(_terms_line(self.chosen))
+        lines.append(f"{'':>20}  within {self.worst_ratio:.2f}x of the best candidate at every "
+                     "corner of the constants' box (c_cs 250-600, vector rates x0.5-1.5, "
+                     "float16 matmul 64-128, copies 2-8 B/tile-cycle)")
         if self.seed is not None:
             lines.append(_compare_line(self.seed_name, self.seed))
         if self.naive is not None:
             lines.append(_compare_line("naive attention", self.naive))
         lines.append(f"times are {self.label}")
         return "\n".join(lines)
+
+
+def _terms_line(c):
+    """The chosen candidate's modelled forward + backward time by term and its vector work by
+    rate class (the lowering table's op kinds)."""
+    t = c.time_forward + c.time_backward
+    work = {}
+    for counts in (c.forward, c.backward):
+        for key, n in _ipu_time.work_of(counts).vector_work.items():
+            cls = key.split(".")[0]
+            work[cls] = work.get(cls, 0) + n
+    classes = ", ".join(f"{k} {v / 1e6:,.2f}M" for k, v in sorted(work.items()))
+    return f"{'':>20}  by term: {t.terms_text()}; vector elements by kind: {classes}"
 
 
 def _flops(work):
@@ -485,9 +506,9 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     kept = kept or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
     fitting = [c for c in candidates if c.fits]
+    worst = {}
     if fitting:
-        chosen = min(fitting, key=lambda c: (c.seconds, c.memory_bytes))
-        reason = "least modelled forward + backward time within memory_budget"
+        chosen, worst, reason = _robust(fitting)
     else:
         least = min(c.memory_bytes for c in candidates)
         near = [c for c in candidates if c.memory_bytes <= NOTHING_FITS_SLACK * least]
@@ -499,4 +520,41 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     base = naive(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype, causal=causal,
                  window=window, memory_budget=budget)
     return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, budget=budget,
-                       seed=seed, naive=base, label=_ipu_time.label())
+                       seed=seed, naive=base, label=_ipu_time.label(),
+                       worst_ratio=worst.get(id(chosen), 1.0))
+
+
+#: Where the central choice is more than this factor off the best at some corner of the
+#: constants' box (:data:`popxl_flash.ipu_model.BOX`), the choice is the candidate whose worst
+#: ratio over the corners is least.
+ROBUST_RATIO = 1.3
+
+
+def corner_seconds(candidate, corners):
+    """Modelled forward + backward seconds of ``candidate`` at each corner's constants."""
+    works = (_ipu_time.work_of(candidate.forward), _ipu_time.work_of(candidate.backward))
+    return [sum(_ipu_time.time(w, constants=c).seconds for w in works) for _, c in corners]
+
+
+def _robust(fitting):
+    """The choice among fitting candidates: the least modelled time at the current constants,
+    unless it is more than :data:`ROBUST_RATIO` off the best at a corner of the box; then the
+    candidate whose worst ratio to each corner's best is least.
+
+    Returns:
+        ``(chosen, {id(candidate): worst ratio}, reason)``.
+    """
+    central = min(fitting, key=lambda c: (c.seconds, c.memory_bytes))
+    corners = _ipu_time.corners()
+    times = {id(c): corner_seconds(c, corners) for c in fitting}
+    best = [min(t[k] for t in times.values()) for k in range(len(corners))]
+    worst = {key: max(a / b for a, b in zip(t, best)) for key, t in times.items()}
+    if worst[id(central)] <= ROBUST_RATIO:
+        return central, worst, ("least modelled forward + backward time within memory_budget "
+                                f"(within {worst[id(central)]:.2f}x of the best at every corner "
+                                "of the constants' box)")
+    robust = min(fitting, key=lambda c: (worst[id(c)], c.seconds))
+    return robust, worst, (f"least worst ratio over the constants' box ({worst[id(robust)]:.2f}x;"
+                           f" the fastest at the reference constants was "
+                           f"{central.chunk_q}x{central.chunk_kv}, {worst[id(central)]:.2f}x off "
+                           "at a corner) within memory_budget")
