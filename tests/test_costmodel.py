@@ -220,15 +220,15 @@ def test_second_level_is_the_time_models_choice(backward, positions, causal, win
 
 def test_model_copies_per_step_do_not_grow_with_length():
     """Without segment ids the loops copy only their step counters and LoopOpx's control
-    values (PopART's rules), so bytes copied per loop step are the same at every L and chunk
-    length: 2 x 4 counter bytes and 6 control bytes, plus 4 + 2 once per loop."""
+    values (PopART's rules), so the boundary bytes copied per loop step are the same at every
+    L and chunk length: 2 x 4 counter bytes and 6 control bytes, plus 4 + 2 once per loop."""
     per_step = set()
     for L, chunk in ((1024, 128), (2048, 128), (4096, 128), (4096, 256)):
         c = costmodel.evaluate(L, L, chunk, chunk, head_dim=64, groups=2, dtype="float16",
                                causal=True, window=(-1, -1))
         loops = len(steps.step_groups(pf.plan(L, L, chunk, chunk), "q_major"))
         once = costmodel.COUNTER_BYTES + costmodel.LOOP_CONTROL_ONCE
-        per_step.add((c.forward.bytes_copied - once * loops) / c.iterations)
+        per_step.add((c.forward.boundary_bytes - once * loops) / c.iterations)
     assert per_step == {2 * costmodel.COUNTER_BYTES + costmodel.LOOP_CONTROL_STEP} == {14}
 
 

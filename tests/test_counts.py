@@ -39,6 +39,7 @@ def assert_counts_hold(G, Gk, Lq, Lkv, D, dtype, options):
             assert _close(w.vector_work.get(key, 0), measured[key]), (key, is_backward, w)
         copied = measured["copied"] + measured["boundary"]
         assert _close(w.bytes_copied, copied), (is_backward, w, measured)
+        assert w.ops == measured["ops"]  # executed ops other than re-indexing (fitted)
         assert sum(w.matmul_flops.values()) == measured["matmul_flops"]
         assert model.iterations == measured["iterations"]
     return forward, backward

@@ -124,7 +124,8 @@ def test_graphcore_layouts_read_the_cache_in_place(k_layout, v_layout, Lq):
     assert sorted(kind for _, kind in extra) == ["reshape", "reshape", "transpose", "transpose"]
     assert all(name.startswith("FlashAttention") and kind != "transpose"
                for name, kind in copies[(k_layout, v_layout)])
-    assert new.bytes_copied == base.bytes_copied
+    assert new.boundary_bytes_copied == base.boundary_bytes_copied
+    assert new.bytes_copied < base.bytes_copied  # BSHD's regrouping is Copy programs
     assert new.matmul_flops == base.matmul_flops
     assert base.ops_executed - 1 <= new.ops_executed <= base.ops_executed + 1
     assert new.peak_live_bytes <= base.peak_live_bytes

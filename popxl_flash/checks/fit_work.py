@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from popxl_flash.lowering import RATE_KEYS
 from popxl_flash.plan import counts, schedule
 from popxl_flash.plan.config import AttentionConfig
 
@@ -30,8 +31,10 @@ def _profile_metrics(profile):
     out = {"compute_sets": profile.compute_sets,
            "copied": profile.copied_by_kind["view"] + profile.copied_by_kind["op"],
            "boundary": profile.boundary_bytes_copied, "matmul_flops": profile.matmul_flops,
-           "iterations": profile.loop_iterations}
-    out.update({k: w.vector_work.get(k, 0) for k in counts.METRICS[1:-1]})
+           "iterations": profile.loop_iterations,
+           "ops": profile.ops_excluding_views - sum(profile.ops_by_kind.get(k, 0)
+                                                   for k in ("host_load", "host_store"))}
+    out.update({k: w.vector_work.get(k, 0) for k in RATE_KEYS})
     return out
 
 
@@ -150,7 +153,7 @@ def solve(rows):
     constant = np.array([t == "1" for _, t in columns])
     for metric in counts.METRICS:
         b = np.array([m[metric] for _, m in rows], float)
-        use = constant if metric == "compute_sets" else np.ones_like(constant)  # per record
+        use = constant if metric in counts.CONSTANT_METRICS else np.ones_like(constant)
         x = np.zeros(len(columns))
         x[use] = np.linalg.lstsq(A[:, use] / norm[use], b, rcond=None)[0] / norm[use]
         x = np.where(np.abs(x - np.round(x)) < 1e-6, np.round(x), np.round(x, 9))

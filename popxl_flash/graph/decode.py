@@ -30,8 +30,8 @@ whole cache (so they see keys) and get a NaN scale ``sqrt(-1)`` (the per-row sca
 no cast), so their scores, out and lse are NaN; with floating-point checks on, the run stops at that ``sqrt`` (in the name scope
 ``cache_seqlens_out_of_range``).
 
-:func:`popxl_flash.plan.kvcache.straight_counts` counts this pass's supersteps, FLOPs and
-vector elements (held to the emulator's profile by ``tests/test_decode.py``).
+:func:`popxl_flash.plan.kvcache.straight_counts` counts this pass's ops, FLOPs and output
+elements (held to the emulator's profile by ``tests/test_decode.py``).
 """
 import math
 
@@ -131,15 +131,15 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
             sv = ops.sqrt(ops.where(bad, popxl.constant(np.float32(-1.0)),
                                     popxl.constant(np.float32(factor * factor))))  # [B]
         if q.dtype == f32:
-            q = q * sv.reshape((B, 1, 1, 1))
+            q = q * sv.reshape_((B, 1, 1, 1))
         else:
-            post = sv.reshape((B, 1, 1, 1, 1))
+            post = sv.reshape_((B, 1, 1, 1, 1))
     elif folds_exactly(q.dtype == f32, factor):
         q = q * factor
     else:
         post = float(factor)
-    qg = q.transpose((0, 2, 1, 3)).reshape((B, Hkv, r * Lq, D))
-    s = ops.matmul(qg, kT, output_type=f32).reshape((B, Hkv, r, Lq, Lc))
+    qg = q.transpose_((0, 2, 1, 3)).reshape_((B, Hkv, r * Lq, D))  # views
+    s = ops.matmul(qg, kT, output_type=f32).reshape_((B, Hkv, r, Lq, Lc))
     if post is not None:
         s = s * post
     if softcap > 0:
@@ -147,10 +147,10 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
     lo, hi = bounds(Lq, Lc, new_len, causal, window)
     tensor = isinstance(seqlens, popxl.Tensor)
     if tensor:
-        lens = seqlens.reshape((B, 1, 1, 1, 1))
+        lens = seqlens.reshape_((B, 1, 1, 1, 1))
     if slopes is not None:
         rows = 1 if len(slopes.shape) == 1 else B
-        sl = slopes.reshape((rows, Hkv, r, 1, 1))
+        sl = slopes.reshape_((rows, Hkv, r, 1, 1))
         # q_pos - j = seqlens + Lnew - Lq + i - j
         rel = np.arange(Lq)[:, None] - np.arange(Lc)[None, :] + new_len - Lq
         if tensor:
@@ -167,7 +167,7 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
             valid = ops.logical_and(first, ops.greater(_i32(hi.reshape(1, 1, 1, Lq, Lc) + 1),
                                                         lens))
         if empties_possible(Lq, new_len, causal, window):
-            seen = first[:, :, :, :, 0:1]  # [B, 1, 1, Lq, 1]
+            seen = ops.slice_(first, start=[0], stop=[1], axis=[4])  # [B, 1, 1, Lq, 1]
     else:
         valid_np = seqlens > lo if hi is None else (seqlens > lo) & (seqlens <= hi)
         seen_np = (seqlens > lo[:, :1]).reshape(1, 1, 1, Lq, 1)
@@ -177,7 +177,7 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
         s = ops.where(valid, s, popxl.constant(MASKED_SCORE, dtype=f32))
     p = ops.softmax(s, axis=-1)
     pv = p if q.dtype == f32 else ops.cast(p, q.dtype)
-    out = ops.matmul(pv.reshape((B, Hkv, r * Lq, Lc)), v).reshape((B, Hkv, r, Lq, D))
+    out = ops.matmul(pv.reshape_((B, Hkv, r * Lq, Lc)), v).reshape_((B, Hkv, r, Lq, D))
     lse = None
     if return_lse:
         lse = ops.logsumexp(s, axis=-1, keepdims=True)  # [B, Hkv, r, Lq, 1]
@@ -185,7 +185,7 @@ def straight_pass(q, k_cache, v_cache, seqlens, *, new_len, k_layout, v_layout, 
         out = ops.where(seen, out, popxl.constant(0.0, dtype=out.dtype))
         if lse is not None:
             lse = ops.where(seen, lse, popxl.constant(float("-inf"), dtype=f32))
-    out = out.reshape((B, Hq, Lq, D)).transpose((0, 2, 1, 3))
+    out = out.reshape_((B, Hq, Lq, D)).transpose_((0, 2, 1, 3))
     if lse is not None:
-        lse = lse.reshape((B, Hq, Lq))
+        lse = lse.reshape_((B, Hq, Lq))
     return out, lse

@@ -1,12 +1,13 @@
 """Cost model of the automatic chunk choice (``num_chunks_*=None``).
 
-No IPU is available to time candidates, so the model prices **counted work** with the
-**reference model of IPU time** (:mod:`popxl_flash.plan.ipu_time`: 1000 cycles per superstep,
-matmul FLOPs, vector elements and bytes copied at stated per-tile rates):
+No IPU is available to time candidates, so the model prices **counted work as PopART lowers
+the graph** (:mod:`popxl_flash.lowering`) with the IPU time model (:mod:`popxl_flash.ipu_model`:
+350 cycles per compute set, matmul FLOPs, vector work at poplibs' rates per kind and dtype,
+bytes copied):
 
-* per pass, :func:`popxl_flash.plan.counts.pass_counts`: supersteps, matmul FLOPs, vector
-  elements, bytes copied and loop iterations, predicted from the planner's schedule and its
-  step groups and held to the emulator's profile by the tests;
+* per pass, :func:`popxl_flash.plan.counts.pass_counts`: compute sets, matmul FLOPs, vector
+  work, bytes copied and loop iterations, predicted from the planner's schedule and its step
+  groups (coefficients fitted to the emulator's priced profile) and held to it by the tests;
 * per pass, the bytes it holds beyond its inputs and outputs
   (:func:`popxl_flash.plan.memory.flash_bytes`, an upper bound of the emulator's peak);
 * naive attention and the seed's chunk rule priced alike (:mod:`popxl_flash.plan.baselines`).
@@ -27,8 +28,10 @@ therefore do not grow with L: 14 bytes without segment ids.
 
 Choice (:func:`choose`): the least modelled forward + backward time among the candidate
 chunkings (:func:`candidate_pairs`: one block up, balanced lengths, ``chunk_q != chunk_kv``)
-whose passes fit ``memory_budget``; when none fits, the fastest within
-:data:`NOTHING_FITS_SLACK` of the least memory, flagged in the reason.
+whose passes fit ``memory_budget``, unless it is more than :data:`ROBUST_RATIO` off the best at
+a corner of the constants' plausible box (:data:`popxl_flash.ipu_model.BOX`: they are not
+calibrated): then the candidate whose worst ratio over the corners is least. When none fits,
+the fastest within :data:`NOTHING_FITS_SLACK` of the least memory, flagged in the reason.
 """
 from __future__ import annotations
 
@@ -437,7 +440,7 @@ def naive(Lq, Lkv, *, head_dim, groups, dtype, causal, window, memory_budget=Non
 CANDIDATE_COUNTS = (1, 2, 3, 4, 5, 6, 8)
 #: Chunk lengths tried on an axis (balanced over the sequence as counts ``ceil(L / c)``).
 CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024)
-#: Largest number of blocks a candidate may have (each visited block costs its supersteps, so
+#: Largest number of blocks a candidate may have (each visited block costs its compute sets, so
 #: finer chunkings only win where memory binds, and the planner's tables grow with them).
 MAX_CANDIDATE_BLOCKS = 2048
 #: Largest ratio between the two axes' chunk lengths tried.
@@ -445,7 +448,7 @@ MAX_CHUNK_ASPECT = 4
 
 
 #: When no chunking fits the budget: the fastest within this factor of the least memory (the
-#: resident state dominates there, so the finest chunking would cost many supersteps for
+#: resident state dominates there, so the finest chunking would cost many compute sets for
 #: little memory).
 NOTHING_FITS_SLACK = 1.25
 

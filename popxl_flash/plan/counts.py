@@ -41,8 +41,12 @@ from popxl_flash.plan import costmodel as _costmodel
 from popxl_flash.plan import schedule as _schedule
 from popxl_flash.plan import steps as _steps
 
-#: The fitted metrics: compute sets, vector work per rate key, bytes of views' and ops' copies.
-METRICS = ("compute_sets",) + _lowering.RATE_KEYS + ("copied",)
+#: The fitted metrics: compute sets, vector work per rate key, bytes of views' and ops' copies,
+#: and executed ops other than re-indexing ones (not priced: the op count that context
+#: parallelism's model adds its own to; the emulator's ``ops_excluding_views``).
+METRICS = ("compute_sets",) + _lowering.RATE_KEYS + ("copied", "ops")
+#: Metrics that are per-part constants (never shape terms).
+CONSTANT_METRICS = ("compute_sets", "ops")
 #: The coefficients' file, beside this module.
 WORK_FILE = os.path.join(os.path.dirname(__file__), "pass_work.json")
 
@@ -280,4 +284,4 @@ def work(fitted, dtype, flops, boundary_bytes=0):
     return _ipu_model.WorkCounts(
         compute_sets=fitted["compute_sets"], matmul_flops={dtype: flops},
         vector_work={k: fitted[k] for k in _lowering.RATE_KEYS if fitted[k]},
-        bytes_copied=fitted["copied"] + boundary_bytes)
+        bytes_copied=fitted["copied"] + boundary_bytes, ops=round(fitted["ops"]))

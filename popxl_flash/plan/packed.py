@@ -20,11 +20,13 @@ assumption** (:class:`Packing`):
 For an assumed packing the block classes are computed on the host exactly as the device
 computes them (:func:`classify`, the rule of :func:`popxl_flash.graph.segments.classify_blocks`),
 and :func:`pass_counts` prices the pass: matmul FLOPs of the running blocks (exact), bytes
-copied (:func:`popxl_flash.plan.costmodel.pass_copies` given the classes, exact), supersteps
-(a fit on this version's graphs: per skipped, running and masked step, per loop and per pass;
-``tests/test_packed_choice.py`` holds it within :data:`OPS_TOLERANCE` of the emulator)
-and vector elements (the plain pass's step coefficients on the running steps; a coarse
-estimate, under 1% of the modelled time at the shapes the tests draw). Memory is the plain
+copied at the boundaries (:func:`popxl_flash.plan.costmodel.pass_copies` given the classes,
+exact), executed ops (a fit on this version's graphs: per skipped, running and masked step, per
+loop and per pass; ``tests/test_packed_choice.py`` holds it within :data:`OPS_TOLERANCE` of
+the emulator), priced at :data:`popxl_flash.plan.ipu_time.CS_PER_OP` compute sets each (an
+estimate until the packed dispatch is fitted to PopART's lowering like the plain passes), and
+vector work and the views' and ops' copies (the plain pass's fitted parts on the running
+steps; an estimate, within 0.5x-2.6x of the emulator's at the shapes the tests draw). Memory is the plain
 pass's upper bound (:func:`popxl_flash.plan.memory.flash_bytes`) plus :func:`segment_bytes`.
 """
 from __future__ import annotations
@@ -178,11 +180,6 @@ SEG_FIXED = {
 }
 
 
-#: Vector elements of a packed pass besides the plain steps' (a least-squares estimate on this
-#: version's graphs, within 2x of the emulator's): per step and id row or column (the id and
-#: position slices), per padded id row (padding, chunk statistics, loop tensors), per block
-#: (the classification).
-VEC_SEG = dict(slices=4, rows=60, blocks=100)
 
 
 def _folds(scale, head_dim):
@@ -236,7 +233,6 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
     pass_terms = {"1": 1, "gl": G * lq_pad, "gld": G * lq_pad * D, "gL": G * sched.Lq,
                   "gLd": G * sched.Lq * D, "gkld": Gk * lkv_pad * D, "gkLd": Gk * sched.Lkv * D}
     records = [("fixed", pass_terms)]  # the plain pass's parts, priced by its fit
-    elements = 0
     cells = iterations = 0
     if step_groups is None:
         step_groups = _steps.step_groups(sched, "kv_major" if backward else "q_major")
@@ -266,22 +262,15 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
         if masked_steps:
             records.append(("masked_step",
                             _counts._step_terms(G, Gk, D, g.rows, g.cols, masked_steps)))
-        state = (G * g.rows * D + 2 * Gk * g.cols * D) if backward else G * g.rows * (D + 2)
-        elements += skipped * 2 * state
-        elements += VEC_SEG["slices"] * g.steps * (g.rows + g.cols) * (1 + pos)
-    elements += VEC_SEG["rows"] * (lq_pad + lkv_pad) * (1 + pos)
-    elements += VEC_SEG["blocks"] * sched.nq * sched.nkv
     flops = 2 * (5 if backward else 2) * D * G * cells
     fitted = _counts.price(records, _counts.fit_key("flash", backward, dtype, Gk < G))
     work = _counts.work(fitted, dtype, flops, sum(copies.values()))
     # compute sets: the op count at the flash steps' mean per op (the packed dispatch is not
-    # fitted to the lowering table yet: an estimate); vector work: the plain parts' fit plus
-    # the segment elements at the float32 arithmetic rate
-    vector = dict(work.vector_work)
-    vector["arithmetic.float32"] = vector.get("arithmetic.float32", 0) + max(elements, 0)
+    # fitted to the lowering table yet: an estimate); vector work: the plain parts' fit on the
+    # running steps (the dispatch's own elementwise work is small beside them)
     work = _ipu_time.WorkCounts(compute_sets=supersteps * _ipu_time.CS_PER_OP,
-                                matmul_flops=work.matmul_flops, vector_work=vector,
-                                bytes_copied=work.bytes_copied)
+                                matmul_flops=work.matmul_flops, vector_work=work.vector_work,
+                                bytes_copied=work.bytes_copied, ops=int(supersteps))
     return _counts.PassCounts(work=work, iterations=int(iterations), ops=int(supersteps),
                               boundary_bytes=sum(copies.values()))
 
