@@ -6,7 +6,8 @@ row passes are at most steps.MAX_ROW_PASSES)::
     build(q, k, v)                          # module graph
       k = k * scale where the scale folds (blocks.scale_folds), once
       one block (steps.single_block): single_pass, a straight line on the whole tensors:
-        out = softmax(s) v, lse = logsumexp(s)    # naive attention's ops plus the lse
+        m = max(s), P = exp(s - m), l = sum(P)    # naive attention, softmax written out
+        out = (P v) / l, lse = m + log(l)
       one kv chunk, 2..8 q chunks (steps.row_passes): single_pass per q chunk on the columns
         its rows see, in order; out, lse = concat   # no loop, no state
       else:
@@ -88,9 +89,13 @@ def softmax_block(cfg, m_i, acc_l, q_i, k_t, v_j, extra=(), visible=None):
 
 
 def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
-    """The pass of one block as a straight line, naive attention's ops plus the lse:
-    ``out = softmax(s) v``, ``lse = logsumexp(s)`` (PopART lowers both with the row max
-    subtracted: exact for finite scores).
+    """The pass of one block as a straight line: ``m = max(s)``, ``P = exp(s - m)``, ``l =
+    sum(P)``, ``out = (P v) / l``, ``lse = m + log(l)``, written out rather than as
+    ``ops.softmax`` and ``ops.logsumexp``: by PopART's lowering that is 9 compute sets and 4.5
+    passes of vector work over the scores (2 + 1 + 1 + 2 compute sets; max, sub and sum at the
+    arithmetic rate, exp transcendental) against 15 compute sets, 8 passes and a copy of the
+    scores for the two ops (``popxl_flash/lowering.py``); the normalisation runs on ``[G, Lq,
+    D]``, not on the scores.
 
     Args:
         cfg: the :class:`AttentionConfig`.
@@ -112,15 +117,17 @@ def single_pass(cfg, q, k_t, v, extra=(), visible=None, seen=None):
         s = score_mods.modify(cfg, s, extra)
     if visible is not None:
         s = ops.where(visible, s, blocks.scalar(blocks.INITIAL_MAX, f32))
-    lse = ops.logsumexp(s, axis=-1)  # [G, Lq]
-    p = ops.softmax(s, axis=-1)  # [G, Lq, Lkv], rows sum to 1
-    if cfg.mods is not None:  # dropout: P * keep / (1 - p)
+    m = ops.max(s, axis=-1, keepdims=True)  # [G, Lq, 1], finite
+    p = ops.exp(s - m)  # [G, Lq, Lkv], <= 1, at least one 1 per row
+    l = ops.sum(p, axis=-1, keepdims=True)  # [G, Lq, 1], >= 1
+    if cfg.mods is not None:  # dropout: P V with P * keep / (1 - p); l keeps the full P
         p = score_mods.drop(cfg, p, extra)
     p_in = blocks.fold_heads(cfg, blocks.to_input_dtype(cfg, p))  # [Gk, r*Lq, Lkv]
-    out = blocks.unfold_heads(cfg, ops.matmul(p_in, v, output_type=v.dtype,
-                                              partials_type=f32))  # [G, Lq, D]
+    pv = blocks.unfold_heads(cfg, blocks.matmul_f32(p_in, v))  # [G, Lq, D]
+    out = blocks.to_input_dtype(cfg, pv / l)
+    lse = (m + ops.log(l)).reshape_((cfg.groups, q.shape[1]))  # [G, Lq]
     if seen is not None:
-        out = ops.where(seen, out, blocks.scalar(0.0, v.dtype))
+        out = ops.where(seen, out, blocks.scalar(0.0, out.dtype))
         lse = ops.where(seen.reshape_((1, seen.shape[1])), lse, blocks.scalar(-np.inf, f32))
     return out, lse
 
