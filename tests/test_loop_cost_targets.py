@@ -156,27 +156,29 @@ def test_executed_over_useful_flops_at_2048():
     assert both.profile.matmul_flops - fwd.profile.matmul_flops == 2.5 * flops.executed
 
 
+def _priced(profile):
+    """The modelled seconds of a run profile (PopART's lowering; host transfers unpriced)."""
+    return profile.modelled().seconds
+
+
 @emulator_only
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_block_forward_is_naive_attention_plus_its_lse(dtype, causal):
-    """The pass of one block runs naive attention's ops (matmul, mask, softmax, cast, matmul;
-    naive's outplace transpose of k is a view here) plus the lse's ``logsumexp`` (6 compute
-    sets by the lowering table): at most 6 compute sets more than the naive graph's, and the
-    same matmul FLOPs (host transfers have no compute sets)."""
+    """The pass of one block runs naive attention's graph with its softmax written out (max,
+    exp, sum; the normalisation on ``P v``) and the lse from the same statistics: no more
+    compute sets than the naive graph's (18/19 against 18/19 in float16, 16/17 against 17/18 in
+    float32, non-causal/causal; naive's outplace transpose of k is a Copy program, flash's a
+    view), no more modelled time, and the same matmul FLOPs."""
     from popxl_flash.checks.naive import naive_attention
     G_, L = 3, 96
     q, k, v = random_qkv(np.random.default_rng(3), G_, L, L, D, dtype)
     _, _, flash = run_flash(q, k, v, num_chunks_q=1, num_chunks_kv=1, causal=causal)
     _, naive = run_graph(lambda q, k, v: [naive_attention(q, k, v, causal=causal)], [q, k, v])
     flash_cs, naive_cs = flash.profile.compute_sets, naive.profile.compute_sets
-    assert flash_cs <= naive_cs + 6, (flash_cs, naive_cs)
+    assert flash_cs <= naive_cs, (flash_cs, naive_cs)
+    assert _priced(flash.profile) <= _priced(naive.profile)
     assert flash.profile.matmul_flops == naive.profile.matmul_flops
-
-
-def _priced(profile):
-    """The modelled seconds of a run profile (PopART's lowering; host transfers unpriced)."""
-    return profile.modelled().seconds
 
 
 @emulator_only
