@@ -1,7 +1,8 @@
 """Dynamic slicing: dynamic_slice, dynamic_update, dynamic_update_.
 
 Out-of-range starts (start < 0 or start + size > dim) are unspecified on the device; the
-emulator raises ``IndexError`` when the op executes. PopART's setup checks almost nothing
+emulator raises ``IndexError`` when the op executes (strict mode; the choosing mode clamps the
+start, see ``unspecified.py``). PopART's setup checks almost nothing
 (``willow/src/op/dynamic/dynamicbase.cpp``); what the lowering needs (integer index with one
 element per axis, sizes in range, a matching update) is checked when the Session compiles.
 """
@@ -9,6 +10,7 @@ import numbers
 
 import numpy as np
 
+from .. import unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
 from ._common import INTS, int_vector
@@ -71,8 +73,10 @@ def _key(a, index, axes, sizes):
     for i, (ax, size) in enumerate(zip(axes, sizes)):
         start = int(index.flat[i])
         if start < 0 or start + size > a.shape[ax]:
-            raise IndexError(f"dynamic slice: start {start} + size {size} out of range for axis "
-                             f"{ax} of size {a.shape[ax]} (unspecified on device)")
+            unspecified.occurred("dynamic_out_of_range", IndexError(
+                f"dynamic slice: start {start} + size {size} out of range for axis {ax} of "
+                f"size {a.shape[ax]} (unspecified on device)"))
+            start = min(max(start, 0), a.shape[ax] - size)
         key[ax] = slice(start, start + size)
     return tuple(key)
 

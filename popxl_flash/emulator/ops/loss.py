@@ -18,7 +18,7 @@ A label outside ``[0, C)`` that is not the ignore index raises IndexError when t
 """
 import numpy as np
 
-from .. import dtypes, grads
+from .. import dtypes, grads, unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor, constant
@@ -60,8 +60,10 @@ def _rows(probs, labels, ignore_index):
     keep = np.ones(lab.shape, bool) if ignore_index is None else lab != ignore_index
     bad = keep & ((lab < 0) | (lab >= p2.shape[1]))
     if bad.any():
-        raise IndexError(f"nll: label {int(lab[bad][0])} outside [0, {p2.shape[1]}) "
-                         "(one-hot encoding unspecified on the device)")
+        unspecified.occurred("nll_label_out_of_range", IndexError(
+            f"nll: label {int(lab[bad][0])} outside [0, {p2.shape[1]}) (one-hot encoding "
+            "unspecified on the device)"))
+        keep = keep & ~bad
     onehot = np.zeros_like(p2)
     rows = np.nonzero(keep)[0]
     onehot[rows, lab[rows]] = 1.0
