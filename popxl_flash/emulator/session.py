@@ -375,7 +375,9 @@ def _check_variable_groupings(ir):
     """PopART's C++ ``ReplicaGrouping(numReplicas, stride, groupSize)``, built for each
     variable's settings when the Session prepares the weights, requires the replicas to be
     divisible by ``stride * group_size`` (``willow/src/replicagrouping.cpp``); PopXL's Python
-    grouping does not check it. Raises: PopartError."""
+    grouping does not check it. ``variable()`` checks it first, when the variable is created
+    (``tensor._check_tiles_replicas``); this catches a replication factor changed since.
+    Raises: PopartError."""
     n = ir.replication_factor
     for v in ir.main_graph.variables:
         rg = v.replica_grouping.const_rg

@@ -6,7 +6,8 @@ decoding of the same ``LlamaForCausalLM``. Run from ``nlp/llama/popxl`` on the e
 
 ``--flash`` swaps flash attention into their attention layer first (``flash_llama.py``).
 Prints one line ``RESULT {json}``: the prompts, the pipeline's and Hugging Face's decoded
-continuations, and the session's run profile counts of unspecified behaviour.
+continuations, the number of session runs and the runs' counts of unspecified behaviour
+(``RunProfile.unspecified_by_kind``) with the messages warned.
 """
 import argparse
 import json
@@ -55,6 +56,22 @@ def configs(args, vocab):
     return cfg, hf
 
 
+def record_unspecified(session):
+    """Count ``session``'s runs and keep each run's ``profile.unspecified_by_kind`` that is
+    not empty, as ``{"runs": n, "by_run": {run index: counts}}`` (wraps the instance's
+    ``run``, which the pipeline calls; instrumentation only)."""
+    counts, run = {"runs": 0, "by_run": {}}, session.run
+
+    def counting(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if session.profile.unspecified_by_kind:
+            counts["by_run"][counts["runs"]] = dict(session.profile.unspecified_by_kind)
+        counts["runs"] += 1
+        return out
+    session.run = counting
+    return counts
+
+
 def hf_greedy(model, tok, prompt, n):
     """Hugging Face's greedy continuation of ``prompt`` (up to ``n`` tokens, stopping at EOS
     as the pipeline does), decoded."""
@@ -90,13 +107,13 @@ def main():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = LlamaPipeline(cfg, hf_llama_checkpoint=model, tokenizer=tok, prompt_format="{prompt}")
+        counts = record_unspecified(pipe.session)
         ours = [pipe(p, temperature=0.0, k=0, output_length=args.tokens, print_live=False,
                      print_final=False)[0] for p in PROMPTS]
-    profile = pipe.session.profile
     theirs = [hf_greedy(model, tok, p, args.tokens) for p in PROMPTS]
     print("RESULT " + json.dumps({
         "prompts": PROMPTS, "pipeline": ours, "hf": theirs,
-        "unspecified_last_run": profile.unspecified_by_kind,
+        "runs": counts["runs"], "unspecified_by_run": counts["by_run"],
         "warned": sorted({str(w.message).split(" -- ")[0] for w in caught
                           if type(w.message).__name__ == "UnspecifiedBehaviourWarning"})}))
 

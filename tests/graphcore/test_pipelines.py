@@ -65,9 +65,13 @@ def test_llama_pipeline_generates_hugging_faces_greedy_tokens(mode, args):
     out = _result("llama_pipeline.py", args, cwd, path)
     assert all(out["pipeline"]) and out["pipeline"] == out["hf"], out
     unwritten = [w for w in out["warned"] if "was never written" in w]
-    # the first session.run of a cached pipeline loads every layer's cache entry unwritten
-    assert bool(unwritten) == ("use_cache" in mode), out
-    assert out["unspecified_last_run"] == {}, out  # later runs read what earlier ones stored
+    if "use_cache" not in mode:
+        assert not out["warned"] and out["unspecified_by_run"] == {}, out
+        return
+    # their inference.py loads every layer's k and v cache entry before storing it: only the
+    # first run reads entries no run wrote (2 layers x k, v x 2 replicas); the first prompt's
+    # rows come from zeros the mask hides, as on an IPU from whatever memory held
+    assert unwritten and out["unspecified_by_run"] == {"0": {"remote_unwritten": 8}}, out
 
 
 @pytest.fixture(scope="module")
