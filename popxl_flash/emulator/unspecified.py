@@ -29,6 +29,8 @@ CHOICES = {
     "argmax_empty": "argmax/argmin over an empty axis returns 0",
     "dynamic_out_of_range": "dynamic_slice/dynamic_update with a start out of range clamps "
                             "the start into [0, dim - size]",
+    "merged_exchange_order": "a store and a load of one remote-buffer entry merged into one "
+                             "exchange without a data dependency run in creation order",
     "nll_label_out_of_range": "nll with a label outside [0, classes) that is not ignored "
                               "treats the row as ignored (it adds 0 to the loss and gets "
                               "a zero gradient; a mean divides by the kept rows when "

@@ -195,3 +195,18 @@ def test_nll_label_out_of_range_is_treated_as_ignored(choosing):
             out = session.run()[s]
         assert session.profile.unspecified_by_kind == {"nll_label_out_of_range": 1}
     np.testing.assert_allclose(out, -np.log(0.75), rtol=1e-6)
+
+
+def test_merged_store_and_load_of_one_entry_run_in_creation_order(choosing):
+    ir = popxl.Ir()
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), f32, entries=1)
+        ops.remote_store(buf, 0, popxl.variable(np.zeros(2, np.float32)))
+        with popxl.transforms.merge_exchange(), popxl.in_sequence(True):
+            ops.remote_store(buf, 0, popxl.variable(np.ones(2, np.float32)))
+            s = store(ops.remote_load(buf, 0))
+    with popxl.Session(ir, "ipu_model") as session:
+        with pytest.warns(choosing.UnspecifiedBehaviourWarning, match="creation order"):
+            out = session.run()[s]
+        assert session.profile.unspecified_by_kind == {"merged_exchange_order": 1}
+    np.testing.assert_array_equal(out, [1.0, 1.0])
