@@ -16,8 +16,6 @@ import os
 import sys
 import warnings
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # flash_llama
 
 PROMPTS = ["the cat sat on", "a dog ran"]
@@ -106,7 +104,8 @@ def main():
     model = LlamaForCausalLM(hf_cfg).eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pipe = LlamaPipeline(cfg, hf_llama_checkpoint=model, tokenizer=tok, prompt_format="{prompt}")
+        pipe = LlamaPipeline(cfg, hf_llama_checkpoint=model, tokenizer=tok,
+                             prompt_format="{prompt}")
         counts = record_unspecified(pipe.session)
         ours = [pipe(p, temperature=0.0, k=0, output_length=args.tokens, print_live=False,
                      print_final=False)[0] for p in PROMPTS]
