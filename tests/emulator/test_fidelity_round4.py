@@ -124,3 +124,19 @@ def test_variable_grouping_that_does_not_tile_the_replicas_is_refused_when_creat
         rg = ir.replica_grouping(stride=1, group_size=group_size)
         with pytest.raises(IR_ERRORS, match="divisible by the product of the stride"):
             popxl.variable(np.ones((rg.num_groups, 2), np.float32), replica_grouping=rg)
+
+
+# -- popxl.constant([]): to_numpy infers the type with np.obj2sctype ------------------------------
+def test_constant_of_an_empty_list_is_refused():
+    """PopXL's ``to_numpy`` (python_files/utils.py) infers the type of data given without a
+    dtype with NumPy 1.x's ``np.obj2sctype``: ``np.dtype([])`` is an empty structured dtype, so
+    the array is ``np.void`` and ``dtype.as_dtype`` finds no PopXL dtype (``ValueError``).
+    Nested or tuple empties read as float64 data and become float32."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with pytest.raises(ValueError, match="popxl.dtype"):
+            popxl.constant([])
+        with pytest.raises(ValueError, match="popxl.dtype"):
+            popxl.variable([])
+        assert popxl.constant([[]]).shape == (1, 0) and popxl.constant(()).dtype == f32
+        assert popxl.constant([], popxl.int32).shape == (0,)  # an explicit dtype is fine
