@@ -14,7 +14,8 @@ masked, times the incoming loss gradient, and for ``"mean"`` divided by ``probs.
 without an ignore index (the lowering scales the gradient reshaped to probs' shape, so for
 probs of rank > 2 that is the leading dimension, not N) or by the kept rows with one.
 A label outside ``[0, C)`` that is not the ignore index raises IndexError when the op runs
-(one-hot encoding of it is unspecified).
+(one-hot encoding of it is unspecified; the choosing mode of ``unspecified.py`` treats the row
+as ignored).
 """
 import numpy as np
 

@@ -237,7 +237,8 @@ def _arg_op(kind):
                   "(PopXL's ``ops.{kind}``).\n\nArgs:\n    t: Tensor (rank >= 1).\n    dim: "
                   "int in [-rank, rank).\n    keepdim: keep the axis as size 1.\nReturns:\n    "
                   "int32 Tensor. Ties and NaN raise RuntimeError when the op runs (popnn does "
-                  "not specify the index).")
+                  "not specify the index; the emulator's choosing mode takes the lowest tied "
+                  "or first NaN index).")
     return op
 
 
