@@ -59,6 +59,7 @@ if pf.BACKEND == "emulator":
     # `import popxl` inside popxl-addons gives the emulator; mpi4py, popdist and cppimport get
     # stand-ins where they are missing or cannot load (no MPI library)
     emulator.install(standins=True)
+    emulator.set_strict(True)  # our own code: unspecified behaviour raises
 if os.environ.get("POPXL_ADDONS_PATH"):
     sys.path.insert(0, os.environ["POPXL_ADDONS_PATH"])
 

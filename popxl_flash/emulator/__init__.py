@@ -7,12 +7,16 @@ PopXL names raise ``NotImplementedError``. Deliberate choices are listed in ``RE
 
 Emulator-only extras live here, never in the ``popxl`` module: ``Session.profile`` (a
 :class:`RunProfile`), :func:`count_ops`, :class:`PopartError` (what PopART's
-``popart_exception`` is raised as) and :func:`install` (make ``import popxl`` / ``import popart``
-give the emulator, for third-party PopXL code such as popxl-addons).
+``popart_exception`` is raised as), :func:`install` (make ``import popxl`` / ``import popart``
+give the emulator, for third-party PopXL code such as popxl-addons) and :func:`set_strict`
+(the one switch between raising on behaviour PopXL leaves unspecified, the default, and
+taking a stated choice: ``unspecified.py``).
 """
 from . import popxl
 from .errors import PopartError
 from .installer import install
 from .profile import RunProfile, count_ops
+from .unspecified import UnspecifiedBehaviourWarning, is_strict, set_strict
 
-__all__ = ["PopartError", "RunProfile", "count_ops", "install", "popxl"]
+__all__ = ["PopartError", "RunProfile", "UnspecifiedBehaviourWarning", "count_ops", "install",
+           "is_strict", "popxl", "set_strict"]

@@ -53,15 +53,15 @@ def in_sequence(mode=True):
     """Force creation-order execution of the ops created inside (PopXL semantics).
 
     Args:
-        mode: True (sequence), False (unordered block, one unit of an outer True block) or "pass".
+        mode: True (sequence), False (unordered block, one unit of an outer True block) or "pass";
+            another value raises ``ValueError`` when an op is created inside (as PopXL).
     """
     if mode is None:
         raise TypeError("`None` cannot be passed to `in_sequence`. Try `False` instead.")
     if mode == "pass":
         mode = None
-    elif not isinstance(mode, bool):
-        raise ValueError(f"`in_sequence` mode not understood: {mode}. "
-                         "Must be one of `True`, `False`, `'pass'`.")
+    # another mode (1, "yes") is accepted here and refused when an op is created inside
+    # (PopXL's Context._add_in_sequence_topocons), as in PopXL
     prev = _state["in_sequence"]
     _set_in_sequence(mode)
     try:
@@ -85,6 +85,9 @@ def op_created(op):
     mode = _state["in_sequence"]
     if mode is None:
         return
+    if not isinstance(mode, bool):  # raised after the op is in the graph, as in PopXL
+        raise ValueError(f"`in_sequence` mode not understood: {mode}. "
+                         "Must be one of `True`, `False`, `'pass'`.")
     # PopXL keys the previous ops by (graph, execution context): each program fragment has its
     # own sequence
     prev = _state["previous"][(id(op.graph), op.context)]

@@ -213,11 +213,38 @@ def to_numpy(data, dt=None, downcast=True):
             raise NotImplementedError(f"float8 data ({dt.name}) is not supported by the emulator")
         with np.errstate(all="ignore"):
             return np.array(data, dtype=dt.as_numpy())
-    arr = np.array(data)
+    sct = _obj2sctype(data)
+    if sct is not None and downcast and np.dtype(sct) in _DOWNCAST:
+        sct = _DOWNCAST[np.dtype(sct)]
+    arr = np.array(data) if sct is None else np.array(data, dtype=sct)
     if downcast and arr.dtype in _DOWNCAST:
         with np.errstate(all="ignore"):
             arr = arr.astype(_DOWNCAST[arr.dtype])
-    if arr.dtype.kind in "USOV":
+    if arr.dtype.kind == "V":  # PopXL's dtype.as_dtype finds no dtype for it
+        raise ValueError(f"There is not a `popxl.dtype` that is compatible with value: {arr}, "
+                         f"type: {type(arr)}.")
+    if arr.dtype.kind in "USO":
         raise TypeError(f"cannot convert {type(data).__name__} value {data!r} to a tensor")
     return arr
+
+
+def _obj2sctype(x):
+    """NumPy 1.x's ``np.obj2sctype``, which PopXL 3.4's ``popxl.utils.to_numpy`` uses to infer
+    the type of data given without a dtype (``python_files/utils.py``): ``np.dtype(x).type``
+    when ``x`` reads as a dtype, so ``[]`` (an empty structured dtype) gives ``np.void`` and
+    ``None`` float64; None otherwise (then ``np.asarray`` infers it).
+
+    Args:
+        x: host data (not a torch tensor).
+    Returns:
+        A numpy scalar type, or None.
+    """
+    if isinstance(x, type) and issubclass(x, np.generic):
+        return x
+    if isinstance(x, np.ndarray):
+        return x.dtype.type
+    try:
+        return np.dtype(x).type
+    except Exception:  # noqa: BLE001 - obj2sctype's own catch-all
+        return None
 

@@ -31,8 +31,11 @@ def install(standins=False):
         standins: also put the stand-ins for ``popdist``, ``mpi4py.MPI`` and ``cppimport``
             into ``sys.modules`` (``standins.py``: the first two only where the real module
             does not load; cppimport's hook then gives the emulator's models of popxl-addons'
-            custom ops), as Graphcore's PopXL code imports them. Only when the emulator is
-            (or becomes) ``popxl``.
+            custom ops), as Graphcore's PopXL code imports them, and switch the emulator to
+            its choosing mode for unspecified behaviour (``unspecified.set_strict(False)``:
+            stated choices, counted and warned, where strict mode raises). Only when the
+            emulator is (or becomes) ``popxl``. Without it the mode is left as it is
+            (strict by default).
     Returns:
         True when the emulator is (now, or already) what ``import popxl`` gives; False when a
         real PopXL is importable (then nothing is changed). Idempotent.
@@ -45,7 +48,9 @@ def install(standins=False):
         _STATE["installed"] = True
     if standins:
         from .standins import install_standins
+        from .unspecified import set_strict
         install_standins()
+        set_strict(False)
     return True
 
 

@@ -110,6 +110,10 @@ class RunProfile:
             iteration compute sets included), summed over executions.
         remote_bytes_loaded, remote_bytes_stored: bytes moved from and to remote buffers
             (``remote_load``/``remote_store``; see ``remote.py``).
+        unspecified_by_kind: ``{kind: occurrences}`` of behaviour PopXL leaves unspecified
+            that the run relied on, in the emulator's choosing mode (``unspecified.py``; kinds
+            and the choice taken: ``unspecified.CHOICES``); empty in strict mode, which
+            raises instead.
         replicas: with replication (R > 1), each replica's own profile (replica r at index
             r); the fields above then sum the replicas' counters, except
             ``peak_live_bytes`` (the largest replica's: each replica is an IPU of its own).
@@ -132,6 +136,7 @@ class RunProfile:
     work_by_kind: dict = field(default_factory=dict)
     remote_bytes_loaded: int = 0
     remote_bytes_stored: int = 0
+    unspecified_by_kind: dict = field(default_factory=dict)
     replicas: Tuple["RunProfile", ...] = field(default=(), repr=False)
 
     @classmethod
@@ -143,7 +148,7 @@ class RunProfile:
                  for name in ("ops_executed", "matmul_flops", "bytes_copied", "loop_iterations",
                               "collective_bytes", "remote_bytes_loaded", "remote_bytes_stored")}
         for name in ("bytes_copied_by_kind", "copy_sites", "ops_by_kind", "elements_by_kind",
-                     "work_by_kind"):
+                     "work_by_kind", "unspecified_by_kind"):
             summed = {}
             for p in profiles:
                 for key, value in getattr(p, name).items():

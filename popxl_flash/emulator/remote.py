@@ -7,7 +7,8 @@ A ``RemoteBuffer`` holds ``entries`` tensors of one shape and dtype; ids count f
 ``remote_load(buffer, offset)`` reads it into a new tensor, ``remote_load_(buffer, offset, t)``
 into ``t``. ``offset``: an int (a uint32 constant) or a uint32 tensor of one element; an
 offset outside ``[0, entries)`` raises IndexError when the op runs, and so does loading an entry
-nothing wrote (remote memory is uninitialised: unspecified). A ``remote_variable`` lives in
+nothing wrote (remote memory is uninitialised: unspecified; the choosing mode of
+``unspecified.py`` reads zeros instead). A ``remote_variable`` lives in
 its buffer's entry: ``weights_from_host`` writes it there, ``weights_to_host`` reads it back;
 used directly by an op it is refused when the Session compiles (PopART keeps it off chip).
 The run profile counts the bytes each replica loads and stores (``remote_bytes_loaded``,
@@ -15,7 +16,7 @@ The run profile counts the bytes each replica loads and stores (``remote_bytes_l
 """
 import numpy as np
 
-from . import dtypes
+from . import dtypes, unspecified
 from .context import gcg
 from .errors import PopartError
 from .registry import COMPILE_CHECKS, PREPARE, emit, register
@@ -121,25 +122,32 @@ def _entry(op, offset):
 def _read(rt, op, offset):
     key = _entry(op, offset)
     if key not in rt.remote:
-        raise RuntimeError(f"{op.kind}: entry {key[1]} of remote buffer {key[0]} was never "
-                           "written (remote memory is uninitialised: unspecified)")
-    value = rt.remote[key]
+        unspecified.occurred("remote_unwritten", RuntimeError(
+            f"{op.kind}: entry {key[1]} of remote buffer {key[0]} was never written (remote "
+            "memory is uninitialised: unspecified)"))
+        buffer = op.attrs["buffer"]
+        value = np.zeros(buffer.tensor_shape, buffer.tensor_dtype.as_numpy())
+    else:
+        value = rt.remote[key]
     rt.remote_loaded += value.nbytes
     return value
 
 
 def _check_merged(rt, op, key):
     """A merged exchange (transforms/merge_exchange.py): an unordered store and load of one
-    entry in one execution raise."""
+    entry in one execution raise (strict mode; the choosing mode runs them in creation
+    order)."""
     token, first, unordered = op.attrs["merged"]
     log = rt.merged.setdefault(token, {})
     if first:
         log.clear()
     for other in unordered:
         if log.get(other) == key:
-            raise RuntimeError(f"{op.kind}: entry {key[1]} of remote buffer {key[0]} is also "
-                               "accessed by an op merged into the same exchange (merge_exchange) "
-                               "with no data dependency: their order is not specified")
+            unspecified.occurred("merged_exchange_order", RuntimeError(
+                f"{op.kind}: entry {key[1]} of remote buffer {key[0]} is also accessed by an op "
+                "merged into the same exchange (merge_exchange) with no data dependency: their "
+                "order is not specified"))
+            break
     log[op.op_id] = key
 
 

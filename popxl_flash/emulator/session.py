@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, unspecified
 from .errors import PopartError
 from .interpreter import Runtime
 from .plan import build_plans
@@ -236,7 +236,8 @@ class Session:
                                copy_sites=dict(rt.copy_sites),
                                collective_bytes=rt.collective_bytes,
                                remote_bytes_loaded=rt.remote_loaded,
-                               remote_bytes_stored=rt.remote_stored) for rt in runtimes]
+                               remote_bytes_stored=rt.remote_stored,
+                               unspecified_by_kind=dict(rt.unspecified)) for rt in runtimes]
         for p, rt in zip(profiles, runtimes):
             p.ops_by_kind, p.elements_by_kind, p.work_by_kind = rt.by_kind()
             p.bytes_copied, p.bytes_copied_by_kind = rt.copied, dict(rt.copied_by_kind)
@@ -283,6 +284,7 @@ class Session:
             d2h = {s: a[:, replica] for s, a in d2h.items()}
         rt = Runtime(h2d, d2h, self._const_bytes)
         rt.replica, rt.rendezvous, rt.remote = replica, rendezvous, self._remote[replica]
+        rt.unspecified = unspecified.begin()  # this thread's count (RunProfile field)
         env = self._env(replica)
         with np.errstate(all="ignore"):
             rt.run_env(self._main, env)
@@ -308,7 +310,8 @@ class Session:
     def _run_fragment(self, name):
         """Run the main graph's ops of program fragment ``name`` on every replica (nothing
         when it has none). Raises: RuntimeError when it reads a value the main program
-        writes and no run has written it yet (device memory not written: unspecified)."""
+        writes and no run has written it yet (device memory not written: unspecified; the
+        choosing mode of ``unspecified.py`` reads zeros instead)."""
         plan = self._main.fragments.get(name)
         if plan is None or not plan.steps:
             return
@@ -317,8 +320,14 @@ class Session:
         unwritten = [tensors[s].id for s, f in self._main.carried.items()
                      if f == "Normal" and s in reads and s not in self._carried[0]]
         if unwritten:
-            raise RuntimeError(f"{name} reads {unwritten}, which the main program writes, "
-                               "before any run wrote them (unspecified device memory)")
+            unspecified.occurred("device_unwritten", RuntimeError(
+                f"{name} reads {unwritten}, which the main program writes, before any run "
+                "wrote them (unspecified device memory)"))
+            for slot, f in self._main.carried.items():
+                if f == "Normal" and slot in reads and slot not in self._carried[0]:
+                    t = tensors[slot]
+                    for carried in self._carried:
+                        carried[slot] = np.zeros(t.shape, t.dtype.as_numpy())
 
         def one(replica, rendezvous):
             rt = Runtime({}, {}, self._const_bytes)
@@ -368,7 +377,9 @@ def _check_variable_groupings(ir):
     """PopART's C++ ``ReplicaGrouping(numReplicas, stride, groupSize)``, built for each
     variable's settings when the Session prepares the weights, requires the replicas to be
     divisible by ``stride * group_size`` (``willow/src/replicagrouping.cpp``); PopXL's Python
-    grouping does not check it. Raises: PopartError."""
+    grouping does not check it. ``variable()`` checks it first, when the variable is created
+    (``tensor._check_tiles_replicas``); this catches a replication factor changed since.
+    Raises: PopartError."""
     n = ir.replication_factor
     for v in ir.main_graph.variables:
         rg = v.replica_grouping.const_rg

@@ -409,6 +409,7 @@ def variable(data, dtype=None, name=None, downcast=True, replica_grouping=None,
     if retrieval_mode not in (None, "one_per_group", "all_replicas"):
         raise ValueError(f"Invalid retrieval_mode: {retrieval_mode}")
     grouping = replica_grouping if replica_grouping else g.ir.replica_grouping()
+    _check_tiles_replicas(g.ir.replication_factor, grouping.const_rg, name)
     if not grouping.is_const:
         arr = arr[grouping.to_device_map]  # PopXL stores the const_rg's groups (a copy)
         arr.setflags(write=False)
@@ -417,6 +418,20 @@ def variable(data, dtype=None, name=None, downcast=True, replica_grouping=None,
     t._data = arr
     t._replica_grouping, t._retrieval_mode = grouping, retrieval_mode or "one_per_group"
     return t
+
+
+def _check_tiles_replicas(replicas, rg, name):
+    """PopART's ``Tensors::addVarInitCore`` builds the C++ ``ReplicaGrouping(replicas, stride,
+    group_size)`` (``VariableSettings::shapeOnReplica``) when the variable is created, and
+    its constructor checks that ``stride * group_size`` divides the replicas
+    (``willow/src/replicagrouping.cpp``, ``POPART_CHECK_EQ``: a ``popart::error``).
+    Raises: PopartError."""
+    from .errors import PopartError
+    if replicas % (rg.stride * rg.group_size):
+        raise PopartError(f"variable {name}: the number of replicas in a `popart::ReplicaGrouping` "
+                          "must be divisible by the product of the stride and the group size "
+                          f"({replicas} replicas, stride {rg.stride}, group size "
+                          f"{rg.group_size})")
 
 
 def _shape_on_replica(shape, num_groups, name):

@@ -27,3 +27,4 @@ if _PATH:
     from popxl_flash import emulator  # noqa: E402
 
     emulator.install(standins=True)
+    emulator.set_strict(True)  # this project's tests refuse unspecified behaviour

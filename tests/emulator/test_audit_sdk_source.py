@@ -271,14 +271,16 @@ def test_rts_reduce_scatter_builds_with_its_meta_shape_and_gathers_back():
     np.testing.assert_array_equal(out[1], out[0])
 
 
-def test_grouping_that_does_not_tile_the_replicas_is_refused_at_session():
-    """PopXL's Python grouping builds (stride 1, group size 3 of 4 replicas); PopART's C++
+def test_grouping_that_no_longer_tiles_the_replicas_is_refused_at_session():
+    """A grouping that tiles the replicas when the variable is created (else PopART refuses it
+    then: ``test_fidelity_round4.py``), after ``replication_factor`` changed: PopART's C++
     ``ReplicaGrouping`` refuses it when the Session prepares the weights."""
-    ir = popxl.Ir(replication=4)
+    ir = popxl.Ir(replication=3)
     with ir.main_graph:
         v = popxl.variable(np.zeros(3, np.float32), replica_grouping=ir.replica_grouping(1, 3))
         store(v + 1.0)
-    with pytest.raises(COMPILE_ERRORS):
+    ir.replication_factor = 4
+    with pytest.raises(COMPILE_ERRORS, match="divisible by the product"):
         popxl.Session(ir, "ipu_model")
 
 

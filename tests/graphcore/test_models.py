@@ -45,6 +45,8 @@ EXPECTED = {
         "tests.unit.test_configuration::test_overriden_defaults_from_config",
     },
     "t5": {
+        "tests.integration.execution.test_execution.TestExecution::test_finetuning",
+        "tests.integration.execution.test_execution.TestExecution::test_inference",
         "tests.integration.layers.test_attention_TP::test_attention_TP_cmp_huggingface[False]",
         "tests.integration.layers.test_attention_TP::test_attention_TP_cmp_huggingface[True]",
         "tests.integration.layers.test_attention_TP::test_attention_to_hf[False]",
@@ -68,6 +70,7 @@ EXPECTED = {
     },
     "gpt_j": {
         "tests.integration.execution.test_execution.TestPretraining::test_finetuning",
+        "tests.integration.execution.test_execution.TestPretraining::test_inference",
         "tests.integration.layers.test_attention_TP::test_attention_TP_cmp_huggingface",
         "tests.integration.layers.test_attention_TP::test_attention_to_hf",
         "tests.integration.layers.test_decoder_block_TP::test_decoder_block_TP_cmp_huggingface",

@@ -13,13 +13,33 @@ NUMERIC = FLOATS | INTS
 F32 = np.float32
 
 
+def np_out(kind, s0, s1):
+    """PopART's ``npOut`` (``willow/src/tensorinfo.cpp``): numpy broadcasting, except that a
+    dimension both shapes have (the trailing ``min(rank)`` ones) must be positive in both
+    (``isBroadcastableDims``): ``(2, 0) + (2, 0)`` raises, ``(0, 3) + (3,)`` gives ``(0, 3)``.
+
+    Args:
+        kind: op name (for the message). s0, s1: shapes (tuples).
+    Returns:
+        The output shape (tuple).
+    Raises:
+        PopartError: the overlapping dimensions are not broadcastable.
+    """
+    n = min(len(s0), len(s1))
+    tail = zip(s0[len(s0) - n:], s1[len(s1) - n:])
+    if not all(a > 0 and b > 0 and (a == b or a == 1 or b == 1) for a, b in tail):
+        raise PopartError(f"{kind}: np broadcasting failed, frames {list(s0)} and {list(s1)} "
+                          "are not aligned")
+    return tuple(np.broadcast_shapes(s0, s1))
+
+
 def broadcast(kind, *tensors):
-    """Args: kind: op name. tensors: input tensors. Returns: numpy-broadcast output shape."""
-    try:
-        return tuple(np.broadcast_shapes(*(t.shape for t in tensors)))
-    except ValueError:
-        shapes = ", ".join(str(t.shape) for t in tensors)
-        raise PopartError(f"{kind}: np broadcasting failed on shapes {shapes}") from None
+    """Args: kind: op name. tensors: input tensors. Returns: the output shape, PopART's
+    ``npOut`` folded over the inputs' shapes (:func:`np_out`)."""
+    out = tensors[0].shape
+    for t in tensors[1:]:
+        out = np_out(kind, out, t.shape)
+    return tuple(out)
 
 
 def same_dtype(kind, *tensors):

@@ -44,11 +44,11 @@ def _bind_inputs(check_inputs, parent, graph, what, inputs, inputs_dict):
         bound[i] = _coerce(g_inputs[i], value, f'Input at position "{i}"', what)
     for g_t, value in inputs_dict.items():
         check_in_graph(graph, graph_tensor=g_t)
-        if g_t not in g_inputs:
-            raise ValueError(f"{g_t} is not an input of the {what} graph {graph}")
         if isinstance(value, Tensor) and value not in parent:
             raise ValueError(f'The parent input tensor "{value}" is not in the parent graph '
                              f"({parent}).")
+        if g_t not in g_inputs:  # PopXL's _pb_graph.getInputIndex (Graph::getInputIndex)
+            raise PopartError(f"Could not find input tensor '{g_t.id}'")
         idx = g_inputs.index(g_t)
         if idx < len(inputs):
             raise ValueError(f"Graph input tensor is specified twice for the {what} graph, in "

@@ -1,17 +1,21 @@
 """Dynamic slicing: dynamic_slice, dynamic_update, dynamic_update_.
 
 Out-of-range starts (start < 0 or start + size > dim) are unspecified on the device; the
-emulator raises ``IndexError`` when the op executes. PopART's setup checks almost nothing
-(``willow/src/op/dynamic/dynamicbase.cpp``); what the lowering needs (integer index with one
-element per axis, sizes in range, a matching update) is checked when the Session compiles.
+emulator raises ``IndexError`` when the op executes (strict mode; the choosing mode clamps the
+start, see ``unspecified.py``). PopART's setup checks almost nothing
+(``willow/src/op/dynamic/dynamicbase.cpp``); what the lowering needs (an index with one
+element per axis, sizes in range, a matching update) is checked when the Session compiles. The
+lowering casts the index to unsigned (``popops::cast`` in ``popx/op/dynamic/dynamicslicex.cpp``
+and ``dynamicupdatex.cpp``), so a float index works and truncates toward zero.
 """
 import numbers
 
 import numpy as np
 
+from .. import unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
-from ._common import INTS, int_vector
+from ._common import FLOATS, INTS, int_vector
 
 
 def _slice_shape(t, axes, sizes):
@@ -42,9 +46,9 @@ def _check_slice(op):
     dynamicUpdate) rejects or leaves unspecified; raised when the Session compiles."""
     t, index = op.inputs[:2]
     axes, sizes = op.attrs["axes"], op.attrs["sizes"]
-    if index.dtype not in INTS:
-        raise PopartError(f"dynamic slice: index {index.id} must be an integer tensor, got "
-                          f"{index.dtype.name} (the lowering casts it to unsigned)")
+    if index.dtype not in INTS | FLOATS:
+        raise PopartError(f"dynamic slice: index {index.id} must be an integer or float tensor, "
+                          f"got {index.dtype.name} (the lowering casts it to unsigned)")
     if index.nelms != len(axes):
         raise PopartError(f"dynamic slice: index {index.id} has {index.nelms} elements but "
                           f"{len(axes)} axes were given (reshaped to [{len(axes)}])")
@@ -69,10 +73,12 @@ def _check_update(op):
 def _key(a, index, axes, sizes):
     key = [slice(None)] * a.ndim
     for i, (ax, size) in enumerate(zip(axes, sizes)):
-        start = int(index.flat[i])
+        start = int(index.flat[i])  # a float index truncates, as popops::cast to unsigned
         if start < 0 or start + size > a.shape[ax]:
-            raise IndexError(f"dynamic slice: start {start} + size {size} out of range for axis "
-                             f"{ax} of size {a.shape[ax]} (unspecified on device)")
+            unspecified.occurred("dynamic_out_of_range", IndexError(
+                f"dynamic slice: start {start} + size {size} out of range for axis {ax} of "
+                f"size {a.shape[ax]} (unspecified on device)"))
+            start = min(max(start, 0), a.shape[ax] - size)
         key[ax] = slice(start, start + size)
     return tuple(key)
 

@@ -14,11 +14,12 @@ masked, times the incoming loss gradient, and for ``"mean"`` divided by ``probs.
 without an ignore index (the lowering scales the gradient reshaped to probs' shape, so for
 probs of rank > 2 that is the leading dimension, not N) or by the kept rows with one.
 A label outside ``[0, C)`` that is not the ignore index raises IndexError when the op runs
-(one-hot encoding of it is unspecified).
+(one-hot encoding of it is unspecified; the choosing mode of ``unspecified.py`` treats the row
+as ignored).
 """
 import numpy as np
 
-from .. import dtypes, grads
+from .. import dtypes, grads, unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor, constant
@@ -60,8 +61,10 @@ def _rows(probs, labels, ignore_index):
     keep = np.ones(lab.shape, bool) if ignore_index is None else lab != ignore_index
     bad = keep & ((lab < 0) | (lab >= p2.shape[1]))
     if bad.any():
-        raise IndexError(f"nll: label {int(lab[bad][0])} outside [0, {p2.shape[1]}) "
-                         "(one-hot encoding unspecified on the device)")
+        unspecified.occurred("nll_label_out_of_range", IndexError(
+            f"nll: label {int(lab[bad][0])} outside [0, {p2.shape[1]}) (one-hot encoding "
+            "unspecified on the device)"))
+        keep = keep & ~bad
     onehot = np.zeros_like(p2)
     rows = np.nonzero(keep)[0]
     onehot[rows, lab[rows]] = 1.0

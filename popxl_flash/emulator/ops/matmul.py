@@ -15,7 +15,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, FLOPS, emit, register
-from ._common import FLOATS
+from ._common import FLOATS, np_out
 
 
 def _padded(a, b):
@@ -29,12 +29,13 @@ def _matmul_rule(a, b, output_type, partials_f32):
         raise PopartError(f"matmul: operands must have rank >= 1 ({a.id} {a.shape}, "
                           f"{b.id} {b.shape})")
     sa, sb = _padded(a, b)
+    # MatMulOp::npMatMulOut (op/matmul.cpp): a rank-2 operand gets a group dim of 1, then
+    # npOut of the group dims (a zero group dim both have raises), then the contracting check
+    batch = np_out("matmul", sa[:-2] or (1,), sb[:-2] or (1,))
     if sa[-1] != sb[-2]:
         raise PopartError(f"matmul: contracting dims differ: lhs {a.shape} rhs {b.shape}")
-    try:
-        batch = tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
-    except ValueError:
-        raise PopartError(f"matmul: group dims do not broadcast: {a.shape} {b.shape}") from None
+    if len(sa) == 2 and len(sb) == 2:
+        batch = ()  # both group dims were prepended: squeezed off again
     out = batch + ((sa[-2],) if a.rank > 1 else ()) + ((sb[-1],) if b.rank > 1 else ())
     return [(out, output_type or a.dtype)]
 

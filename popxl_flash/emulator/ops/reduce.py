@@ -16,7 +16,7 @@ gives ``exp(-inf - -inf)`` = NaN there, as on the device.
 """
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
 from ._common import F32, FLOATS, NUMERIC, norm_axis, require
@@ -205,14 +205,20 @@ def _arg_impl(kind):
     def impl(a, dim, keepdims):
         axis = dim % a.ndim
         if a.shape[axis] == 0:
-            raise RuntimeError(f"{kind} over an empty axis (unspecified)")
+            unspecified.occurred("argmax_empty", RuntimeError(
+                f"{kind} over an empty axis (unspecified)"))
+            shape = tuple(1 if i == axis else d for i, d in enumerate(a.shape)
+                          if keepdims or i != axis)
+            return np.zeros(shape, np.int32)
         if a.dtype.kind == "f" and np.isnan(a).any():
-            raise RuntimeError(f"{kind} of a tensor holding NaN: which index popnn returns is "
-                               "not specified")
+            unspecified.occurred("argmax_nan", RuntimeError(
+                f"{kind} of a tensor holding NaN: which index popnn returns is not specified"))
+            return pick(a, axis=axis, keepdims=bool(keepdims)).astype(np.int32)  # first NaN
         best = extreme(a, axis=axis, keepdims=True)
         if ((a == best).sum(axis=axis) > 1).any():
-            raise RuntimeError(f"{kind}: several elements tie for the extreme value along axis "
-                               f"{axis}: which index popnn returns is not specified")
+            unspecified.occurred("argmax_tie", RuntimeError(
+                f"{kind}: several elements tie for the extreme value along axis {axis}: "
+                "which index popnn returns is not specified"))  # numpy: the lowest index
         return pick(a, axis=axis, keepdims=bool(keepdims)).astype(np.int32)
     return impl
 
@@ -231,7 +237,8 @@ def _arg_op(kind):
                   "(PopXL's ``ops.{kind}``).\n\nArgs:\n    t: Tensor (rank >= 1).\n    dim: "
                   "int in [-rank, rank).\n    keepdim: keep the axis as size 1.\nReturns:\n    "
                   "int32 Tensor. Ties and NaN raise RuntimeError when the op runs (popnn does "
-                  "not specify the index).")
+                  "not specify the index; the emulator's choosing mode takes the lowest tied "
+                  "or first NaN index).")
     return op
 
 
