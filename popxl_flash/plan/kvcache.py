@@ -74,6 +74,18 @@ class Dims:
         """r = Hq // Hkv."""
         return self.q_heads // self.kv_heads
 
+    def default_budget(self, dtype):
+        """The default ``memory_budget`` of a decode call, as every pass's
+        (:func:`popxl_flash.plan.memory.default_budget`): twice its own inputs' and outputs'
+        bytes (q, the k and v caches, the new k and v rows, out and its float32 lse) plus
+        :data:`popxl_flash.plan.memory.DEFAULT_FIXED_BYTES`."""
+        from popxl_flash.plan import memory
+        item = 2 if dtype == "float16" else 4
+        q = self.batch * self.q_len * self.q_heads * self.head_dim
+        kv = self.batch * (self.cache_len + self.new_len) * self.kv_heads * self.head_dim
+        io = (2 * q + 2 * kv) * item + 4 * self.batch * self.q_len * self.q_heads
+        return int(memory.DEFAULT_IO_FACTOR * io + memory.DEFAULT_FIXED_BYTES)
+
 
 # -- structure choice ------------------------------------------------------------------------
 #: The structures of a call: one straight-line pass over the whole cache (no loop), one kv loop
@@ -314,7 +326,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
             depend on the fill (:func:`straight_counts`).
         causal, window, return_lse, runtime_lengths: the call's mask and options (counted by
             the straight-line pass).
-        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes (``None``: the default, :meth:`Dims.default_budget`).
 
     A kv loop: FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
@@ -327,6 +339,8 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
     """
     from popxl_flash.plan import ipu_time, memory
     budget = memory.check_budget(memory_budget)
+    if budget is None:
+        budget = dims.default_budget(dtype)
     D, Lc = dims.head_dim, dims.cache_len
     cq = dims.q_len if dims.q_len <= MAX_DECODE_Q else _balanced(dims.q_len, PREFILL_CHUNK_Q)
     if lengths is None:
@@ -410,8 +424,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         new_len: ``Lnew`` (``None``: ``q_len``).
         causal, window, return_lse, runtime_lengths: the call's mask and options.
         max_splits: largest split count tried (``None``: all of :data:`DECODE_SPLITS`).
-        memory_budget: bytes beyond inputs and outputs (``None``:
-            :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes beyond inputs and outputs (``None``: the default,
+            :meth:`Dims.default_budget`, O(L)).
 
     Returns:
         :class:`DecodeChoice`.
@@ -421,6 +435,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
     budget = memory.check_budget(memory_budget)
     new_len = q_len if new_len is None else new_len
     dims = Dims(batch, q_len, cache_len, new_len, q_heads, kv_heads, head_dim)
+    if budget is None:
+        budget = dims.default_budget(dtype)
     common = dict(causal=causal, window=window, return_lse=return_lse,
                   runtime_lengths=runtime_lengths, memory_budget=budget)
     if num_splits is not None:
