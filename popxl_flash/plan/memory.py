@@ -7,7 +7,8 @@ The functions here are upper bounds of that figure, held to the emulator's profi
 ``tests/test_memory_budget.py`` and ``tests/test_memory_model.py`` (never below it).
 
 Default budget (``memory_budget=None``): per pass, :data:`DEFAULT_IO_FACTOR` times the pass's
-own inputs' and outputs' bytes plus :data:`DEFAULT_FIXED_BYTES` (:func:`default_budget`): flash
+own inputs' and outputs' bytes plus :data:`DEFAULT_FIXED_BYTES`, at most a quarter of one IPU
+(:func:`default_budget`): flash
 attention's promise is that the L x L score matrix is never materialised, so by default a call's
 temporaries stay O(L) at every shape; within that the choice takes the least modelled time, and
 where no chunking meets it the least memory (a default never refuses). ``memory_budget=``
@@ -24,6 +25,7 @@ an upper bound, up to ~2x loose).
 import numbers
 from dataclasses import dataclass
 
+from popxl_flash.plan import ipu_time
 from popxl_flash.plan import steps as _steps
 
 _F32 = 4
@@ -86,8 +88,12 @@ NAIVE_ROWS = {False: 1.5, True: 4.0}
 
 #: The default budget of a pass: this many times the bytes of its own inputs and outputs ...
 DEFAULT_IO_FACTOR = 2
-#: ... plus this many bytes (the small tensors of short calls, whose I/O is a few KiB).
+#: ... plus this many bytes (the small tensors of short calls, whose I/O is a few KiB) ...
 DEFAULT_FIXED_BYTES = 4 * 2 ** 20
+#: ... and at most this fraction of one IPU's memory (calls whose I/O nears the IPU's own
+#: memory: attention is one part of a layer, whose weights, other activations and Poplar's
+#: code share the IPU; ~224 MiB on a GC200).
+DEFAULT_DEVICE_FRACTION = 1 / 4
 
 
 def io_bytes(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward):
@@ -107,14 +113,16 @@ def io_bytes(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward):
 def default_budget(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward) -> int:
     """The default ``memory_budget`` of one pass: :data:`DEFAULT_IO_FACTOR` times its
     :func:`io_bytes` plus :data:`DEFAULT_FIXED_BYTES`, so that with no ``memory_budget`` a
-    call's temporaries stay O(L), as flash attention promises (module docstring).
+    call's temporaries stay O(L), as flash attention promises (module docstring), and at most
+    :data:`DEFAULT_DEVICE_FRACTION` of one IPU's memory.
 
     Returns:
         int bytes.
     """
     io = io_bytes(groups=groups, kv_groups=kv_groups, q_len=q_len, kv_len=kv_len,
                   head_dim=head_dim, dtype=dtype, backward=backward)
-    return int(DEFAULT_IO_FACTOR * io + DEFAULT_FIXED_BYTES)
+    device = ipu_time.current().device_bytes * DEFAULT_DEVICE_FRACTION
+    return int(min(DEFAULT_IO_FACTOR * io + DEFAULT_FIXED_BYTES, device))
 
 
 def pass_budgets(memory_budget, *, groups, kv_groups, q_len, kv_len, head_dim, dtype):
