@@ -129,8 +129,9 @@ def markdown(decode=True):
         f"/ ({c.tiles} x {c.matmul_flops_per_tile_cycle['float16']:g}) + vector elements / "
         f"({c.tiles} x {c.vector_elements_per_tile_cycle:g}) + bytes copied / ({c.tiles} x "
         f"{c.copy_bytes_per_tile_cycle:g})` at {c.clock_hz / 1e9:g} GHz. Batch 1, float16, "
-        f"default `memory_budget` ({memory.default_budget(c) / MiB:,.0f} MiB beyond inputs "
-        "and outputs).",
+        "default `memory_budget` (per pass, twice the pass's own inputs' and outputs' bytes "
+        f"plus {memory.DEFAULT_FIXED_BYTES // MiB} MiB beyond them, at most "
+        f"{c.device_bytes * memory.DEFAULT_DEVICE_FRACTION / MiB:,.0f} MiB).",
         "",
         "## Prefill and training: forward and stash backward",
         "",

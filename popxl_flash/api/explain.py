@@ -87,14 +87,16 @@ TRADE_MULTIPLES = (1, 4, 16)
 def _with_trade(choice, Lq, Lkv, **call):
     """``choice`` with its :attr:`~popxl_flash.plan.costmodel.ChunkChoice.trade`: the choice at
     the default budget (each pass's :func:`popxl_flash.plan.memory.default_budget`) times
-    :data:`TRADE_MULTIPLES` (the larger pass's default, for both passes), then the bytes naive
-    attention needs: what ``memory_budget=`` buys."""
+    :data:`TRADE_MULTIPLES` (the larger pass's default, for both passes; at most one IPU's
+    memory), then the bytes naive attention needs: what ``memory_budget=`` buys."""
     from dataclasses import replace
+    from popxl_flash.plan import ipu_time
     base = max(costmodel.choose(Lq, Lkv, **call).budget_backward, 1)
+    device = int(ipu_time.current().device_bytes)
     rows = []
     for m in TRADE_MULTIPLES:
         label = "default" if m == 1 else f"{m}x default"
-        budget = None if m == 1 else m * base
+        budget = None if m == 1 else min(m * base, device)
         rows.append((label, budget, costmodel.choose(Lq, Lkv, memory_budget=budget, **call)))
     if choice.naive is not None:
         rows.append(("naive attention", choice.naive.memory_bytes, None))

@@ -403,13 +403,20 @@ def _row_pass_bytes(sched, G, Gk, D, dtype):
 
 
 def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):
-    """A cheap lower bound of :func:`flash_bytes`'s larger pass (no schedule needed): the
-    least block term of any structure's backward, either dtype (one block's, or a step's).
-    The choice skips candidates above the budget by it without planning them (a block as
+    """A cheap lower bound of :func:`flash_bytes`'s larger pass (no schedule needed), either
+    dtype: one block's score terms for a one-block pass; else the backward's float32 ``dq, dk,
+    dv`` state (live in its loop phase together with at least the ``[do; q]`` and ``[k; v]``
+    operands, which outweigh the outputs' bytes it is counted less) and the least step block
+    term. The choice skips candidates above the budget by it without planning them (a block as
     long as a 32K sequence would make the planner materialise its mask)."""
-    blocks = min(min(b for b, _, _ in BACKWARD_STEP.values()),
-                 min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32)
-    return int(blocks * groups * chunk_q * chunk_kv * _F32)
+    block = groups * chunk_q * chunk_kv * _F32
+    single = min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32
+    if chunk_q >= q_len and chunk_kv >= kv_len:
+        return int(single * block)
+    state = (groups * q_len * head_dim + 2 * kv_groups * kv_len * head_dim) * _F32
+    steps = min(min(b for b, _, _ in BACKWARD_STEP.values()),
+                min(b for b, _, _ in ROW_STEP.values()))
+    return int(state + steps * block)
 
 
 def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
