@@ -128,3 +128,18 @@ def test_explain_shows_the_default_and_the_trade():
     text = pf.explain(2048, 2048, head_dim=64, groups=2).table()
     assert "default memory budget" in text and "memory for time" in text
     assert "4x default" in text and "naive attention" in text
+
+
+def test_demo_shows_the_saving(capsys):
+    """``python -m popxl_flash.demo`` (G = 2, L = 2048, D = 64, float16, causal): beyond the
+    inputs and outputs flash holds at least 8x less than naive attention, within its default
+    budget."""
+    import re
+    from popxl_flash import demo
+    assert demo.main([]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("beyond inputs and outputs"))
+    flash, naive, ratio, budget = (float(x) for x in re.match(
+        r"beyond inputs and outputs: flash ([0-9.]+) MiB vs naive ([0-9.]+) MiB -> ([0-9.]+)x "
+        r"less \(the default memory_budget of this forward: ([0-9.]+) MiB", line).groups())
+    assert ratio >= 8 and flash <= budget and naive / flash >= 8, line
