@@ -24,7 +24,7 @@ import numpy as np
 import popxl_flash as pf
 from benchmarks.kvcache import naive_decode
 from popxl_flash.checks.harness import run_graph
-from popxl_flash.plan import ipu_time
+from popxl_flash.plan import ipu_time, memory
 
 #: (name, heads, head dim, L, causal): the attention of one layer, batch 1.
 PREFILL = (
@@ -125,8 +125,10 @@ def markdown(decode=True):
         f"{c.copy_bytes_per_tile_cycle:g})` at {c.clock_hz / 1e9:g} GHz, rates (elements per "
         "tile-cycle) " + ", ".join(f"{k} {v:.3g}" for k, v in c.vector_rates.items()) + "; "
         "compute sets, vector work and copies per op as PopART lowers it "
-        "(`popxl_flash/lowering.py`, each row with its source). Batch 1, float16, the "
-        "default `memory_budget`.",
+        "(`popxl_flash/lowering.py`, each row with its source). Batch 1, float16, "
+        "default `memory_budget` (per pass, twice the pass's own inputs' and outputs' bytes "
+        f"plus {memory.DEFAULT_FIXED_BYTES // MiB} MiB beyond them, at most "
+        f"{c.device_bytes * memory.DEFAULT_DEVICE_FRACTION / MiB:,.0f} MiB).",
         "",
         "## Prefill and training: forward and stash backward",
         "",

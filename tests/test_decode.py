@@ -151,9 +151,13 @@ def test_straight_pass_modifiers_match_reference(mods, Lq):
 def test_memory_budget_picks_the_structure_and_refuses_the_impossible():
     """The straight-line pass's memory grows with the cache; a budget below it gives a kv
     loop (the least modelled time among the candidates that fit); an explicit budget nothing
-    meets raises ValueError naming memory_budget; explain passes the budget through."""
+    meets raises ValueError naming memory_budget; explain passes the budget through. The
+    default (2 x the call's own inputs and outputs + 4 MiB) is below the straight pass here:
+    a kv loop."""
     shape = dict(q_heads=32, kv_heads=4, head_dim=64)  # 16 query rows: a large score matrix
-    auto = pf.kvcache.explain(1, 16, 4096, **shape)
+    default = pf.kvcache.explain(1, 16, 4096, **shape)
+    assert not default.chosen.straight and default.chosen.fits
+    auto = pf.kvcache.explain(1, 16, 4096, **shape, memory_budget=64 * 2 ** 20)
     assert auto.chosen.straight and auto.chosen.fits
     straight = auto.chosen.memory_bytes
     tight = pf.kvcache.explain(1, 16, 4096, **shape, memory_budget=straight - 1)

@@ -109,9 +109,13 @@ def test_cost_model_and_memory_estimate_count_kv_groups():
     assert (a.forward_flops, a.backward_flops, a.iterations) == (
         b.forward_flops, b.backward_flops, b.iterations)
     lkv = 4 * 125  # padded Lkv
-    kv_rows = 2 * lkv + memory.BACKWARD_ROWS * 125 + memory.BACKWARD_FULL_KV_ROWS * lkv
-    assert a.memory_backward - b.memory_backward == pytest.approx(
-        memory.MARGIN * (G - 1) * kv_rows * D * 4, abs=1)
+    sched = AttentionConfig.from_shapes((G, Lq, D), (G, Lkv, D), (G, Lkv, D), (dtype,) * 3,
+                                        num_chunks_q=3, num_chunks_kv=4).schedule
+    shapes = [memory._LoopShape.of(sched, G, gk, D, dtype, True, a.backward.iterations)
+              for gk in (G, 1)]
+    assert [s.kv32_pad for s in shapes] == [gk * lkv * D * 4 for gk in (G, 1)]
+    assert [s.step_kv for s in shapes] == [gk * 125 * D * 4 for gk in (G, 1)]
+    assert a.memory_backward > b.memory_backward
     assert b.forward.boundary_bytes == a.forward.boundary_bytes
     assert b.backward.boundary_bytes == a.backward.boundary_bytes
     # the steps' dynamic slices of [k; v] copy Gk groups' rows

@@ -176,8 +176,8 @@ def context_parallel_attention(q, k, v, *, causal=True, layout="zigzag", group=N
             time within ``memory_budget`` (:func:`popxl_flash.plan.context_parallel.explain`
             prints the candidates); the chunks tried divide the layout's pieces.
         memory_budget: bytes one replica may hold live beyond the call's own inputs and
-            outputs (``None``: the default, a quarter of one IPU,
-            :func:`popxl_flash.plan.memory.default_budget`): one round's gathered K/V, the
+            outputs (``None``: the default, per pass twice the replica's own inputs' and
+            outputs' bytes plus 4 MiB, :func:`popxl_flash.plan.memory.default_budget`): one round's gathered K/V, the
             largest flash call's working set, the merge's or the gradients' float32
             accumulators (:func:`popxl_flash.plan.context_parallel.replica_bytes`). An
             explicit budget no plan meets raises ``ValueError``.

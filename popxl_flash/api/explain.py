@@ -84,6 +84,10 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
                               chunk_q=None if num_chunks_q is None else cfg.chunk_q,
                               chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv,
                               memory_budget=check_budget(memory_budget))
+    choice = _with_trade(choice, Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype,
+                         causal=causal, window=cfg.window, kv_groups=cfg.kv_groups,
+                         chunk_q=None if num_chunks_q is None else cfg.chunk_q,
+                         chunk_kv=None if num_chunks_kv is None else cfg.chunk_kv)
     if score_mod is None:
         return choice
     chosen = choice.chosen
@@ -96,6 +100,29 @@ def explain(Lq, Lkv, *, head_dim, groups=1, dtype="float16", causal=True, window
                                 steps=calls, cells=_steps.executed_cells(sched),
                                 input_specs=inputs)
     return score_mods.with_score_mod_cost(choice, mod_cost)
+
+
+#: Multiples of the default budget the trade table prices (``pf.explain(...).table()``).
+TRADE_MULTIPLES = (1, 4, 16)
+
+
+def _with_trade(choice, Lq, Lkv, **call):
+    """``choice`` with its :attr:`~popxl_flash.plan.costmodel.ChunkChoice.trade`: the choice at
+    the default budget (each pass's :func:`popxl_flash.plan.memory.default_budget`) times
+    :data:`TRADE_MULTIPLES` (the larger pass's default, for both passes; at most one IPU's
+    memory), then the bytes naive attention needs: what ``memory_budget=`` buys."""
+    from dataclasses import replace
+    from popxl_flash.plan import ipu_time
+    base = max(costmodel.choose(Lq, Lkv, **call).budget_backward, 1)
+    device = int(ipu_time.current().device_bytes)
+    rows = []
+    for m in TRADE_MULTIPLES:
+        label = "default" if m == 1 else f"{m}x default"
+        budget = None if m == 1 else min(m * base, device)
+        rows.append((label, budget, costmodel.choose(Lq, Lkv, memory_budget=budget, **call)))
+    if choice.naive is not None:
+        rows.append(("naive attention", choice.naive.memory_bytes, None))
+    return replace(choice, trade=tuple(rows))
 
 
 def _explain_packed(Lq, Lkv, kv_shape, *, head_dim, groups, dtype, causal, window, num_chunks_q,

@@ -179,10 +179,11 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
             the cost model's choice (:func:`popxl_flash.explain`). Lengths need not be
             divisible (the tail chunk is padded).
         memory_budget: bytes the call may hold live beyond its own inputs and outputs; the
-            automatic chunk choice is the least modelled IPU time within it (``None``: a
-            quarter of one IPU's memory, :func:`popxl_flash.plan.memory.default_budget`;
-            see :func:`popxl_flash.explain`). An explicit budget no chunking meets raises
-            ``ValueError``.
+            automatic chunk choice is the least modelled IPU time within it (``None``: per
+            pass twice its own inputs' and outputs' bytes plus 4 MiB, O(L),
+            :func:`popxl_flash.plan.memory.default_budget`, and the least-memory chunking
+            when nothing meets that; see :func:`popxl_flash.explain`). An explicit budget no
+            chunking meets raises ``ValueError``.
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default
             True, as the PopART op; :func:`popxl_flash.flash_attn_func` defaults to False.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``. ``1.0`` matches the PopART op.

@@ -606,7 +606,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             count rounded up to a multiple of ``num_splits``. Fixing ``num_splits`` (``>= 1``)
             or ``num_chunks_kv`` runs a kv loop.
         memory_budget: bytes the call may hold live beyond its inputs and outputs (``None``:
-            :func:`popxl_flash.plan.memory.default_budget`): the automatic structure is the
+            twice the call's own inputs' and outputs' bytes plus 4 MiB, O(L),
+            :meth:`popxl_flash.plan.kvcache.Dims.default_budget`, the least memory when no
+            structure meets it): the automatic structure is the
             least modelled time among those whose modelled memory fits
             (:func:`~popxl_flash.plan.kvcache.decode_choice`); an explicit budget nothing
             meets raises ``ValueError``.

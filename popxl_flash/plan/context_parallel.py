@@ -219,7 +219,10 @@ class Plan:
             :class:`Call` list (pairs no replica sees are left out). table: int32
             ``[R, local_len]`` global positions (:func:`positions`). mods: ``None`` or the
             :class:`~popxl_flash.plan.score_mods.ScoreMods` of the call (softcap, ALiBi,
-            score_mod), passed to every call. memory_budget: the bytes the choice kept to.
+            score_mod), passed to every call. memory_budgets: the bytes per replica the
+            choice kept to, forward and backward (an explicit ``memory_budget`` both, else
+            each pass's :func:`popxl_flash.plan.memory.default_budget` of the replica's own
+            inputs and outputs); memory_budget: the forward's.
             choice: the :class:`ContextParallelChoice` when anything was chosen automatically
             (else ``None``).
     """
@@ -236,8 +239,11 @@ class Plan:
         self.table = positions(self.local_len * replicas, replicas, layout)
         self.itemsize = 2 if dtype == "float16" else 4
         self.kv_budget = _check_int("kv_budget_bytes", budget, low=1)
-        explicit_budget = memory_budget is not None
-        self.memory_budget = _memory.check_budget(memory_budget)
+        explicit_budget = self.explicit_budget = memory_budget is not None
+        self.memory_budgets = _memory.pass_budgets(
+            _memory.check_budget(memory_budget), groups=q_shape[0], kv_groups=kv_shape[0],
+            q_len=q_shape[1], kv_len=q_shape[1], head_dim=q_shape[2], dtype=dtype)
+        self.memory_budget = self.memory_budgets[0]
         if steps is not None:
             steps = _check_int("kv_gather_steps", steps, low=1, high=self.local_len)
             if self.local_len % steps:
@@ -270,7 +276,7 @@ class Plan:
         if explicit_budget:
             need = (self.choice.chosen.memory_bytes if self.choice is not None
                     else max(replica_bytes(self, b) for b in (False, True)))
-            if need > self.memory_budget:
+            if need > self.memory_budget:  # explicit: both passes' budgets are this one
                 raise ValueError(
                     f"memory_budget={self.memory_budget:,} bytes: no context-parallel plan of "
                     f"this call fits it (the least memory per replica, rounds {self.steps}, "
@@ -650,9 +656,12 @@ def _choose(plan, steps, num_chunks_q, num_chunks_kv, split):
                               else -(-plan.replicas * piece // num_chunks_kv))
         for cq, ckv, sp in itertools.product(cqs, ckvs, splits):
             plan._configure(s, cq, ckv, sp)
-            settings.append(((s, cq, ckv, sp), max(replica_bytes(plan, b) for b in (False, True))))
+            settings.append(((s, cq, ckv, sp), tuple(replica_bytes(plan, b)
+                                                     for b in (False, True))))
     # Time only what can be chosen: the settings that fit, else those near the least memory.
-    fit = [x for x in settings if x[1] <= plan.memory_budget]
+    fit = [x for x in settings if _fits(x[1], plan.memory_budgets)]
+    settings = [(x, max(m)) for x, m in settings]
+    fit = [(x, max(m)) for x, m in fit]
     least = min(m for _, m in settings)
     timed = fit or [x for x in settings if x[1] <= _NOTHING_FITS_SLACK * least]
     candidates = []
@@ -661,19 +670,31 @@ def _choose(plan, steps, num_chunks_q, num_chunks_kv, split):
             plan._configure(*setting, tables)
             if tables and not plan.tables:
                 continue  # no positions call where tables drop a step: as without
-            mem_t = mem + sum(t.nbytes for t in plan.tables.values())
+            extra = sum(t.nbytes for t in plan.tables.values())
+            mem_t = mem + extra
+            fits = _fits([replica_bytes(plan, b) + extra for b in (False, True)],
+                         plan.memory_budgets) if fit else False
             candidates.append(CpCandidate(setting + (tables,), modelled_time(plan, False),
-                                          modelled_time(plan, True), mem_t,
-                                          mem_t <= plan.memory_budget))
+                                          modelled_time(plan, True), mem_t, fits))
     chosen = min(candidates, key=lambda c: (c.seconds, c.memory_bytes))
     if fit:
         reason = "least modelled forward + backward time within memory_budget"
+    elif not plan.explicit_budget:  # the default never refuses: the least memory
+        chosen = min(candidates, key=lambda c: (c.memory_bytes, c.seconds))
+        reason = (f"no setting meets the default memory budget (forward "
+                  f"{plan.memory_budgets[0]:,}, backward {plan.memory_budgets[1]:,} bytes per "
+                  f"replica): the least memory, {chosen.memory_bytes:,} bytes")
     else:
         reason = (f"NOTHING FITS memory_budget={plan.memory_budget:,} bytes (the least any "
                   f"setting needs is {least:,} per replica): the least modelled time within "
                   f"{_NOTHING_FITS_SLACK}x of that")
     return ContextParallelChoice(chosen, tuple(candidates), reason, plan.memory_budget,
                                  _ipu_time.label(), len(settings) - len(fit))
+
+
+def _fits(mem, budgets):
+    """Whether the forward's and the backward's bytes are within their budgets."""
+    return all(m <= b for m, b in zip(mem, budgets))
 
 
 # -- cost per replica ----------------------------------------------------------------------------

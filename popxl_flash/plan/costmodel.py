@@ -157,6 +157,13 @@ class ChunkChoice:
         worst_ratio: the chosen candidate's largest ratio to the best fitting candidate over
             the corners of the constants' box (:func:`popxl_flash.ipu_model.corners`; 1.0 when
             not computed).
+        budget_backward: the backward's budget (bytes; ``budget`` is the forward's; equal for
+            an explicit ``memory_budget``).
+        default_budget: whether the budgets are the default (each pass's
+            :func:`popxl_flash.plan.memory.default_budget`).
+        trade: ``()`` or the memory-for-time trade :func:`popxl_flash.explain` adds: rows
+            ``(label, budget bytes or None, ChunkChoice or None)``, ``None`` for naive
+            attention's row (its budget its need).
     """
 
     chosen: Candidate
@@ -168,6 +175,9 @@ class ChunkChoice:
     label: str = ""
     seed_name: str = "seed's 256-row rule"
     worst_ratio: float = 1.0
+    budget_backward: int = 0
+    default_budget: bool = False
+    trade: tuple = ()
 
     def table(self) -> str:
         """The candidates as a text table (the chosen one marked ``*``, the fastest few and
@@ -192,7 +202,7 @@ class ChunkChoice:
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
         lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason}); "
-                     f"memory_budget {self.budget:,} bytes ({self.budget / 2**20:.1f} MiB)")
+                     + _budget_text(self))
         lines.append(_compare_line("flash (chosen)", self.chosen))
         lines.append(_terms_line(self.chosen))
         lines.append(f"{'':>20}  within {self.worst_ratio:.2f}x of the best candidate at every "
@@ -202,6 +212,7 @@ class ChunkChoice:
             lines.append(_compare_line(self.seed_name, self.seed))
         if self.naive is not None:
             lines.append(_compare_line("naive attention", self.naive))
+        lines.extend(_trade_lines(self.trade))
         lines.append(f"times are {self.label}")
         return "\n".join(lines)
 
@@ -223,6 +234,31 @@ def _flops(work):
     """Matmul FLOPs of a pass's counts (a dict by dtype in :class:`WorkCounts`)."""
     flops = work.matmul_flops
     return sum(flops.values()) if isinstance(flops, dict) else flops
+def _budget_text(choice):
+    """The budget line: an explicit ``memory_budget``, or the default's two passes."""
+    b, bb = choice.budget, choice.budget_backward or choice.budget
+    if not choice.default_budget:
+        return f"memory_budget {b:,} bytes ({b / 2**20:.1f} MiB)"
+    return (f"default memory budget (memory_budget=None): forward {b / 2**20:.1f} MiB, "
+            f"backward {bb / 2**20:.1f} MiB (2 x the pass's own inputs and outputs + 4 MiB, at "
+            "most a quarter of an IPU: temporaries O(L), as flash attention promises)")
+
+
+def _trade_lines(trade):
+    """:attr:`ChunkChoice.trade` as text: per budget the chosen chunks, the larger pass's
+    modelled memory and the modelled time; naive attention's need last."""
+    if not trade:
+        return []
+    lines = ["memory for time (pass memory_budget= to spend more; times modelled):"]
+    for label, budget, choice in trade:
+        if choice is None:
+            lines.append(f"  {label:>24}: needs {budget / 2**20:,.1f} MiB")
+            continue
+        c = choice.chosen
+        fits = "" if c.fits else " (nothing fits: least memory)"
+        lines.append(f"  {label:>24}: chunks {c.chunk_q}x{c.chunk_kv}, "
+                     f"{c.memory_bytes / 2**20:,.1f} MiB, {c.seconds * 1e6:,.1f} us{fits}")
+    return lines
 
 
 def _compare_line(name, c):
@@ -393,14 +429,17 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
             of G).
         dtype: ``"float16"`` or ``"float32"``.
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
-        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes (``None``: each pass's default,
+            :func:`popxl_flash.plan.memory.default_budget`).
 
     Returns:
         A :class:`Candidate`.
     """
     from popxl_flash.plan import counts as _counts
-    budget = _memory.check_budget(memory_budget)
     kv_groups = groups if kv_groups is None else kv_groups
+    budgets = _memory.pass_budgets(_memory.check_budget(memory_budget), groups=groups,
+                                   kv_groups=kv_groups, q_len=Lq, kv_len=Lkv,
+                                   head_dim=head_dim, dtype=dtype)
     sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
     args = dict(head_dim=head_dim, groups=groups, kv_groups=kv_groups, dtype=dtype,
                 causal=causal, window=window)
@@ -413,7 +452,12 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                      num_chunks_kv=sched.nkv, flop_ratio=_flop_ratio(sched, fwd, head_dim, groups),
                      forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
                      time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
-                     memory_backward=mem[1], fits=max(mem) <= budget)
+                     memory_backward=mem[1], fits=_fits(mem, budgets))
+
+
+def _fits(mem, budgets):
+    """Whether each pass's bytes are within its budget (forward, backward)."""
+    return all(m <= b for m, b in zip(mem, budgets))
 
 
 def _flop_ratio(sched, fwd, head_dim, groups):
@@ -425,14 +469,16 @@ def _flop_ratio(sched, fwd, head_dim, groups):
 
 def naive(Lq, Lkv, *, head_dim, groups, dtype, causal, window, memory_budget=None):
     """Naive attention priced by the same model (:class:`Baseline`)."""
-    budget = _memory.check_budget(memory_budget)
+    budgets = _memory.pass_budgets(_memory.check_budget(memory_budget), groups=groups,
+                                   kv_groups=groups, q_len=Lq, kv_len=Lkv, head_dim=head_dim,
+                                   dtype=dtype)
     masked = causal or tuple(window) != (-1, -1)
     args = dict(groups=groups, q_len=Lq, kv_len=Lkv, head_dim=head_dim, dtype=dtype)
     fwd, bwd = (_baselines.naive_counts(masked=masked, backward=b, **args) for b in (False, True))
     mem = [_memory.naive_bytes(masked=masked, backward=b, **args) for b in (False, True)]
     return Baseline(forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
                     time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
-                    memory_backward=mem[1], fits=max(mem) <= budget)
+                    memory_backward=mem[1], fits=_fits(mem, budgets))
 
 
 #: Chunk counts tried on an axis besides those of :data:`CANDIDATE_CHUNK_LENGTHS`: one block
@@ -487,44 +533,73 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         Lq, Lkv, head_dim, groups, dtype, causal, window: the attention call.
         kv_groups: Gk of k and v (``None``: G), as :func:`evaluate`.
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
-        memory_budget: bytes the call may hold beyond its inputs and outputs (``None``: the
-            default, :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes each pass may hold beyond its inputs and outputs (``None``: the
+            default, each pass's :func:`popxl_flash.plan.memory.default_budget`, O(L)).
 
     Returns:
         A :class:`ChunkChoice`. When no candidate fits, ``chosen`` is the one needing the
-        least memory and ``reason`` says so (the entry points raise ``ValueError``).
+        least memory (:func:`fallback`) and ``reason`` says so (with an explicit budget the
+        entry points then raise ``ValueError``; the default never refuses).
     """
-    budget = _memory.check_budget(memory_budget)
+    explicit = _memory.check_budget(memory_budget)
     window = (-1, -1) if window is None else tuple(window)
-    args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
-                kv_groups=kv_groups, memory_budget=budget)
-    pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
     Gk = groups if kv_groups is None else kv_groups
+    budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
+                                   kv_len=Lkv, head_dim=head_dim, dtype=dtype)
+    args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
+                kv_groups=kv_groups, memory_budget=explicit)
+    pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
 
     def bound(pair):
         return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
                                          chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
     # Candidates that cannot fit are not planned; if none can, the few needing the least.
-    kept = [pair for pair in pairs if bound(pair) <= budget]
+    kept = [pair for pair in pairs if bound(pair) <= max(budgets)]
     kept = kept or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
-    fitting = [c for c in candidates if c.fits]
-    worst = {}
-    if fitting:
-        chosen, worst, reason = _robust(fitting)
-    else:
-        least = min(c.memory_bytes for c in candidates)
-        near = [c for c in candidates if c.memory_bytes <= NOTHING_FITS_SLACK * least]
-        chosen = min(near, key=lambda c: (c.seconds, c.memory_bytes))
-        reason = (f"NOTHING FITS memory_budget={budget:,} bytes (the least any chunking needs "
-                  f"is {least:,}): the least modelled time within {NOTHING_FITS_SLACK}x of that")
+    chosen, reason, worst = _pick(candidates, budgets, explicit is not None)
     seed_q, seed_kv = _baselines.seed_chunks(Lq, Lkv)
     seed = evaluate(Lq, Lkv, chunk_q or seed_q, chunk_kv or seed_kv, **args)
     base = naive(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype, causal=causal,
-                 window=window, memory_budget=budget)
-    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, budget=budget,
+                 window=window, memory_budget=explicit)
+    return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, budget=budgets[0],
                        seed=seed, naive=base, label=_ipu_time.label(),
-                       worst_ratio=worst.get(id(chosen), 1.0))
+                       budget_backward=budgets[1], default_budget=explicit is None,
+                       worst_ratio=worst)
+
+
+def _pick(candidates, budgets, explicit):
+    """``(chosen, reason, worst ratio)``: among the candidates that fit ``budgets`` (forward,
+    backward) the least modelled time, near-best over the constants' box (:func:`_robust`),
+    else :func:`fallback` (worst ratio 1.0: not computed)."""
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        within = "memory_budget" if explicit else "the default memory budget"
+        chosen, worst, reason = _robust(fitting, within)
+        return chosen, reason, worst[id(chosen)]
+    return (*fallback(candidates, budgets, explicit), 1.0)
+
+
+def fallback(candidates, budgets, explicit):
+    """The choice when no candidate fits: the fastest within :data:`NOTHING_FITS_SLACK` of
+    the least memory with an explicit budget (the entry points raise ``ValueError`` then),
+    the least memory itself with the default (which never refuses: it keeps as close to its
+    O(L) promise as any chunking can).
+
+    Returns:
+        ``(chosen, reason)``.
+    """
+    least = min(c.memory_bytes for c in candidates)
+    if not explicit:
+        chosen = min(candidates, key=lambda c: (c.memory_bytes, c.seconds))
+        return chosen, (f"no chunking meets the default memory budget (forward "
+                        f"{budgets[0]:,}, backward {budgets[1]:,} bytes): the least memory, "
+                        f"{least:,} bytes")
+    near = [c for c in candidates if c.memory_bytes <= NOTHING_FITS_SLACK * least]
+    chosen = min(near, key=lambda c: (c.seconds, c.memory_bytes))
+    return chosen, (f"NOTHING FITS memory_budget={budgets[0]:,} bytes (the least any chunking "
+                    f"needs is {least:,}): the least modelled time within "
+                    f"{NOTHING_FITS_SLACK}x of that")
 
 
 #: Where the central choice is more than this factor off the best at some corner of the
@@ -539,7 +614,7 @@ def corner_seconds(candidate, corners):
     return [sum(_ipu_time.time(w, constants=c).seconds for w in works) for _, c in corners]
 
 
-def _robust(fitting):
+def _robust(fitting, within="memory_budget"):
     """The choice among fitting candidates: the least modelled time at the current constants,
     unless it is more than :data:`ROBUST_RATIO` off the best at a corner of the box; then the
     candidate whose worst ratio to each corner's best is least.
@@ -553,11 +628,11 @@ def _robust(fitting):
     best = [min(t[k] for t in times.values()) for k in range(len(corners))]
     worst = {key: max(a / b for a, b in zip(t, best)) for key, t in times.items()}
     if worst[id(central)] <= ROBUST_RATIO:
-        return central, worst, ("least modelled forward + backward time within memory_budget "
+        return central, worst, (f"least modelled forward + backward time within {within} "
                                 f"(within {worst[id(central)]:.2f}x of the best at every corner "
                                 "of the constants' box)")
     robust = min(fitting, key=lambda c: (worst[id(c)], c.seconds))
     return robust, worst, (f"least worst ratio over the constants' box ({worst[id(robust)]:.2f}x;"
                            f" the fastest at the reference constants was "
                            f"{central.chunk_q}x{central.chunk_kv}, {worst[id(central)]:.2f}x off "
-                           "at a corner) within memory_budget")
+                           f"at a corner) within {within}")

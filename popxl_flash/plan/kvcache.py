@@ -7,7 +7,7 @@ rows, or ``S = num_splits`` parts of such chunks (split-KV, flash-decoding). Thi
 when the caller does not: :func:`decode_choice` weighs the candidates (the straight-line pass,
 chunks :data:`DECODE_CHUNKS` times splits :data:`DECODE_SPLITS`) by :func:`evaluate`'s figures
 priced by the reference model (:mod:`popxl_flash.plan.ipu_time`): the straight-line pass's exact
-counts (:func:`straight_counts`), a loop's exact executed FLOPs per fill, supersteps from
+counts (:func:`straight_counts`), a loop's exact executed FLOPs per fill, op counts from
 :data:`OPS_DECODE` and :data:`OPS_MODS`, vector elements from :data:`VEC_DECODE`, lowering copies
 from :func:`popxl_flash.plan.costmodel.pass_copies`; the least modelled time among the
 candidates whose modelled memory fits ``memory_budget`` wins. :func:`explain` reports them;
@@ -73,6 +73,19 @@ class Dims:
     def group_size(self):
         """r = Hq // Hkv."""
         return self.q_heads // self.kv_heads
+
+    def default_budget(self, dtype):
+        """The default ``memory_budget`` of a decode call, as every pass's
+        (:func:`popxl_flash.plan.memory.default_budget`): twice its own inputs' and outputs'
+        bytes (q, the k and v caches, the new k and v rows, out and its float32 lse) plus
+        :data:`popxl_flash.plan.memory.DEFAULT_FIXED_BYTES`, at most a quarter of one IPU."""
+        from popxl_flash.plan import memory
+        item = 2 if dtype == "float16" else 4
+        q = self.batch * self.q_len * self.q_heads * self.head_dim
+        kv = self.batch * (self.cache_len + self.new_len) * self.kv_heads * self.head_dim
+        io = (2 * q + 2 * kv) * item + 4 * self.batch * self.q_len * self.q_heads
+        device = memory.ipu_time.current().device_bytes * memory.DEFAULT_DEVICE_FRACTION
+        return int(min(memory.DEFAULT_IO_FACTOR * io + memory.DEFAULT_FIXED_BYTES, device))
 
 
 #: How :func:`check_dims` names the sizes of a ``flash_attn_with_kvcache`` call (its tensors'
@@ -153,7 +166,7 @@ class DecodeCandidate:
         granule: cache rows per step (``splits x chunk_kv``).
         flops: executed matmul FLOPs at each fill of :data:`MODEL_FILLS` (exact for rows of
             that length).
-        ops: modelled supersteps (executed ops other than views) at each fill.
+        ops: modelled executed ops (other than views) at each fill.
         vector_elements: modelled vector elements at each fill.
         bytes_copied: modelled lowering copies of one call (mean over the fills).
         memory_bytes: modelled bytes live beyond the call's inputs and outputs (an upper bound).
@@ -191,7 +204,7 @@ class DecodeChoice:
         """The candidates as a text table (the chosen one marked ``*``)."""
         fills = "/".join(f"{int(f * 100)}%" for f in MODEL_FILLS)
         head = ("", "structure", "splits", "chunk", "steps", f"MFLOP {fills}",
-                f"supersteps {fills}", "MiB", "fits", "modelled us")
+                f"ops {fills}", "MiB", "fits", "modelled us")
         rows = [head]
         for c in self.candidates:
             rows.append(("*" if c is self.chosen else "", c.structure, str(c.splits),
@@ -380,7 +393,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
             depend on the fill (:func:`straight_counts`).
         causal, window, return_lse, runtime_lengths: the call's mask and options (counted by
             the straight-line pass).
-        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes (``None``: the default, :meth:`Dims.default_budget`).
 
     A kv loop: FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
@@ -393,6 +406,8 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
     """
     from popxl_flash.plan import ipu_time, memory
     budget = memory.check_budget(memory_budget)
+    if budget is None:
+        budget = dims.default_budget(dtype)
     D, Lc = dims.head_dim, dims.cache_len
     cq = dims.q_len if dims.q_len <= MAX_DECODE_Q else _balanced(dims.q_len, PREFILL_CHUNK_Q)
     if lengths is None:
@@ -462,7 +477,7 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
     :data:`DECODE_CHUNKS` (balanced over each part, capped at its length) times splits
     :data:`DECODE_SPLITS` (prefill, ``Lq >`` :data:`MAX_DECODE_Q`: no split; ``max_splits``
     bounds them). Among those whose modelled memory fits the budget, the least modelled time
-    (:func:`popxl_flash.plan.ipu_time.time` of the counted supersteps, FLOPs, vector elements
+    (:func:`popxl_flash.plan.ipu_time.time` of the counted ops (priced as compute sets), FLOPs, vector elements
     and copies, averaged over the fills :data:`MODEL_FILLS`) wins (ties: the straight-line pass,
     fewer splits, the shorter chunk). When none fits: with an explicit ``memory_budget``
     ``ValueError``; with the default, the candidate of least memory.
@@ -476,8 +491,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         new_len: ``Lnew`` (``None``: ``q_len``).
         causal, window, return_lse, runtime_lengths: the call's mask and options.
         max_splits: largest split count tried (``None``: all of :data:`DECODE_SPLITS`).
-        memory_budget: bytes beyond inputs and outputs (``None``:
-            :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes beyond inputs and outputs (``None``: the default,
+            :meth:`Dims.default_budget`, O(L)).
 
     Returns:
         :class:`DecodeChoice`.
@@ -487,6 +502,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
     budget = memory.check_budget(memory_budget)
     new_len = q_len if new_len is None else new_len
     dims = Dims(batch, q_len, cache_len, new_len, q_heads, kv_heads, head_dim)
+    if budget is None:
+        budget = dims.default_budget(dtype)
     common = dict(causal=causal, window=window, return_lse=return_lse,
                   runtime_lengths=runtime_lengths, memory_budget=budget)
     if num_splits is not None:
@@ -537,7 +554,7 @@ def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype=
             window=(-1, -1), return_lse=False, memory_budget=None):
     """The structure choice of a :func:`flash_attn_with_kvcache` call with a run-time
     ``cache_seqlens`` (a :class:`DecodeChoice`; ``.table()`` prints the candidates with FLOPs,
-    supersteps and memory; ``softcap > 0`` and ``alibi=True`` count the score modifiers;
+    ops and memory; ``softcap > 0`` and ``alibi=True`` count the score modifiers;
     ``memory_budget`` as the call's).
 
     Validated as the call: the sizes by :func:`check_dims`, ``num_splits`` by

@@ -4,24 +4,29 @@
 beyond its inputs and outputs: the emulator's ``peak_live_bytes`` minus the bytes of the
 call's inputs and outputs (constants, such as the mask tables, count against the budget).
 The functions here are upper bounds of that figure, held to the emulator's profile by
-``tests/test_memory_budget.py`` (never below it; at most 2.5x above it for large blocks).
+``tests/test_memory_budget.py`` and ``tests/test_memory_model.py`` (never below it).
 
-Default budget (:data:`DEFAULT_MEMORY_FRACTION` of one IPU's In-Processor-Memory, ~224 MiB on
-a GC200): an assumption. Attention is one part of a layer: the same memory holds the layer's
-weights (or their shards), its other activations, the optimiser state of a training step,
-Poplar's code and exchange buffers; a quarter leaves the rest three quarters. It holds the
-float32 gradient state of the backward (``dq, dk, dv``: ``4 (G Lq + 2 Gk Lkv) D`` bytes, which
-no chunking avoids) at the per-IPU head counts of Graphcore's tensor-parallel model scripts.
-Pass ``memory_budget=`` to trade memory for time either way; when no chunking fits, the
-choice says so (``pf.explain``), and an explicit ``memory_budget`` raises ``ValueError``.
+Default budget (``memory_budget=None``): per pass, :data:`DEFAULT_IO_FACTOR` times the pass's
+own inputs' and outputs' bytes plus :data:`DEFAULT_FIXED_BYTES`, at most a quarter of one IPU
+(:func:`default_budget`): flash
+attention's promise is that the L x L score matrix is never materialised, so by default a call's
+temporaries stay O(L) at every shape; within that the choice takes the least modelled time, and
+where no chunking meets it the least memory (a default never refuses). ``memory_budget=``
+(bytes, both passes) is how a user spends more memory for speed; an explicit budget nothing
+meets raises ``ValueError``.
+
+The looped passes' and the backward's row steps' bound is a max over phases (setup, loops,
+finish) of explicit sums of the live tensors of ``popxl_flash/graph/`` (one term per tensor,
+commented), with fitted step temporaries (:data:`FORWARD_STEP`, :data:`BACKWARD_STEP`,
+:data:`ROW_STEP`); ``tests/test_memory_model.py`` holds it within 1.2x + 1 MiB of the emulator's
+peak. One-block passes and the forward's row passes keep fitted per-element terms (row passes:
+an upper bound, up to ~2x loose).
 """
 import numbers
+from dataclasses import dataclass
 
 from popxl_flash.plan import ipu_time
 from popxl_flash.plan import steps as _steps
-
-#: Fraction of one IPU's memory a call may hold by default (assumption, see module docstring).
-DEFAULT_MEMORY_FRACTION = 1 / 4
 
 _F32 = 4
 
@@ -50,6 +55,9 @@ FORWARD_FULL_KV_ROWS, BACKWARD_FULL_KV_ROWS = 1.0, 2.5
 MARGIN = 1.10
 #: Small tensors of any pass (scalars, counters, one-element constants): a fixed allowance.
 FIXED_BYTES = 16384
+#: Small tensors of a flash pass (per-step scalars, slices of a few rows, row statistics of
+#: short calls) beyond its terms: a fixed allowance, within the tests' 1 MiB floor.
+LOOP_FIXED_BYTES = 65536
 #: Bytes of the loop tables per step (first q row, first kv column, pattern id: int32).
 TABLE_BYTES_PER_STEP = 12
 #: A pass of one block (a straight line, no loop state): bytes per score element ``[G, Lq,
@@ -78,23 +86,72 @@ NAIVE_BYTES_PER_SCORE = {("float16", False): 7.25, ("float16", True): 10.5,
 NAIVE_ROWS = {False: 1.5, True: 4.0}
 
 
-def default_budget(constants=None) -> int:
-    """The default ``memory_budget``: :data:`DEFAULT_MEMORY_FRACTION` of one IPU's memory."""
-    c = constants or ipu_time.current()
-    return int(c.device_bytes * DEFAULT_MEMORY_FRACTION)
+#: The default budget of a pass: this many times the bytes of its own inputs and outputs ...
+DEFAULT_IO_FACTOR = 2
+#: ... plus this many bytes (the small tensors of short calls, whose I/O is a few KiB) ...
+DEFAULT_FIXED_BYTES = 4 * 2 ** 20
+#: ... and at most this fraction of one IPU's memory (calls whose I/O nears the IPU's own
+#: memory: attention is one part of a layer, whose weights, other activations and Poplar's
+#: code share the IPU; ~224 MiB on a GC200).
+DEFAULT_DEVICE_FRACTION = 1 / 4
+
+
+def io_bytes(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward):
+    """Bytes of a pass's own inputs and outputs: forward q, k, v, out (input dtype) and lse
+    (float32 ``[G, Lq]``); backward dout, q, k, v, out, lse, dq, dk, dv.
+
+    Returns:
+        int bytes.
+    """
+    item = _item(dtype)
+    q = groups * q_len * head_dim * item
+    kv = kv_groups * kv_len * head_dim * item
+    lse = groups * q_len * _F32
+    return (4 * q + 4 * kv + lse) if backward else (2 * q + 2 * kv + lse)
+
+
+def default_budget(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward) -> int:
+    """The default ``memory_budget`` of one pass: :data:`DEFAULT_IO_FACTOR` times its
+    :func:`io_bytes` plus :data:`DEFAULT_FIXED_BYTES`, so that with no ``memory_budget`` a
+    call's temporaries stay O(L), as flash attention promises (module docstring), and at most
+    :data:`DEFAULT_DEVICE_FRACTION` of one IPU's memory.
+
+    Returns:
+        int bytes.
+    """
+    io = io_bytes(groups=groups, kv_groups=kv_groups, q_len=q_len, kv_len=kv_len,
+                  head_dim=head_dim, dtype=dtype, backward=backward)
+    device = ipu_time.current().device_bytes * DEFAULT_DEVICE_FRACTION
+    return int(min(DEFAULT_IO_FACTOR * io + DEFAULT_FIXED_BYTES, device))
+
+
+def pass_budgets(memory_budget, *, groups, kv_groups, q_len, kv_len, head_dim, dtype):
+    """The ``(forward, backward)`` budgets of a call: an explicit ``memory_budget`` (already
+    checked, :func:`check_budget`) for both, else each pass's :func:`default_budget`.
+
+    Returns:
+        ``(int, int)`` bytes.
+    """
+    if memory_budget is not None:
+        return int(memory_budget), int(memory_budget)
+    call = dict(groups=groups, kv_groups=kv_groups, q_len=q_len, kv_len=kv_len,
+                head_dim=head_dim, dtype=dtype)
+    return tuple(default_budget(backward=b, **call) for b in (False, True))
 
 
 def check_budget(memory_budget, name="memory_budget"):
-    """``memory_budget`` as an int number of bytes (``None``: :func:`default_budget`).
+    """``memory_budget`` as an int number of bytes, or ``None`` (the default: each pass's
+    :func:`default_budget`, which depends on the call's shapes).
 
     Raises:
         TypeError: not an integer. ValueError: not positive.
     """
     if memory_budget is None:
-        return default_budget()
+        return None
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
         raise TypeError(f"{name} must be an int number of bytes or None (the default: "
-                        f"{default_budget():,} bytes), got {name}={memory_budget!r} "
+                        f"{DEFAULT_IO_FACTOR} x the call's own inputs' and outputs' bytes + "
+                        f"{DEFAULT_FIXED_BYTES // 2 ** 20} MiB), got {name}={memory_budget!r} "
                         f"({type(memory_budget).__name__})")
     if memory_budget <= 0:
         raise ValueError(f"{name} must be a positive number of bytes, got {name}="
@@ -113,43 +170,209 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
         sched: the :class:`~popxl_flash.plan.schedule.BlockSchedule`.
         groups, kv_groups, head_dim: G, Gk, D; dtype: the input dtype name.
         backward: the stash-mode backward (else the forward).
-        steps: the pass's loop steps (:func:`popxl_flash.plan.steps.loop_steps`).
+        steps: the pass's loop steps (:func:`popxl_flash.plan.steps.loop_steps`; the step
+            tables' bytes grow with them).
 
     Returns:
         int bytes.
     """
-    G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
+    G, Gk, D = groups, kv_groups, head_dim
     if _steps.single_block(sched):  # (no segment ids: the choice prices those loops apart)
         terms = _single_terms(dtype, backward, G, Gk, sched.Lq, sched.Lkv, D)
-        return int(SINGLE_MARGIN * terms + sched.patterns_nbytes + 8 * G * sched.Lq
-                   + FIXED_BYTES)
+        # the forward's out is not live at its peak (the softmax): its bytes are not held;
+        # where rows see nothing, ``where(seen, out, 0)`` copies out while out is live
+        out = 0 if backward else G * sched.Lq * D * _item(dtype)
+        seen = out if sched.num_empty_rows else 0
+        # ... but is at ``P v``, with P (float32) or its cast, and the k/v terms
+        per_kv = SINGLE_BYTES[dtype, bool(backward)][2]
+        pv = _item(dtype) * G * sched.Lq * sched.Lkv + per_kv * Gk * sched.Lkv * D * _F32
+        return int(max(SINGLE_MARGIN * terms - out, seen, 0 if backward else pv)
+                   + sched.patterns_nbytes + 8 * G * sched.Lq + LOOP_FIXED_BYTES)
     if not backward and _steps.row_passes(sched):
         return _row_pass_bytes(sched, G, Gk, D, dtype)
-    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    cq, ckv = sched.chunk_q, sched.chunk_kv
-    tables = sched.patterns_nbytes + TABLE_BYTES_PER_STEP * steps
-    rows = backward and _steps.row_passes(sched)
-    if rows:  # inline steps on the unpadded tensors, the largest one's block
-        plan = _steps.row_pass_plan(sched)
-        lq, lkv = sched.Lq, sched.Lkv
-        cq, ckv = max(((p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]) for p in plan),
-                      key=lambda rc: rc[0] * rc[1])
-        tables = sum(p.pattern_nbytes for p in plan)
-    pad_q, pad_kv = lq > sched.Lq, lkv > sched.Lkv
-    block = G * cq * ckv * _F32
-    if not backward:
-        state = G * lq * (D + 2) * _F32  # m, l, acc
-        padded = pad_q * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
-        temps = FORWARD_BLOCKS * block + FORWARD_ROWS * (G * cq + Gk * ckv) * D * _F32
-        temps += (FORWARD_FULL_ROWS * G * lq + FORWARD_FULL_KV_ROWS * Gk * lkv) * D * _F32
-    else:
-        state = (G * lq * D + 2 * Gk * lkv * D + 2 * G * lq) * _F32  # dq, dk, dv; Dvec, lse
-        padded = pad_q * 3 * G * lq * D * item + pad_kv * 2 * Gk * lkv * D * item
-        temps = (BACKWARD_BLOCKS[dtype] + rows * ROW_STEP_BLOCKS) * block + (
-            BACKWARD_ROWS * G * cq + (BACKWARD_ROWS + rows * ROW_STEP_KV_ROWS) * Gk * ckv) \
-            * D * _F32
-        temps += (BACKWARD_FULL_ROWS * G * lq + BACKWARD_FULL_KV_ROWS * Gk * lkv) * D * _F32
-    return int(MARGIN * (state + padded + tables + temps) + FIXED_BYTES)
+    shape = _LoopShape.of(sched, G, Gk, D, dtype, backward, steps)
+    phases = _backward_phases(shape) if backward else _forward_phases(shape)
+    return int(max(phases.values()) + LOOP_FIXED_BYTES)
+
+
+@dataclass(frozen=True)
+class _LoopShape:
+    """Byte sizes a looped pass (or the backward's inline row steps) is made of.
+
+    Attributes:
+        q, kv: bytes of one unpadded ``[G, Lq, D]`` / ``[Gk, Lkv, D]`` tensor in the input
+            dtype; q_pad, kv_pad: the same padded to whole chunks (equal without padding;
+            the row steps run unpadded).
+        q32, kv32, q32_pad, kv32_pad: the same in float32.
+        rows, rows_pad: bytes of a float32 ``[G, Lq, 1]`` (unpadded, padded).
+        block: a float32 ``[G, rows, cols]`` score block of the largest step;
+        step_q, step_kv: float32 ``[G, rows, D]``, ``[Gk, cols, D]`` of the longest rows and
+            columns of any step.
+        outputs: the pass's outputs (out and lse; dq, dk, dv), which are not live until
+            its end.
+        constants: the step tables and the static patterns.
+        item: the input dtype's bytes; dtype: its name; gqa: ``Gk < G`` (the steps fold
+            q's groups, with copies of the folded q rows); row_steps: the backward's inline
+            row steps (static slices, no loop).
+    """
+
+    q: int
+    kv: int
+    q_pad: int
+    kv_pad: int
+    q32: int
+    kv32: int
+    q32_pad: int
+    kv32_pad: int
+    rows: int
+    rows_pad: int
+    block: int
+    step_q: int
+    step_kv: int
+    outputs: int
+    constants: int
+    item: int
+    dtype: str
+    gqa: bool
+    row_steps: bool = False
+
+    @classmethod
+    def of(cls, sched, G, Gk, D, dtype, backward, steps):
+        item = _item(dtype)
+        lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+        groups = _steps.step_groups(sched, "kv_major" if backward else "q_major")
+        # the largest step's block, and the longest rows and columns of any step
+        block = max(g.rows * g.cols for g in groups)
+        cq, ckv = max(g.rows for g in groups), max(g.cols for g in groups)
+        constants = sched.patterns_nbytes + TABLE_BYTES_PER_STEP * steps
+        row_steps = backward and _steps.row_passes(sched)
+        if row_steps:  # inline steps on the unpadded tensors
+            plan = _steps.row_pass_plan(sched)
+            lq, lkv = sched.Lq, sched.Lkv
+            sizes = [(p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]) for p in plan]
+            block = max(r * c for r, c in sizes)
+            cq, ckv = max(r for r, _ in sizes), max(c for _, c in sizes)
+            constants = sum(p.pattern.nbytes for p in plan if p.pattern is not None)
+        Lq, Lkv = sched.Lq, sched.Lkv
+        outputs = ((G * Lq + 2 * Gk * Lkv) * D * item if backward
+                   else G * Lq * (D * item + _F32))
+        return cls(q=G * Lq * D * item, kv=Gk * Lkv * D * item, q_pad=G * lq * D * item,
+                   kv_pad=Gk * lkv * D * item, q32=G * Lq * D * _F32, kv32=Gk * Lkv * D * _F32,
+                   q32_pad=G * lq * D * _F32, kv32_pad=Gk * lkv * D * _F32,
+                   rows=G * Lq * _F32, rows_pad=G * lq * _F32, block=G * block * _F32,
+                   step_q=G * cq * D * _F32, step_kv=Gk * ckv * D * _F32, outputs=outputs,
+                   constants=constants, item=item, dtype=dtype, gqa=Gk < G,
+                   row_steps=row_steps)
+
+
+def _stack(one, padded):
+    """Peak bytes of ``blocks.stack`` of two ``one``-byte tensors padded to ``padded`` each
+    (``blocks.pad_rows``): each part's reshape copy and their concat (``4 one``), or with
+    padding the concat, the zeros and the padded concat (``2 one + 2 (padded - one) + 2
+    padded``): ``4 padded`` either way."""
+    return 4 * padded if padded > one else 4 * one
+
+
+def _forward_phases(s):
+    """Bytes beyond the inputs at the forward's peaks, by phase (``graph/forward.py``
+    ``FlashAttention.build``, looped branch, in op order; an op's output is allocated before
+    its dead inputs are freed, as the emulator's liveness counts). The outputs are not live
+    before their ops: every phase is counted less their bytes (at the finish, the live
+    float32 out is counted in its terms)."""
+    state = s.q32_pad + 2 * s.rows_pad  # acc | l | m, float32 [G, Lq_pad, D + 2]
+    q_pad = s.q_pad if s.q_pad > s.q else 0  # blocks.pad_rows(q): a padded copy
+    kv = 2 * s.kv_pad  # the stacked [k; v], padded
+    phases = {
+        # k * scale (a copy, where the scale folds) while q is padded: zeros and concat
+        "pad q": s.kv + 2 * q_pad,
+        # stack([k, v]): reshape copies and the concat (and its padding), q_pad held
+        "stack kv": q_pad + _stack(s.kv, s.kv_pad),
+        # state = where(is_m, INITIAL_MAX, init(0)): both full-length tensors at once
+        "init state": q_pad + kv + 2 * state,
+        # the loops: state, operands, one step's temporaries
+        "loop": q_pad + kv + state + _forward_step(s),
+        # finish: the state's m, l, acc sliced (copies) while it is live
+        "finish state": 2 * state,
+        # then, the state freed: acc's slice (or its unpadded copy) and acc / l (float32 out,
+        # or cast to float16 out after acc is freed), m, l and the lse's terms
+        "finish": s.q32_pad + s.q32 + 4 * s.rows_pad,
+    }
+    phases = {k: v - s.outputs for k, v in phases.items()}
+    # the constants (tables, patterns) live for the whole run
+    return {k: v + s.constants for k, v in phases.items()}
+
+
+#: A forward step's temporaries at its peak (``forward.softmax_block`` on the step's slices),
+#: by (dtype, grouped-query): float32 score blocks (the scores and their shifted or masked
+#: copy, the probabilities and their cast), float32 q rows ``[G, rows, D]`` (the state slice
+#: ``acc | l | m``, its ``acc | l`` and ``m`` slices, ``p v``, the update and its concats, the
+#: folded q copy) and k/v rows ``[Gk, cols, D]`` in float32 bytes (the ``[k_j; v_j]`` slice,
+#: the copies of its parts, k_j's transpose): the least upper bound of the emulator's over the
+#: drawn shapes of ``tests/test_memory_model.py``.
+FORWARD_STEP = {("float16", False): (2.25, 3.0, 1.5), ("float16", True): (2.0, 2.75, 3.5),
+                ("float32", False): (2.25, 2.5, 3.5), ("float32", True): (2.0, 3.0, 3.5)}
+
+
+def _forward_step(s):
+    """Upper bound of one forward step's temporaries (:data:`FORWARD_STEP`)."""
+    blocks, q_rows, kv_rows = FORWARD_STEP[s.dtype, s.gqa]
+    return blocks * s.block + q_rows * s.step_q + kv_rows * s.step_kv
+
+
+def _backward_phases(s):
+    """Bytes beyond the inputs at the backward's peaks, by phase (``graph/backward.py``
+    ``FlashAttentionGrad.build``, looped and row-step branches, in op order). The outputs
+    (dq, dk, dv) are not live before the finish's casts: every phase but the last is
+    counted less their bytes."""
+    f16 = s.item == 2
+    q_pad = s.q_pad > s.q
+    dvec = s.rows  # Dvec = rowsum(dout * out), float32 [G, Lq, 1]
+    lse = 2 * s.rows  # lse reshaped (a copy), and its where where rows may see nothing
+    stats = 2 * s.rows_pad + (2 * s.rows_pad if q_pad else 0)  # lse | Dvec (and padded)
+    qdo = 2 * s.q_pad  # the stacked [do; q], padded
+    kv = 2 * s.kv_pad  # the stacked [k; v], padded
+    state = s.q32_pad + 2 * s.kv32_pad  # dq, [dv; dk] float32
+    phases = {
+        # float32 casts of dout and out (float16) and their product
+        "dvec": (2 * f16 + 1) * s.q32 + dvec,
+        # k * scale (a copy, where the scale folds), then stack([do, q]) (and its padding)
+        "stack qdo": dvec + lse + s.kv + _stack(s.q, s.q_pad),
+        # stack([k, v]) with [do; q] and lse | Dvec held
+        "stack kv": qdo + stats + _stack(s.kv, s.kv_pad),
+        # the loops (or row steps): operands, state, one step's temporaries
+        "loop": qdo + stats + kv + state + _backward_step(s),
+        # finish: [dv; dk] and the slice and reshape copies of its parts, dq held
+        "split dkdv": state + 2 * s.kv32_pad,
+    }
+    phases = {k: v - s.outputs for k, v in phases.items()}
+    # then dq, dk, dv, a scaled copy, an unpadded copy, and the casts (the outputs)
+    phases["finish"] = state + max(s.q32_pad, s.kv32_pad) + max(s.q32, s.kv32) * (
+        s.q_pad > s.q or s.kv_pad > s.kv)
+    return {k: v + s.constants for k, v in phases.items()}
+
+
+#: A backward step's temporaries at its peak (``backward.grad_block`` on the step's slices),
+#: by (dtype, grouped-query): float32 score blocks (P, dP, dS, the stacked ``[P; dS]`` and the
+#: reshape copies of its parts, its cast), float32 q rows ``[G, rows, D]`` (the ``[do; q]``
+#: and ``dq`` slices, their parts, the folded copies, ``dS k_j``) and k/v rows ``[Gk, cols,
+#: D]`` (the ``[k; v]`` and ``[dv; dk]`` slices, their parts, the ``[dv; dk]`` product and
+#: sum): the least upper bound of the emulator's over the drawn shapes of
+#: ``tests/test_memory_model.py``.
+BACKWARD_STEP = {("float16", False): (3.75, 3.5, 6.0), ("float16", True): (4.25, 4.0, 5.5),
+                 ("float32", False): (4.75, 6.5, 7.0), ("float32", True): (4.75, 6.0, 4.5)}
+
+
+#: The same for the backward's inline row steps (``blocks.row_steps``: static slices of the
+#: unpadded operands and state, every row pass's), fitted alike.
+ROW_STEP = {("float16", False): (4.0, 0.5, 8.0), ("float16", True): (4.25, 9.5, 6.5),
+            ("float32", False): (4.75, 0.0, 6.0), ("float32", True): (4.25, 4.0, 12.0)}
+
+
+def _backward_step(s):
+    """Upper bound of one backward step's temporaries (:data:`BACKWARD_STEP`,
+    :data:`ROW_STEP`)."""
+    blocks, q_rows, kv_rows = (ROW_STEP if s.row_steps else BACKWARD_STEP)[s.dtype, s.gqa]
+    return blocks * s.block + q_rows * s.step_q + kv_rows * s.step_kv
 
 
 def _single_terms(dtype, backward, G, Gk, rows, cols, D):
@@ -170,22 +393,30 @@ def _row_pass_bytes(sched, G, Gk, D, dtype):
             continue
         worst = max(worst, _single_terms(dtype, False, G, Gk, rows, cols, D))
         constants += rp.pattern_nbytes + rp.seen_nbytes
-    results = G * sched.Lq * (D * item + _F32)  # out and lse of every pass
+    # out and lse of every pass, live until the concats, are at most the outputs' bytes, which
+    # are not live before the concats: at the largest pass, the earlier passes' results are
+    # within the outputs' bytes; at the concats, the results are the extra
+    results = G * sched.Lq * (D * item + _F32)
     kv_rows = ROW_PASS_KV_ROWS[dtype] * Gk * sched.Lkv * D * _F32
-    return int(SINGLE_MARGIN * worst + kv_rows + results + constants + 8 * G * sched.Lq
-               + FIXED_BYTES)
+    return int(max(SINGLE_MARGIN * worst + kv_rows, results) + constants + 8 * G * sched.Lq
+               + LOOP_FIXED_BYTES)
 
 
 def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):
-    """A cheap lower bound of :func:`flash_bytes` (no schedule needed): the backward's float32
-    gradient state and its block temporaries. The choice skips candidates above the budget by
-    it without planning them (a block as long as a 32K sequence would make the planner
-    materialise its mask)."""
+    """A cheap lower bound of :func:`flash_bytes`'s larger pass (no schedule needed), either
+    dtype: one block's score terms for a one-block pass; else the backward's float32 ``dq, dk,
+    dv`` state (live in its loop phase together with at least the ``[do; q]`` and ``[k; v]``
+    operands, which outweigh the outputs' bytes it is counted less) and the least step block
+    term. The choice skips candidates above the budget by it without planning them (a block as
+    long as a 32K sequence would make the planner materialise its mask)."""
+    block = groups * chunk_q * chunk_kv * _F32
+    single = min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32
+    if chunk_q >= q_len and chunk_kv >= kv_len:
+        return int(single * block)
     state = (groups * q_len * head_dim + 2 * kv_groups * kv_len * head_dim) * _F32
-    # the least of any structure's block term, either dtype: one block's, or a step's
-    blocks = min(min(BACKWARD_BLOCKS.values()),
-                 min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32)
-    return int(state + blocks * groups * chunk_q * chunk_kv * _F32)
+    steps = min(min(b for b, _, _ in BACKWARD_STEP.values()),
+                min(b for b, _, _ in ROW_STEP.values()))
+    return int(state + steps * block)
 
 
 def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):

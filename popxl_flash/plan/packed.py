@@ -310,8 +310,10 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     """The model's figures for one chunking of a packed call (a
     :class:`popxl_flash.plan.costmodel.Candidate`), priced against ``packing`` (or the given
     run-time ``classes``, int ``[nq, nkv]``)."""
-    budget = _memory.check_budget(memory_budget)
     Gk = groups if kv_groups is None else kv_groups
+    budgets = _memory.pass_budgets(_memory.check_budget(memory_budget), groups=groups,
+                                   kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=head_dim,
+                                   dtype=dtype)
     window = tuple(window)
     s_causal, s_window = _static_mask(causal, window, segments)
     sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=s_causal, window=s_window)
@@ -332,7 +334,7 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
         chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq, num_chunks_kv=sched.nkv,
         flop_ratio=fwd.matmul_flops / useful if useful else 1.0, forward=fwd, backward=bwd,
         time_forward=_ipu_time.time(fwd, dtype), time_backward=_ipu_time.time(bwd, dtype),
-        memory_forward=mem[0], memory_backward=mem[1], fits=max(mem) <= budget)
+        memory_forward=mem[0], memory_backward=mem[1], fits=_costmodel._fits(mem, budgets))
 
 
 #: The earlier rule's longest automatic chunk with segment ids (64 rows, a FLOP rule that
@@ -351,7 +353,8 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal, window, segments, packin
         segments: its :class:`~popxl_flash.plan.segments.SegmentConfig`.
         packing: the :class:`Packing` assumption priced.
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
-        memory_budget: bytes (``None``: :func:`popxl_flash.plan.memory.default_budget`).
+        memory_budget: bytes (``None``: each pass's default,
+            :func:`popxl_flash.plan.memory.default_budget`).
 
     Returns:
         :class:`popxl_flash.plan.costmodel.ChunkChoice` (``seed``: the earlier 64-row rule;
@@ -360,32 +363,26 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal, window, segments, packin
         ``chosen.fits`` is false (the entry points raise ``ValueError`` for an explicit
         budget).
     """
-    budget = _memory.check_budget(memory_budget)
+    explicit = _memory.check_budget(memory_budget)
     window = (-1, -1) if window is None else tuple(window)
     Gk = groups if kv_groups is None else kv_groups
+    budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
+                                   kv_len=Lkv, head_dim=head_dim, dtype=dtype)
     args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
                 segments=segments, packing=packing, kv_groups=Gk, scale=scale,
-                memory_budget=budget)
+                memory_budget=explicit)
     pairs = _costmodel.candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
 
     def bound(pair):
         return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
                                          chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
-    kept = [pair for pair in pairs if bound(pair) <= budget] or sorted(pairs, key=bound)[:4]
+    kept = [pair for pair in pairs if bound(pair) <= max(budgets)] or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
-    fitting = [c for c in candidates if c.fits]
-    if fitting:
-        chosen = min(fitting, key=lambda c: (c.seconds, c.memory_bytes))
-        reason = f"least modelled forward + backward time within memory_budget; {packing.describe()}"
-    else:
-        least = min(c.memory_bytes for c in candidates)
-        near = [c for c in candidates if c.memory_bytes <= _costmodel.NOTHING_FITS_SLACK * least]
-        chosen = min(near, key=lambda c: (c.seconds, c.memory_bytes))
-        reason = (f"NOTHING FITS memory_budget={budget:,} bytes (the least any chunking needs "
-                  f"is {least:,}): the least modelled time within "
-                  f"{_costmodel.NOTHING_FITS_SLACK}x of that; {packing.describe()}")
+    chosen, reason = _costmodel._pick(candidates, budgets, explicit is not None)
+    reason = f"{reason}; {packing.describe()}"
     earlier = evaluate(Lq, Lkv, chunk_q or min(Lq, EARLIER_CHUNK_LEN),
                        chunk_kv or min(Lkv, EARLIER_CHUNK_LEN), **args)
     return _costmodel.ChunkChoice(chosen=chosen, candidates=candidates, reason=reason,
-                                  budget=budget, seed=earlier, naive=None,
-                                  label=_ipu_time.label(), seed_name="earlier 64-row rule")
+                                  budget=budgets[0], seed=earlier, naive=None,
+                                  label=_ipu_time.label(), seed_name="earlier 64-row rule",
+                                  budget_backward=budgets[1], default_budget=explicit is None)
