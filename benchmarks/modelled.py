@@ -127,8 +127,7 @@ def markdown(decode=True):
         "compute sets, vector work and copies per op as PopART lowers it "
         "(`popxl_flash/lowering.py`, each row with its source). Batch 1, float16, "
         "default `memory_budget` (per pass, twice the pass's own inputs' and outputs' bytes "
-        f"plus {memory.DEFAULT_FIXED_BYTES // MiB} MiB beyond them, at most "
-        f"{c.device_bytes * memory.DEFAULT_DEVICE_FRACTION / MiB:,.0f} MiB).",
+        f"plus {memory.DEFAULT_FIXED_BYTES // MiB} MiB beyond them).",
         "",
         "## Prefill and training: forward and stash backward",
         "",

@@ -82,17 +82,16 @@ def test_seed_demo_shape_no_more_forward_compute_sets_than_the_seed_rule():
 
 def test_nothing_fits_is_said():
     """A call no chunking fits: within an explicit budget, the fastest within 1.25x of the
-    least memory, flagged in the reason and the table; within the default (capped at a
-    quarter of an IPU here), the least memory, and the default never raises."""
+    least memory, flagged in the reason and the table; within the default, the least memory
+    (``costmodel.fallback``: the default never raises)."""
     huge = pf.explain(65536, 65536, head_dim=128, groups=512, memory_budget=2 ** 30)
     assert not any(c.fits for c in huge.candidates)
     least = min(c.memory_bytes for c in huge.candidates)
     assert huge.chosen.memory_bytes <= costmodel.NOTHING_FITS_SLACK * least
     assert "NOTHING FITS" in huge.reason and "NO" in huge.table()
-    default = pf.explain(65536, 65536, head_dim=128, groups=512)
-    assert not any(c.fits for c in default.candidates)
-    assert default.chosen.memory_bytes == min(c.memory_bytes for c in default.candidates)
-    assert "no chunking meets the default memory budget" in default.reason
+    chosen, reason = costmodel.fallback(huge.candidates, (2 ** 30, 2 ** 30), explicit=False)
+    assert chosen.memory_bytes == least
+    assert "no chunking meets the default memory budget" in reason
 
 
 def test_fixed_axis_and_validation():

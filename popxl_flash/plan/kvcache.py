@@ -78,14 +78,13 @@ class Dims:
         """The default ``memory_budget`` of a decode call, as every pass's
         (:func:`popxl_flash.plan.memory.default_budget`): twice its own inputs' and outputs'
         bytes (q, the k and v caches, the new k and v rows, out and its float32 lse) plus
-        :data:`popxl_flash.plan.memory.DEFAULT_FIXED_BYTES`, at most a quarter of one IPU."""
+        :data:`popxl_flash.plan.memory.DEFAULT_FIXED_BYTES`."""
         from popxl_flash.plan import memory
         item = 2 if dtype == "float16" else 4
         q = self.batch * self.q_len * self.q_heads * self.head_dim
         kv = self.batch * (self.cache_len + self.new_len) * self.kv_heads * self.head_dim
         io = (2 * q + 2 * kv) * item + 4 * self.batch * self.q_len * self.q_heads
-        device = memory.ipu_time.current().device_bytes * memory.DEFAULT_DEVICE_FRACTION
-        return int(min(memory.DEFAULT_IO_FACTOR * io + memory.DEFAULT_FIXED_BYTES, device))
+        return int(memory.DEFAULT_IO_FACTOR * io + memory.DEFAULT_FIXED_BYTES)
 
 
 #: How :func:`check_dims` names the sizes of a ``flash_attn_with_kvcache`` call (its tensors'

@@ -378,11 +378,12 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal, window, segments, packin
                                          chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
     kept = [pair for pair in pairs if bound(pair) <= max(budgets)] or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
-    chosen, reason = _costmodel._pick(candidates, budgets, explicit is not None)
+    chosen, reason, worst = _costmodel._pick(candidates, budgets, explicit is not None)
     reason = f"{reason}; {packing.describe()}"
     earlier = evaluate(Lq, Lkv, chunk_q or min(Lq, EARLIER_CHUNK_LEN),
                        chunk_kv or min(Lkv, EARLIER_CHUNK_LEN), **args)
     return _costmodel.ChunkChoice(chosen=chosen, candidates=candidates, reason=reason,
                                   budget=budgets[0], seed=earlier, naive=None,
                                   label=_ipu_time.label(), seed_name="earlier 64-row rule",
-                                  budget_backward=budgets[1], default_budget=explicit is None)
+                                  budget_backward=budgets[1], default_budget=explicit is None,
+                                  worst_ratio=worst)
