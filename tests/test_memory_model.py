@@ -17,7 +17,7 @@ default budget's promise.
 **Known gap.** The bound was fitted to the graphs before their re-indexing became PopXL's `_`
 views (`slice_`, `reshape_`, `transpose_`, `concat_`: no Copy programs, no bytes). It still
 holds above the emulator's peak (asserted), but it is looser than :data:`TIGHT` on some
-structures and shapes, and dropout's position hash holds float32 ``[2, G, Lq, 1]`` and
+structures and shapes, and dropout's position hash holds uint32 ``[2, G, Lq, 1]`` and
 ``[2, 1, 1, Lkv]`` tables the bound does not count (the chooser does not see modifiers).
 :data:`STALE_FIT` marks those assertions as strict expected failures until the bound is
 refitted: they run, and fail the suite if they start to pass.
@@ -76,29 +76,23 @@ def _measured_and_model(args):
     return sched, measured, model
 
 
-def _gqa_single_backward(args):
-    """A grouped-query one-block backward (the bound's known gap on the _-view graphs)."""
-    (G, Gk), Lq, Lkv, _, nq, nkv, _, _, backward = args
-    return backward and Gk < G and min(nq, Lq) == 1 and min(nkv, Lkv) == 1
-
-
 @settings(max_examples=200, deadline=None)
-@given(calls.filter(lambda args: not _gqa_single_backward(args)))
+@given(calls)
 def test_bound_holds_over_structures(args):
-    """Never below the emulator's peak beyond inputs and outputs, every structure but the
-    grouped-query one-block backward (below)."""
+    """Never below the emulator's peak beyond inputs and outputs, every structure (the
+    one-block backward at a short Lkv and D = 128 once fell 16 bytes short: G Lq = 116, 16
+    x 128, float16)."""
     _, measured, model = _measured_and_model(args)
     assert measured <= model, (measured, model)
 
 
-@STALE_FIT
-def test_bound_holds_for_grouped_query_one_block_backward():
-    """The known gap: on the _-view graphs the one-block backward with grouped-query k/v
-    holds up to ~1% more than the bound's earlier fit (G=2, Gk=1, 58 x 16, D=128, float16:
-    140,300 bytes measured against 140,284)."""
-    _, measured, model = _measured_and_model(((2, 1), 58, 16, 128, 1, 1, "float16", False,
-                                              True))
-    assert measured <= model, (measured, model)
+def test_bound_holds_for_one_block_backward_at_short_kv():
+    """The cases the drawn ones found on the _-view graphs (one-block backward, Lkv = 16,
+    D = 128, float16: G Lq = 116 rows, grouped-query and not)."""
+    for args in (((2, 1), 58, 16, 128, 1, 1, "float16", False, True),
+                 ((1, 1), 116, 16, 128, 1, 1, "float16", False, True)):
+        _, measured, model = _measured_and_model(args)
+        assert measured <= model, (args, measured, model)
 
 
 @STALE_FIT
@@ -255,8 +249,7 @@ def test_modes_in_loops_are_bounded(mode, G, L, D, n, dtype, backward):
 
 @pytest.mark.parametrize("mode, G, L, D, n, dtype, backward", _stale(
     [c for c in MODE_CASES if c[0] != "segments"],
-    lambda mode, G, L, D, n, dtype, backward: backward and dtype == "float32"
-    and mode != "dropout"))
+    lambda mode, G, L, D, n, dtype, backward: backward and dtype == "float32"))
 def test_modes_in_loops_are_tight(mode, G, L, D, n, dtype, backward):
     """Looped passes with a score modifier or dropout: the bound is within TIGHT x +
     TIGHT_FLOOR (segment ids: up to ~2x loose, not checked)."""
