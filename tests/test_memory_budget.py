@@ -1,4 +1,4 @@
-"""``memory_budget=`` and the reference model of IPU time.
+"""``memory_budget=`` and the IPU time model.
 
 * The memory model (:mod:`popxl_flash.plan.memory`) is an upper bound of what the emulator
   measures: ``peak_live_bytes`` minus the bytes of the call's inputs and outputs (constants

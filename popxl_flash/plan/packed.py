@@ -32,7 +32,6 @@ pass's upper bound (:func:`popxl_flash.plan.memory.flash_bytes`) plus :func:`seg
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,12 +181,6 @@ SEG_FIXED = {
 
 
 
-def _folds(scale, head_dim):
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    mantissa, _ = math.frexp(abs(scale))
-    return mantissa == 0.5 and abs(scale) <= 1.0
-
-
 def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
                 kv_groups=None, causal=False, window=(-1, -1), scale=None, step_groups=None):
     """Modelled run-profile counts of one packed (segment-id) pass for given block classes.
@@ -217,7 +210,7 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
     window = tuple(window)
     classes = np.asarray(classes)
     pos = bool(segments.positions)
-    folds = _folds(scale, D)
+    folds = _counts.folds_scale(scale, D)
     f16 = dtype == "float16"
     mops = _costmodel.mask_ops(pos, causal, window, backward)
     fixed = SEG_FIXED[backward]
