@@ -64,13 +64,17 @@ def measure(G, Gk, Lq, Lkv, D, dtype, options):
         ``(forward, backward)``, each ``{metric: value}``.
     """
     import popxl_flash as pf
+    from popxl_flash.backend import popxl
+
+    def call(module, *inputs):  # the modules (which take ``lean``), as the functions call them
+        return list(popxl.ops.call(popxl.gcg().ir.create_graph(module, *inputs), *inputs))
 
     def forward(q, k, v):
-        return pf.flash_attention(q, k, v, return_lse=True, **options)
+        return call(pf.FlashAttention(**options), q, k, v)
 
     def backward(do, q, k, v):
-        out, lse = pf.flash_attention(q, k, v, return_lse=True, **options)
-        return pf.flash_attention_grad(do, q, k, v, out, lse, **options)
+        out, lse = forward(q, k, v)
+        return call(pf.FlashAttentionGrad(**options), do, q, k, v, out, lse)
 
     return _two_passes(forward, backward, _arrays(G, Gk, Lq, Lkv, D, dtype))
 
@@ -103,6 +107,8 @@ def draw_case(rng):
                    window=window)
     if rng.random() < 0.3:
         options["scale"] = float(rng.choice([0.5, 0.3, 1.0, 0.125]))
+    if rng.random() < 0.35:  # the memory-lean structures
+        options["lean"] = True
     return Gk * r, Gk, Lq, Lkv, D, dtype, options
 
 
@@ -130,7 +136,8 @@ def records_of(G, Gk, Lq, Lkv, D, dtype, options, backward):
     sched = schedule.plan(Lq, Lkv, cfg.chunk_q, cfg.chunk_kv, causal=cfg.causal,
                           window=cfg.window)
     return counts.pass_records(sched, head_dim=D, groups=G, kv_groups=Gk, backward=backward,
-                               scale=options.get("scale"))
+                               scale=options.get("scale"),
+                               lean=cfg.lean_backward if backward else cfg.lean_forward)
 
 
 def solve(rows):

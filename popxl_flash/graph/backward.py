@@ -31,9 +31,10 @@ Per visited block (5 matmuls; statistics and accumulators float32)::
     [dv_j; dk_j] += [P; dS]^T [do_i; q_i]             (one batched matmul; dk's scale after)
     dq_i         += dS k_j                            (k scaled once, or scale after)
 """
-from popxl_flash.graph import blocks, score_mods
+from popxl_flash.graph import blocks, lean, score_mods
 from popxl_flash.backend import popxl
 from popxl_flash.graph.module import AttentionModule
+from popxl_flash.plan import steps
 
 ops = popxl.ops
 
@@ -134,18 +135,93 @@ def grad_block_update(cfg, dq_i, dkdv_j, qdo_i, stats_i, kv_j, *extra, visible=N
         Updated ``(dq_i, dkdv_j)``.
     """
     k_j, v_j = blocks.part(kv_j, 0), blocks.part(kv_j, 1)
+    if cfg.lean_backward:  # no scaled copy of the whole k: this step's slice, exactly
+        k_j = blocks.scaled_k(cfg, k_j)
     dq, dkdv = grad_block(cfg, blocks.part(qdo_i, 1), blocks.part(qdo_i, 0),
                           blocks.columns(stats_i, 0, 1), blocks.columns(stats_i, 1, 2), k_j,
                           v_j.transpose_((0, 2, 1)), qdo_i, extra, visible)
     return dq_i + dq, dkdv_j + dkdv
 
 
-def loop_spec():
+def loop_spec(lean=False):
     """The backward's :class:`blocks.LoopSpec`: state ``dq`` (q rows) and ``[dv; dk]`` (kv
-    rows on axis 2); operands ``[do; q]`` (q rows on axis 2), ``lse | Dvec`` (q rows), ``[k;
-    v]`` (kv rows on axis 2)."""
-    return blocks.LoopSpec(update=grad_block_update, state_axes=(("q", 1), ("kv", 2)),
+    rows on axis 2; lean: one kv piece's accumulator, rows within the piece, ``"kvp"``);
+    operands ``[do; q]`` (q rows on axis 2), ``lse | Dvec`` (q rows), ``[k; v]`` (kv rows on
+    axis 2)."""
+    return blocks.LoopSpec(update=grad_block_update,
+                           state_axes=(("q", 1), ("kvp" if lean else "kv", 2)),
                            operand_axes=(("q", 2), ("q", 1), ("kv", 2)), backward=True)
+
+
+def row_statistic(cfg, dout, out, pieces=None):
+    """``Dvec = rowsum(dout * out)`` float32 ``[G, Lq, 1]``; with ``pieces`` (``[(r0, r1)]``
+    q rows), one piece's float32 casts live at a time, the results joined by a view.
+
+    Args:
+        dout, out: ``[G, Lq, D]`` in the input dtype.
+    """
+    if pieces is None:
+        pieces = [(0, dout.shape[1])]
+    parts = []
+    for r0, r1 in pieces:
+        do_p, o_p = (blocks.unpad_rows(ops.slice_(t, start=[r0], stop=[r1], axis=[1]), r1 - r0)
+                     for t in (dout, out))
+        parts.append(ops.sum(blocks.to_float32(do_p) * blocks.to_float32(o_p), axis=-1,
+                             keepdims=True))  # [G, rows, 1]
+    return blocks.join(parts, axis=1)
+
+
+def _finish_dq(cfg, dq):
+    """dq from its accumulator (lean): ``scale`` applied unless it folded, cast, one q piece
+    at a time, joined by a view."""
+    parts = []
+    for r0, r1 in steps.lean_piece_rows(cfg.num_chunks_q, cfg.chunk_q, cfg.q_len):
+        dq_p = ops.slice_(dq, start=[r0], stop=[r1], axis=[1])  # [G, rows, D] view
+        if not blocks.scale_folds(cfg):
+            dq_p = dq_p * cfg.scale
+        parts.append(blocks.to_input_dtype(cfg, dq_p))
+    return blocks.join(parts, axis=1)
+
+
+def _flush_piece(cfg, acc, piece):
+    """One kv piece's rows of dk and dv from its ``[dv; dk]`` accumulator: dk times the scale,
+    both cast, padding rows dropped.
+
+    Returns:
+        ``(dk_piece, dv_piece)`` ``[Gk, rows, D]`` in the input dtype.
+    """
+    r0, r1 = steps.lean_piece_rows(cfg.num_chunks_kv, cfg.chunk_kv, cfg.kv_len)[piece]
+    dv, dk = (blocks.unpad_rows(blocks.part(acc, n), r1 - r0) for n in (0, 1))
+    return blocks.to_input_dtype(cfg, dk * cfg.scale), blocks.to_input_dtype(cfg, dv)
+
+
+def _run_lean(cfg, operands, extras):
+    """The lean backward's loops (:mod:`popxl_flash.graph.lean`) and results.
+
+    Args:
+        operands: ``[do; q]``, ``lse | Dvec``, ``[k; v]`` (unscaled k), padded.
+        extras: the prepared score-modifier tensors.
+
+    Returns:
+        dq, dk, dv.
+    """
+    G, Gk, D, f32 = cfg.groups, cfg.kv_groups, cfg.head_dim, blocks.float32()
+    dq = ops.init((G, cfg.padded_q_len, D), f32, init_type="zero")
+    acc_shape = (2, Gk, lean.piece_rows(cfg), D)
+    spec = loop_spec(lean=True)
+    loops = lean.PieceLoops(spec, cfg, operands, [dq, popxl.TensorSpec(acc_shape, f32)],
+                            extras)
+    dks, dvs = [], []
+    with blocks.in_order():
+        for piece in range(len(steps.lean_pieces(cfg.num_chunks_kv))):
+            acc = ops.init(acc_shape, f32, init_type="zero")  # [dv; dk] of this piece
+            loops.run_piece(piece, operands, [dq, acc], extras)
+            dk, dv = _flush_piece(cfg, acc, piece)
+            dks.append(dk)
+            dvs.append(dv)
+        with blocks.in_order(False):
+            dq = _finish_dq(cfg, blocks.unpad_rows(dq, cfg.q_len))
+    return dq, blocks.join(dks, axis=1), blocks.join(dvs, axis=1)
 
 
 def _finish(cfg, dq, dk, dv):
@@ -192,13 +268,17 @@ class FlashAttentionGrad(AttentionModule):
         f32 = blocks.float32()
         G, Lq, D = cfg.groups, cfg.q_len, cfg.head_dim
         Gk, Lq_pad, Lkv_pad = cfg.kv_groups, cfg.padded_q_len, cfg.padded_kv_len
-        dvec = ops.sum(blocks.to_float32(dout) * blocks.to_float32(out), axis=-1,
-                       keepdims=True)  # [G, Lq, 1]
+        cfg = self.lean_where_looped(cfg, "lean_backward")
+        lean_pass = cfg.lean_backward
+        pieces = (steps.lean_piece_rows(cfg.num_chunks_q, cfg.chunk_q, Lq) if lean_pass
+                  else None)
+        dvec = row_statistic(cfg, dout, out, pieces)  # [G, Lq, 1]
         lse = lse.reshape_((G, Lq, 1))
         if blocks.rows_may_see_nothing(cfg):
             seen = ops.greater(lse, blocks.scalar(blocks.MASKED_SCORE, f32))
             lse = ops.where(seen, lse, blocks.scalar(0.0, f32))  # -inf -> 0, once
-        k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
+        if not lean_pass:  # lean: each step scales its slice
+            k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
         if self.single_block(cfg):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
                                    _finish(cfg, *grad_block(cfg, q, dout, lse, dvec, k,
@@ -210,6 +290,9 @@ class FlashAttentionGrad(AttentionModule):
         qdo = blocks.pad_rows(blocks.stack([dout, q]), Lq_pad, axis=2)  # [2, G, Lq_pad, D]
         stats = blocks.pad_rows(ops.concat([lse, dvec], axis=2), Lq_pad)  # [G, Lq_pad, 2]
         kv = blocks.pad_rows(blocks.stack([k, v]), Lkv_pad, axis=2)  # [2, Gk, Lkv_pad, D]
+        if lean_pass:
+            prepared = [] if cfg.mods is None else score_mods.prepare(cfg, extras)
+            return _run_lean(cfg, (qdo, stats, kv), prepared)
         state = [ops.init((G, Lq_pad, D), f32, init_type="zero"),  # dq
                  ops.init((2, Gk, Lkv_pad, D), f32, init_type="zero")]  # [dv; dk]
         def finish(dq, dkdv):

@@ -188,28 +188,37 @@ def _gathers_pattern(group):
 
 
 def _step_table(group):
-    """int32 ``[V, 2 or 3]``: per step its first q row, first kv row and (where the group
-    gathers its pattern) its pattern id; one ``dynamic_slice`` reads a step's row."""
+    """int32 ``[V, 2 to 4]``: per step its first q row, first kv row, (where the group
+    gathers its pattern) its pattern id and (a lean backward's group,
+    :class:`popxl_flash.graph.lean.PieceGroup`) its first kv row within its kv piece; one
+    ``dynamic_slice`` reads a step's row."""
     columns_ = [group.q_row, group.kv_row]
     if _gathers_pattern(group):
         columns_.append(group.pattern_id)
+    if getattr(group, "kv_piece_row", None) is not None:
+        columns_.append(group.kv_piece_row)
     return np.stack(columns_, axis=1)
 
 
 def _step_entries(group, t, table=None):
-    """The step's ``(q offset, kv offset, pattern id or None)``, int32 ``[1]`` each: one
-    lookup of the step table's row ``t`` (the entries are views of it). ``table``: a
-    run-time step table (:class:`popxl_flash.plan.segments.SegmentConfig`), whose third
-    column, the block index, is read once per pass instead (:meth:`PassLoops.step_classes`)."""
+    """The step's ``{"q": q offset, "kv": kv offset, "pattern": pattern id or None, "kvp":
+    kv offset within its piece (lean groups)}``, int32 ``[1]`` each: one lookup of the step
+    table's row ``t`` (the entries are views of it). ``table``: a run-time step table
+    (:class:`popxl_flash.plan.segments.SegmentConfig`), whose third column, the block index,
+    is read once per pass instead (:meth:`PassLoops.step_classes`)."""
+    names = ["q", "kv"]
     if table is None:
+        if _gathers_pattern(group):
+            names.append("pattern")
+        if getattr(group, "kv_piece_row", None) is not None:
+            names.append("kvp")
         table = _table(_step_table(group))
-        n = table.shape[1]
-    else:
-        n = 2
     row = ops.dynamic_slice(table, t, axes=[0], sizes=[1], no_overlap=True)
     row = row.reshape_((row.shape[1],))
-    entries = [ops.slice_(row, start=[c], stop=[c + 1], axis=[0]) for c in range(n)]
-    return entries[0], entries[1], (entries[2] if n == 3 else None)
+    entries = {n: ops.slice_(row, start=[c], stop=[c + 1], axis=[0])
+               for c, n in enumerate(names)}
+    entries.setdefault("pattern", None)
+    return entries
 
 
 def _pattern(group, pattern_id):
@@ -243,7 +252,7 @@ def _skipped_step(*state):
     return [ops.identity(x) for x in state]
 
 
-def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *operands):
+def group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *operands):
     """Repeat body: one step of ``group``. Inputs: the step counter ``t [1]`` (carried), the
     read-only operands (by value: the lowering aliases them), the state tensors by reference
     (created here, :func:`popxl.graph_input`), then with segment ids the padded ids (and
@@ -268,9 +277,9 @@ def _group_body(spec, cfg, group, state_specs, seg_specs, extra_specs, t, *opera
         seg, tables = seg[:-n_tables], [entry(x, t) for x in seg[-n_tables:]]
         if cfg.segments.table_steps:
             seg, step_table = seg[:-1], seg[-1]
-    q_offset, kv_offset, pattern_id = _step_entries(group, t, step_table)
-    block_step(spec, cfg, group, operands, state, q_offset, kv_offset,
-               _pattern(group, pattern_id), seg, tables, extras)
+    entries = _step_entries(group, t, step_table)
+    block_step(spec, cfg, group, operands, state, entries["q"], entries["kv"],
+               _pattern(group, entries["pattern"]), seg, tables, extras, entries.get("kvp"))
     return t + 1
 
 
@@ -283,7 +292,7 @@ def _cut(t, offset, axis, length):
 
 
 def block_step(spec, cfg, group, operands, state, q_offset, kv_offset, visible, seg=(),
-               tables=(), extras=()):
+               tables=(), extras=(), kv_piece_offset=None):
     """One step of ``group``: the block's operand and state slices, its update, the state
     written back in place.
 
@@ -295,15 +304,18 @@ def block_step(spec, cfg, group, operands, state, q_offset, kv_offset, visible, 
         seg, tables: with segment ids, the loop's segment tensors and the step's class
             entries (tensor offsets only).
         extras: with score modifiers, their prepared tensors.
+        kv_piece_offset: the step's first kv row within its kv piece (state side ``"kvp"``:
+            a lean backward's per-piece accumulator), int32 ``[1]`` or int.
     """
-    lengths = {"q": group.rows, "kv": group.cols}
-    offsets = {"q": q_offset, "kv": kv_offset}
+    lengths = {"q": group.rows, "kv": group.cols, "kvp": group.cols}
+    offsets = {"q": q_offset, "kv": kv_offset, "kvp": kv_piece_offset}
     operand_slices = [_cut(x, offsets[side], axis, lengths[side])
                       for x, (side, axis) in zip(operands, spec.operand_axes)]
     state_slices = [_cut(x, offsets[side], axis, lengths[side])
                     for x, (side, axis) in zip(state, spec.state_axes)]
     if isinstance(q_offset, int):
-        offsets = {"q": counter(q_offset), "kv": counter(kv_offset)}
+        offsets = {"q": counter(q_offset), "kv": counter(kv_offset),
+                   "kvp": None if kv_piece_offset is None else counter(kv_piece_offset)}
     seg_operands = []
     if seg:
         seg_operands = segments.step_operands(cfg, seg, offsets["q"], offsets["kv"],
@@ -463,7 +475,7 @@ class PassLoops:
                 n_tables = 2 if second_level(spec, cfg, group) else 1
                 extra = seg_specs + (((group.steps,), popxl.bool),) * n_tables
             self.graphs.append(ir.create_graph(
-                _group_body, spec, cfg, group, state_specs, extra, extra_specs,
+                group_body, spec, cfg, group, state_specs, extra, extra_specs,
                 popxl.TensorSpec((1,), popxl.int32), *[t.spec for t in operands]))
 
     def step_classes(self, classes):
@@ -569,3 +581,9 @@ def to_float32(t):
 def scalar(value, dtype):
     """A rank-0 constant of ``dtype`` in the current graph."""
     return popxl.constant(value, dtype=dtype)
+
+
+def join(pieces, axis):
+    """Pieces of one result joined on ``axis``: one ``concat_`` (a view of the pieces, no
+    copy; PopART's ConcatInplace), or the piece itself when there is one."""
+    return pieces[0] if len(pieces) == 1 else ops.concat_(pieces, axis=axis)

@@ -178,7 +178,10 @@ def online_softmax_update(cfg, state_i, q_i, kv_j, *extra, visible=None):
         The new ``(state_i,)``.
     """
     D = cfg.head_dim
-    k_t = blocks.part(kv_j, 0).transpose_((0, 2, 1))  # [Gk, D, cols] view
+    k_j = blocks.part(kv_j, 0)
+    if cfg.lean_forward:  # no scaled copy of the whole k: this step's slice, exactly
+        k_j = blocks.scaled_k(cfg, k_j)
+    k_t = k_j.transpose_((0, 2, 1))  # [Gk, D, cols] view
     m_new, acc_l = softmax_block(cfg, blocks.columns(state_i, D + 1, D + 2),
                                  blocks.columns(state_i, 0, D + 1), q_i, k_t,
                                  blocks.part(kv_j, 1), extra, visible)
@@ -196,8 +199,20 @@ def finalise(cfg, m, l, acc):
         out ``[G, Lq, D]`` in the input dtype and lse float32 ``[G, Lq]`` (-inf where nothing
         was seen).
     """
-    f32 = blocks.float32()
     m, l, acc = (blocks.unpad_rows(t, cfg.q_len) for t in (m, l, acc))
+    return normalise(cfg, m, l, acc)
+
+
+def normalise(cfg, m, l, acc):
+    """:func:`finalise` on rows already unpadded (all rows, or one piece of them).
+
+    Args:
+        m, l: float32 ``[G, rows, 1]``; acc: float32 ``[G, rows, D]``.
+
+    Returns:
+        out ``[G, rows, D]`` in the input dtype and lse float32 ``[G, rows]``.
+    """
+    f32 = blocks.float32()
     seen = None
     if blocks.rows_may_see_nothing(cfg):  # else every row has l >= 1
         seen = ops.greater(l, blocks.scalar(0.0, f32))  # [G, Lq, 1]
@@ -206,14 +221,39 @@ def finalise(cfg, m, l, acc):
     lse = m + ops.log(l)
     if seen is not None:
         lse = ops.where(seen, lse, blocks.scalar(-np.inf, f32))
-    return out, lse.reshape_((cfg.groups, cfg.q_len))
+    return out, lse.reshape_((cfg.groups, acc.shape[1]))
 
 
 def _finish_state(cfg, state):
-    """:func:`finalise` on the loops' ``acc | l | m`` state (views of it)."""
+    """:func:`finalise` on the loops' ``acc | l | m`` state (views of it); the lean
+    structure normalises one q piece at a time (:func:`popxl_flash.plan.steps.lean_pieces`:
+    one piece's float32 ``acc / l`` live, not the whole), its results joined by views."""
     D = cfg.head_dim
-    return finalise(cfg, blocks.columns(state, D + 1, D + 2), blocks.columns(state, D, D + 1),
-                    blocks.columns(state, 0, D))
+    if not cfg.lean_forward:
+        return finalise(cfg, blocks.columns(state, D + 1, D + 2),
+                        blocks.columns(state, D, D + 1), blocks.columns(state, 0, D))
+    outs, lses = [], []
+    for r0, r1 in steps.lean_piece_rows(cfg.num_chunks_q, cfg.chunk_q, cfg.q_len):
+        rows = ops.slice_(state, start=[r0], stop=[r1], axis=[1])  # [G, rows, D + 2] view
+        out, lse = normalise(cfg, blocks.columns(rows, D + 1, D + 2),
+                             blocks.columns(rows, D, D + 1), blocks.columns(rows, 0, D))
+        outs.append(out)
+        lses.append(lse)
+    return blocks.join(outs, axis=1), blocks.join(lses, axis=1)
+
+
+def initial_state(cfg):
+    """``acc | l | m = 0 | 0 | INITIAL_MAX``, float32 ``[G, Lq_pad, D + 2]``: a ``where`` of
+    zeros and the masked score, or (lean) zeros with the masked score added in place to the
+    m column (one full-length tensor live, not two)."""
+    G, D, Lq_pad, f32 = cfg.groups, cfg.head_dim, cfg.padded_q_len, blocks.float32()
+    zeros = ops.init((G, Lq_pad, D + 2), f32, init_type="zero")
+    if cfg.lean_forward:
+        m_column = np.zeros((1, 1, D + 2), np.float32)
+        m_column[..., D + 1] = blocks.INITIAL_MAX
+        return ops.add_(zeros, popxl.constant(m_column))
+    is_m = popxl.constant(np.arange(D + 2) == D + 1)
+    return ops.where(is_m, blocks.scalar(blocks.INITIAL_MAX, f32), zeros)
 
 
 def loop_spec():
@@ -253,8 +293,9 @@ class FlashAttention(AttentionModule):
     def build(self, q, k, v, *inputs):
         segment_inputs, extras = score_mods.split_inputs(self.options["mods"], inputs)
         cfg = self.config(q, k, v, *inputs)
-        G, D, Lq_pad, f32 = cfg.groups, cfg.head_dim, cfg.padded_q_len, blocks.float32()
-        k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
+        cfg = self.lean_where_looped(cfg, "lean_forward")
+        if not cfg.lean_forward:  # lean: each step scales its slice
+            k = blocks.scaled_k(cfg, k)  # where the scale folds, once per call
         if self.single_block(cfg):
             return self.run_single(cfg, segment_inputs, extras, lambda seg, extra, visible:
                                    single_pass(cfg, q, k.transpose_((0, 2, 1)), v, extra,
@@ -263,11 +304,8 @@ class FlashAttention(AttentionModule):
             prepared = [] if cfg.mods is None else score_mods.prepare(cfg, extras)
             with blocks.in_order():  # one chunk's scores at a time
                 return row_passes(cfg, q, k, v, prepared)
-        q_pad = blocks.pad_rows(q, Lq_pad)
+        q_pad = blocks.pad_rows(q, cfg.padded_q_len)
         kv = blocks.pad_rows(blocks.stack([k, v]), cfg.padded_kv_len, axis=2)  # [2, Gk, L, D]
-        # acc | l | m, float32 [G, Lq_pad, D + 2]: zeros, m at the masked score
-        is_m = popxl.constant(np.arange(D + 2) == D + 1)
-        state = ops.where(is_m, blocks.scalar(blocks.INITIAL_MAX, f32),
-                          ops.init((G, Lq_pad, D + 2), f32, init_type="zero"))
+        state = initial_state(cfg)  # acc | l | m, float32 [G, Lq_pad, D + 2]
         return self.run_pass(cfg, loop_spec(), "q_major", (q_pad, kv), (state,),
                              segment_inputs, lambda state: _finish_state(cfg, state), extras)

@@ -4,6 +4,8 @@ Both take the same options, validate them with the inputs' specs into one
 :class:`~popxl_flash.plan.config.AttentionConfig`, prepare the runtime segment inputs the same way
 and run their pass as the loops of :class:`popxl_flash.graph.blocks.PassLoops`.
 """
+from dataclasses import replace
+
 import numpy as np
 
 from popxl_flash.graph import blocks, score_mods, segments
@@ -24,14 +26,15 @@ class AttentionModule(popxl.Module):
     ``memory_budget`` as :func:`popxl_flash.flash_attention`; ``packing``: with segment ids,
     the :class:`popxl_flash.plan.packed.Packing` the automatic chunks are priced against
     (``None``: one sequence over the whole row; the varlen function passes its
-    ``max_seqlen_*``).
+    ``max_seqlen_*``); ``lean``: the memory-lean structure of looped passes (``None``: where
+    the budget needs it; ``True``/``False``: always/never; :class:`AttentionConfig`).
     """
 
     def __init__(self, *, num_chunks_q=None, num_chunks_kv=None, causal=True, scale=None,
-                 window=None, mods=None, memory_budget=None, packing=None):
+                 window=None, mods=None, memory_budget=None, packing=None, lean=None):
         self.options = dict(num_chunks_q=num_chunks_q, num_chunks_kv=num_chunks_kv,
                             causal=causal, scale=scale, window=window, mods=mods,
-                            memory_budget=memory_budget, packing=packing)
+                            memory_budget=memory_budget, packing=packing, lean=lean)
 
     def attention_config(self, q, k, v, segment_inputs=(), extras=()) -> AttentionConfig:
         """Validate q, k, v, the segment inputs' and the score-modifier inputs' specs against
@@ -70,6 +73,14 @@ class AttentionModule(popxl.Module):
         the forward's straight-line passes, the backward's inline row steps); dropout's
         masks do not depend on the structure (:mod:`popxl_flash.graph.score_mods`)."""
         return steps.row_passes(cfg.schedule, cfg.segments is not None)
+
+    @classmethod
+    def lean_where_looped(cls, cfg, flag):
+        """``cfg`` with its ``flag`` (``"lean_forward"``, ``"lean_backward"``) cleared unless the
+        pass loops: one-block passes and row passes have no memory-lean structure."""
+        if getattr(cfg, flag) and (cls.single_block(cfg) or cls.row_passes(cfg)):
+            return replace(cfg, **{flag: False})
+        return cfg
 
     @staticmethod
     def run_single(cfg, segment_inputs, extras, build):

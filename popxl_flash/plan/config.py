@@ -223,6 +223,12 @@ class AttentionConfig:
             segment ids (and positions) given with the data.
         mods: ``None``, or the :class:`~popxl_flash.plan.score_mods.ScoreMods` of the call
             (softcap, ALiBi, score_mod, dropout).
+        lean_forward, lean_backward: whether that pass, where it loops, runs its memory-lean
+            structure (FlashAttention-2's floor, ``docs/design.md``): no full-length scaled
+            copy of k (each step scales its k slice), float32 full-length work in pieces
+            (:func:`popxl_flash.plan.steps.lean_pieces`), and in the backward dk and dv
+            accumulated one kv piece at a time. Chosen with the chunks where the budget needs
+            it (:func:`popxl_flash.plan.costmodel.choose`).
     """
     groups: int
     kv_groups: int
@@ -239,11 +245,13 @@ class AttentionConfig:
     window: Tuple[int, int]
     segments: Optional[SegmentConfig] = None
     mods: Optional[object] = None
+    lean_forward: bool = False
+    lean_backward: bool = False
 
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                    names=("q", "k", "v"), memory_budget=None):
+                    names=("q", "k", "v"), memory_budget=None, lean=None):
         """Validate shapes, dtypes and options.
 
         Args:
@@ -253,6 +261,9 @@ class AttentionConfig:
             memory_budget: bytes for the automatic chunk choice (``None``: the default,
                 :func:`popxl_flash.plan.memory.default_budget`); an explicit budget that no
                 chunking meets raises ``ValueError``.
+            lean: ``None`` (the memory-lean structure where the chosen chunking needs it to
+                meet the budget; with explicit chunks and no budget, never), ``True`` (both
+                passes lean where they loop) or ``False`` (never).
 
         Returns:
             A validated :class:`AttentionConfig`.
@@ -278,10 +289,13 @@ class AttentionConfig:
         chunk_kv, _ = resolve_num_chunks("num_chunks_kv", Lkv, num_chunks_kv)
         scale, window = check_scale(scale, D), check_window(window)
         budget = None if memory_budget is None else _memory.check_budget(memory_budget)
+        if lean is not None:
+            lean = check_bool("lean", lean)
+        leans = (bool(lean), bool(lean))
         if chunk_q is None or chunk_kv is None or budget is not None:
             choice = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
                                       window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
-                                      kv_groups=Gk, memory_budget=budget)
+                                      kv_groups=Gk, memory_budget=budget, lean=lean)
             if budget is not None and not choice.chosen.fits:
                 raise ValueError(
                     f"memory_budget={budget:,} bytes: no chunking of this call fits it (the "
@@ -291,10 +305,11 @@ class AttentionConfig:
                     "(context parallelism, fewer heads per IPU); pf.explain(...) shows the "
                     "candidates")
             chunk_q, chunk_kv = choice.chosen.chunk_q, choice.chosen.chunk_kv
+            leans = (choice.chosen.lean_forward, choice.chosen.lean_backward)
         return cls(groups=G, kv_groups=Gk, q_len=Lq, kv_len=Lkv, head_dim=D, dtype=dtype,
                    chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=math.ceil(Lq / chunk_q),
                    num_chunks_kv=math.ceil(Lkv / chunk_kv), causal=causal, scale=scale,
-                   window=window)
+                   window=window, lean_forward=leans[0], lean_backward=leans[1])
 
     @classmethod
     def from_packed_shape(cls, qkv_shape, dtype, **options):
@@ -355,6 +370,8 @@ class AttentionConfig:
                              f"kv_segment_ids={_spec_text(kv_segment_ids)}")
         if q_segment_ids is None:
             return self
+        if self.lean_forward or self.lean_backward:  # packed passes price their own chunks
+            self = replace(self, lean_forward=False, lean_backward=False)
         for name, length in (("q_len", self.q_len), ("kv_len", self.kv_len)):
             if length > MAX_LEN:
                 raise ValueError(f"segment ids support lengths up to {MAX_LEN}, got "

@@ -108,6 +108,8 @@ class Candidate(Baseline):
         chunk_q, chunk_kv, num_chunks_q, num_chunks_kv: the chunking.
         flop_ratio: forward executed / useful matmul FLOPs (a one-block pass runs its block
             whole).
+        lean_forward, lean_backward: whether that pass runs its memory-lean structure
+            (:class:`popxl_flash.plan.config.AttentionConfig`; only looped passes have one).
     """
 
     chunk_q: int
@@ -115,6 +117,16 @@ class Candidate(Baseline):
     num_chunks_q: int
     num_chunks_kv: int
     flop_ratio: float
+    lean_forward: bool = False
+    lean_backward: bool = False
+
+    @property
+    def structure(self) -> str:
+        """``"AxB"`` chunks, with ``" lean f"``, ``" lean b"`` or ``" lean f+b"`` where a pass
+        runs its memory-lean structure."""
+        leans = "+".join(p for p, on in (("f", self.lean_forward), ("b", self.lean_backward))
+                         if on)
+        return f"{self.chunk_q}x{self.chunk_kv}" + (f" lean {leans}" if leans else "")
 
     @property
     def compute_sets_forward(self) -> float:
@@ -191,7 +203,7 @@ class ChunkChoice:
         rows = [head]
         for c in sorted(shown, key=lambda c: (c.chunk_q, c.chunk_kv)):
             mark = "*" if c is self.chosen else ("s" if c == self.seed else "")
-            rows.append((mark, f"{c.chunk_q}x{c.chunk_kv}", f"{c.flop_ratio:.4f}",
+            rows.append((mark, c.structure, f"{c.flop_ratio:.4f}",
                          str(c.forward.iterations),
                          f"{c.forward.compute_sets + c.backward.compute_sets:,.0f}",
                          f"{(_flops(c.forward) + _flops(c.backward)) / 1e6:,.1f}",
@@ -201,7 +213,7 @@ class ChunkChoice:
                          "yes" if c.fits else "NO", f"{c.seconds * 1e6:,.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-        lines.append(f"chosen: {self.chosen.chunk_q}x{self.chosen.chunk_kv} ({self.reason}); "
+        lines.append(f"chosen: {self.chosen.structure} ({self.reason}); "
                      + _budget_text(self))
         lines.append(_compare_line("flash (chosen)", self.chosen))
         lines.append(_terms_line(self.chosen))
@@ -376,7 +388,7 @@ def _branch_copies(group, classes, G, Gk, D, item, backward, seg, two_levels):
 
 
 def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, segments=None,
-                classes=None, causal=False, window=(-1, -1)):
+                classes=None, causal=False, window=(-1, -1), lean=False):
     """Lowering copies of one pass by boundary kind, under PopART's rules as the emulator
     models them (``popxl_flash/emulator/copies.py``; the tests hold the two equal).
 
@@ -389,6 +401,8 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
         classes: with segments, int ``[nq, nkv]`` runtime block classes (``RT_SKIP``,
             ``RT_FULL``, ``RT_MASKED``); ``None``: every block ``RT_MASKED``.
         causal, window: the call's mask, with positions (what :func:`second_level` weighs).
+        lean: the memory-lean structure (no segment ids): a backward's groups run one loop
+            per kv piece (:func:`popxl_flash.plan.steps.lean_step_ranges`).
 
     Score modifiers (:mod:`popxl_flash.graph.score_mods`) are not counted: without segment ids their
     loop-invariant inputs are aliased like the operands (no change), but with segment ids the
@@ -407,6 +421,11 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
     if _steps.single_block(sched, seg) or _steps.row_passes(sched, seg):
         return copies  # a straight line: no loop, no branch
     for group in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
+        if lean and backward:
+            for start, stop in _steps.lean_step_ranges(group, sched.nkv):
+                if stop - start > 1:
+                    _loop_copies(stop - start, copies)
+            continue
         if _steps.runs_inline(group, seg):
             continue  # one step, inline: no loop
         _loop_copies(group.steps, copies)
@@ -419,7 +438,7 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
 
 
 def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
-             kv_groups=None, memory_budget=None):
+             kv_groups=None, memory_budget=None, lean=None):
     """The model's figures for one chunking.
 
     Args:
@@ -431,11 +450,13 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
         memory_budget: bytes (``None``: each pass's default,
             :func:`popxl_flash.plan.memory.default_budget`).
+        lean: ``None``: a looped pass that misses its budget runs its memory-lean structure
+            when that needs less (it is never faster: it scales each step's k slice and works
+            in pieces); ``True``/``False``: looped passes always/never lean.
 
     Returns:
         A :class:`Candidate`.
     """
-    from popxl_flash.plan import counts as _counts
     kv_groups = groups if kv_groups is None else kv_groups
     budgets = _memory.pass_budgets(_memory.check_budget(memory_budget), groups=groups,
                                    kv_groups=kv_groups, q_len=Lq, kv_len=Lkv,
@@ -443,16 +464,39 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     sched = _schedule.plan(Lq, Lkv, chunk_q, chunk_kv, causal=causal, window=window)
     args = dict(head_dim=head_dim, groups=groups, kv_groups=kv_groups, dtype=dtype,
                 causal=causal, window=window)
-    fwd, bwd = (_counts.pass_counts(Lq, Lkv, chunk_q, chunk_kv, backward=b, **args)
-                for b in (False, True))
-    mem = [_memory.flash_bytes(sched, groups=groups, kv_groups=kv_groups, head_dim=head_dim,
-                               dtype=dtype, backward=b, steps=c.iterations)
-           for b, c in ((False, fwd), (True, bwd))]
+    looped = not (_steps.single_block(sched) or _steps.row_passes(sched))
+    passes = [_pass_figures(sched, Lq, Lkv, b, budget, looped and lean is not False,
+                            bool(lean), args) for b, budget in ((False, budgets[0]),
+                                                                (True, budgets[1]))]
+    (fwd, mem_f, lean_f), (bwd, mem_b, lean_b) = passes
     return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
                      num_chunks_kv=sched.nkv, flop_ratio=_flop_ratio(sched, fwd, head_dim, groups),
                      forward=fwd, backward=bwd, time_forward=_ipu_time.time(fwd, dtype),
-                     time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem[0],
-                     memory_backward=mem[1], fits=_fits(mem, budgets))
+                     time_backward=_ipu_time.time(bwd, dtype), memory_forward=mem_f,
+                     memory_backward=mem_b, fits=_fits((mem_f, mem_b), budgets),
+                     lean_forward=lean_f, lean_backward=lean_b)
+
+
+def _pass_figures(sched, Lq, Lkv, backward, budget, may_lean, must_lean, args):
+    """``(counts, memory bytes, lean)`` of one pass: its usual structure, or the memory-lean
+    one where ``must_lean``, or where ``may_lean`` and the usual one misses ``budget`` and the
+    lean one needs less."""
+    from popxl_flash.plan import counts as _counts
+
+    def figures(lean):
+        c = _counts.pass_counts(Lq, Lkv, sched.chunk_q, sched.chunk_kv, backward=backward,
+                                lean=lean, **args)
+        m = _memory.flash_bytes(sched, groups=args["groups"], kv_groups=args["kv_groups"],
+                                head_dim=args["head_dim"], dtype=args["dtype"],
+                                backward=backward, steps=c.iterations, lean=lean)
+        return c, m, lean
+    if may_lean and must_lean:
+        return figures(True)
+    usual = figures(False)
+    if not may_lean or usual[1] <= budget:
+        return usual
+    lean = figures(True)
+    return lean if lean[1] < usual[1] else usual
 
 
 def _fits(mem, budgets):
@@ -523,7 +567,7 @@ def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
 
 @functools.lru_cache(maxsize=1024)
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
-           chunk_kv=None, kv_groups=None, memory_budget=None):
+           chunk_kv=None, kv_groups=None, memory_budget=None, lean=None):
     """Choose chunk lengths: the least modelled forward + backward time within the budget.
 
     Cached (the arguments are hashable and the result immutable): the functional API validates
@@ -535,6 +579,8 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
         memory_budget: bytes each pass may hold beyond its inputs and outputs (``None``: the
             default, each pass's :func:`popxl_flash.plan.memory.default_budget`, O(L)).
+        lean: the memory-lean structures, as :func:`evaluate` (``None``: where a chunking
+            needs them to meet the budget).
 
     Returns:
         A :class:`ChunkChoice`. When no candidate fits, ``chosen`` is the one needing the
@@ -547,19 +593,20 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
                                    kv_len=Lkv, head_dim=head_dim, dtype=dtype)
     args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
-                kv_groups=kv_groups, memory_budget=explicit)
+                kv_groups=kv_groups, memory_budget=explicit, lean=lean)
     pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
 
     def bound(pair):
         return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
-                                         chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
+                                         chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim,
+                                         lean=lean is not False)
     # Candidates that cannot fit are not planned; if none can, the few needing the least.
     kept = [pair for pair in pairs if bound(pair) <= max(budgets)]
     kept = kept or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
     chosen, reason, worst = _pick(candidates, budgets, explicit is not None)
     seed_q, seed_kv = _baselines.seed_chunks(Lq, Lkv)
-    seed = evaluate(Lq, Lkv, chunk_q or seed_q, chunk_kv or seed_kv, **args)
+    seed = evaluate(Lq, Lkv, chunk_q or seed_q, chunk_kv or seed_kv, **{**args, "lean": False})
     base = naive(Lq, Lkv, head_dim=head_dim, groups=groups, dtype=dtype, causal=causal,
                  window=window, memory_budget=explicit)
     return ChunkChoice(chosen=chosen, candidates=candidates, reason=reason, budget=budgets[0],

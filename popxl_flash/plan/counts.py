@@ -143,13 +143,16 @@ def folds_scale(scale, head_dim):
     return mantissa == 0.5 and abs(scale) <= 1.0
 
 
-def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, scale=None):
+def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, scale=None,
+                 lean=False):
     """The parts of one pass with their shape terms (see the module docstring).
 
     Args:
         sched: the pass's :class:`popxl_flash.plan.schedule.BlockSchedule`.
         head_dim, groups, kv_groups: D, G and Gk (``None``: G).
         backward: the stash-mode backward pass. scale: the softmax scale (``None``: 1/sqrt(D)).
+        lean: the pass's memory-lean structure (looped passes only; see
+            :class:`popxl_flash.plan.config.AttentionConfig`).
 
     Returns:
         ``[(entry, {term: value})]``.
@@ -185,7 +188,10 @@ def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, sca
         out.append(("fixed_unfolded", pass_terms))
     if rows:
         return out + _row_step_records(sched, G, Gk, D, folds)
-    for g in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
+    if lean:
+        out += _lean_records(sched, G, Gk, D, folds, backward, pass_terms)
+    for g in ([] if lean and backward else
+              _steps.step_groups(sched, "kv_major" if backward else "q_major")):
         terms = _step_terms(G, Gk, D, g.rows, g.cols, g.steps)
         inline = _steps.runs_inline(g)
         out.append(("inline_step" if inline else "step", terms))
@@ -201,6 +207,61 @@ def pass_records(sched, *, head_dim, groups, kv_groups=None, backward=False, sca
                                              ("pad_q", (G, Lq, lq_pad))):
         if padded > length:  # the zero rows and the concat ([k; v]; q or [do; q] and stats)
             out.append((entry, {"1": 1, "ar": groups_ * padded, "ard": groups_ * padded * D}))
+    return out
+
+
+def _lean_records(sched, G, Gk, D, folds, backward, pass_terms):
+    """The memory-lean structure's parts: the pass-level change (``lean``; ``lean_folded``
+    where it no longer scales k once), its pieces (:func:`popxl_flash.plan.steps.lean_pieces`:
+    per q piece, and backward per kv piece with its accumulator's elements ``gkpd``), each
+    step's k scaling where the scale folds (``lean_scale_step``) and, backward, the steps run
+    per kv piece (:func:`_lean_step_records`)."""
+    out = [("lean", pass_terms)]
+    if folds:
+        out.append(("lean_folded", pass_terms))
+    q_pieces = {"1": len(_steps.lean_pieces(sched.nq))}
+    out.append(("lean_piece_q", q_pieces))
+    if q_pieces["1"] > 1:  # the pieces' results joined (concat_: views)
+        out.append(("lean_join_q", {"1": 1}))
+    if backward and not folds:  # each piece of dq scaled
+        out.append(("lean_piece_q_unfolded", q_pieces))
+    if sched.num_empty_rows and not backward:  # each piece's selects of the empty rows
+        out += [("lean_empty_rows", {"1": 1}), ("lean_piece_empty_rows", q_pieces)]
+    if backward:
+        pieces = _steps.lean_pieces(sched.nkv)
+        rows = (pieces[0][1] - pieces[0][0]) * sched.chunk_kv
+        out.append(("lean_piece_kv", {"1": len(pieces), "gkpd": len(pieces) * Gk * rows * D}))
+        if len(pieces) > 1:
+            out.append(("lean_join_kv", {"1": 1}))
+        out += _lean_step_records(sched, G, Gk, D, folds)
+    elif folds:
+        for g in _steps.step_groups(sched, "q_major"):
+            out.append(("lean_scale_step", _step_terms(G, Gk, D, g.rows, g.cols, g.steps)))
+    return out
+
+
+def _lean_step_records(sched, G, Gk, D, folds):
+    """The lean backward's steps: per step group and kv piece, one step inline or a loop of
+    the group's body (its step table one column wider, ``lean_step``)."""
+    out = []
+    for g in _steps.step_groups(sched, "kv_major"):
+        for start, stop in _steps.lean_step_ranges(g, sched.nkv):
+            n = stop - start
+            if not n:
+                continue
+            terms = _step_terms(G, Gk, D, g.rows, g.cols, n)
+            out.append(("inline_step" if n == 1 else "step", terms))
+            if n > 1:
+                out.append(("loop", _step_terms(G, Gk, D, g.rows, g.cols)))
+                out.append(("lean_step", terms))
+            if folds:
+                out.append(("lean_scale_step", terms))
+            else:
+                out.append(("unfolded_step", terms))
+            if g.masked:
+                out.append(("masked_step", terms))
+                if n > 1 and g.num_patterns > 1:
+                    out.append(("gathered_pattern", terms))
     return out
 
 
@@ -249,7 +310,7 @@ def _row_pass_records(sched, G, Gk, D, folds):
 
 def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
                 dtype="float16", causal=True, window=None, backward=False,
-                scale=None) -> PassCounts:
+                scale=None, lean=False) -> PassCounts:
     """Predicted modelled work of one pass (see the module docstring).
 
     Args:
@@ -260,6 +321,7 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
         backward: the stash-mode backward pass instead of the forward.
         scale: the softmax scale (``None``: ``1/sqrt(D)``); whether it folds into k (a power
             of two of magnitude at most 1) changes the counts.
+        lean: the memory-lean structure (looped passes only, :func:`pass_records`).
 
     Returns:
         A :class:`PassCounts`.
@@ -268,11 +330,12 @@ def pass_counts(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, kv_groups=None,
     G, D = groups, head_dim
     Gk = G if kv_groups is None else kv_groups
     records = pass_records(sched, head_dim=D, groups=G, kv_groups=Gk, backward=backward,
-                           scale=scale)
+                           scale=scale, lean=lean)
     fitted = price(records, fit_key("flash", backward, dtype, Gk < G))
     rows_fwd = _steps.row_passes(sched) and not backward
     boundary = 0 if rows_fwd else sum(_costmodel.pass_copies(
-        sched, groups=G, head_dim=D, dtype=dtype, backward=backward, kv_groups=Gk).values())
+        sched, groups=G, head_dim=D, dtype=dtype, backward=backward, kv_groups=Gk,
+        lean=lean and not _steps.single_block(sched)).values())
     return PassCounts(work=work(fitted, dtype, pass_flops(sched, D, G, backward), boundary),
                       iterations=0 if rows_fwd else _steps.loop_steps(sched),
                       boundary_bytes=boundary)

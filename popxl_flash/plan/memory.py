@@ -169,7 +169,7 @@ def _item(dtype):
     return 2 if dtype == "float16" else 4
 
 
-def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
+def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps, lean=False):
     """Upper bound of one flash pass's live bytes beyond its inputs and outputs.
 
     Args:
@@ -178,6 +178,7 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
         backward: the stash-mode backward (else the forward).
         steps: the pass's loop steps (:func:`popxl_flash.plan.steps.loop_steps`; the step
             tables' bytes grow with them).
+        lean: the pass's memory-lean structure (looped passes only: :func:`lean_bytes`).
 
     Returns:
         int bytes.
@@ -201,6 +202,8 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps):
     if not backward and _steps.row_passes(sched):
         return _row_pass_bytes(sched, G, Gk, D, dtype)
     shape = _LoopShape.of(sched, G, Gk, D, dtype, backward, steps)
+    if lean and not shape.row_steps:
+        return lean_bytes(sched, shape, G, Gk, D, backward)
     phases = _backward_phases(shape) if backward else _forward_phases(shape)
     return int(REFIT_MARGIN * max(phases.values()) + LOOP_FIXED_BYTES)
 
@@ -419,7 +422,8 @@ def _row_pass_bytes(sched, G, Gk, D, dtype):
                + 8 * G * sched.Lq + LOOP_FIXED_BYTES)
 
 
-def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):
+def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim,
+                      lean=True):
     """A cheap lower bound of :func:`flash_bytes`'s larger pass (no schedule needed), either
     dtype: one block's score terms for a one-block pass; else the backward's float32 ``dq, dk,
     dv`` state (live in its loop phase together with at least the ``[do; q]`` and ``[k; v]``
@@ -430,7 +434,9 @@ def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, he
     single = min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32
     if chunk_q >= q_len and chunk_kv >= kv_len:
         return int(single * block)
-    state = (groups * q_len * head_dim + 2 * kv_groups * kv_len * head_dim) * _F32
+    state = groups * q_len * head_dim * _F32  # dq (the lean backward's floor)
+    if not lean:  # and [dv; dk] for the whole kv length
+        state += 2 * kv_groups * kv_len * head_dim * _F32
     steps = min(min(b for b, _, _ in BACKWARD_STEP.values()),
                 min(b for b, _, _ in ROW_STEP.values()))
     return int(state + steps * block)
@@ -443,3 +449,56 @@ def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
     rows = groups * max(q_len, kv_len) * head_dim * _F32 * NAIVE_ROWS[bool(backward)]
     return int(NAIVE_BYTES_PER_SCORE[(dtype, bool(backward))] * scores
                + (q_len * kv_len if masked else 0) + rows + FIXED_BYTES)
+
+
+#: Float32 k/v-row elements ``[Gk, cols, D]`` a lean step holds besides the usual step's
+#: (its scaled copy of the k slice, in the input dtype: at most one float32's bytes).
+LEAN_STEP_KV_ROWS = 1.0
+
+
+def lean_bytes(sched, s, G, Gk, D, backward):
+    """Upper bound of a looped pass's live bytes beyond its inputs and outputs in its
+    memory-lean structure (``graph/forward.py``, ``graph/backward.py`` and ``graph/lean.py``):
+    the float32 state that structure needs, one step's temporaries, and one piece
+    (:func:`popxl_flash.plan.steps.lean_pieces`) of the full-length float32 work.
+
+    Args:
+        sched: the schedule; s: its :class:`_LoopShape`; G, Gk, D: the groups and head dim.
+        backward: the backward (else the forward).
+
+    Returns:
+        int bytes.
+    """
+    item = s.item
+    q_piece = max(r1 - r0 for r0, r1 in _steps.lean_piece_rows(sched.nq, sched.chunk_q,
+                                                                sched.Lq))
+    q32_piece = G * q_piece * D * _F32  # float32 [G, piece rows, D]
+    q_pad = s.q_pad if s.q_pad > s.q else 0  # the padded q (and dout) copies
+    kv_pad = 2 * s.kv_pad if s.kv_pad > s.kv else 0  # the padded [k; v]
+    step_kv = LEAN_STEP_KV_ROWS * s.step_kv
+    if not backward:
+        state = s.q32_pad + 2 * s.rows_pad  # acc | l | m
+        phases = {
+            "loop": 2 * q_pad + kv_pad + state + _forward_step(s) + step_kv - s.outputs,
+            # a piece's acc / l (float32), its cast (an output's piece), m, l and lse terms
+            "finish": state + q32_piece + 6 * G * q_piece * _F32,
+        }
+    else:
+        kv_piece = (lambda p: (p[1] - p[0]) * sched.chunk_kv)(_steps.lean_pieces(sched.nkv)[0])
+        acc = 2 * Gk * kv_piece * D * _F32  # one kv piece's [dv; dk]
+        rows = 3 * s.rows + 2 * s.rows_pad  # Dvec, lse (and its where), lse | Dvec (padded)
+        dq = s.q32_pad
+        phases = {
+            # a q piece's float32 casts of dout and out and their product
+            "dvec": 3 * q32_piece + s.rows,
+            # the loops: dq, the statistics, a piece's accumulator, one step; dq's output
+            # is not live before the finish (dk's and dv's pieces so far are outputs)
+            "loop": (2 * q_pad + kv_pad + dq + rows + acc + _backward_step(s) + step_kv
+                     - G * sched.Lq * D * item),
+            # a piece's flush: dk * scale (float32) and the casts (outputs)
+            "flush": dq + rows + acc + Gk * kv_piece * D * _F32 - G * sched.Lq * D * item,
+            # dq's finish: a piece's scaled copy and its cast (an output's piece)
+            "finish": dq + rows + q32_piece,
+        }
+    constants = s.constants
+    return int(REFIT_MARGIN * max(phases.values()) + constants + LOOP_FIXED_BYTES)

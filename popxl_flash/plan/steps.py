@@ -398,3 +398,46 @@ def loops(schedule, segments=False):
     if single_block(schedule, segments):
         return 0
     return sum(not runs_inline(group, segments) for group in step_groups(schedule))
+
+
+#: Most pieces a memory-lean pass (:func:`lean_pieces`) cuts its full-length float32 work into.
+LEAN_PIECES = 8
+
+
+def lean_pieces(num_chunks):
+    """Chunk ranges ``[(c0, c1)]`` of the memory-lean passes' pieces: at most
+    :data:`LEAN_PIECES` runs of ``ceil(num_chunks / LEAN_PIECES)`` whole chunks (the last may
+    hold fewer). The lean forward normalises its output one q piece at a time; the lean
+    backward accumulates dk and dv one kv piece at a time and writes them out before the next
+    (FlashAttention-2's kv-major order), so a pass holds one piece of those float32 tensors,
+    not all of them.
+
+    Returns:
+        ``[(first chunk, end chunk)]``.
+    """
+    per = -(-num_chunks // LEAN_PIECES)
+    return [(c, min(c + per, num_chunks)) for c in range(0, num_chunks, per)]
+
+
+def lean_piece_rows(num_chunks, chunk, length):
+    """The rows ``[(r0, r1)]`` of :func:`lean_pieces` over an unpadded ``length``."""
+    return [(c0 * chunk, min(c1 * chunk, length)) for c0, c1 in lean_pieces(num_chunks)]
+
+
+def lean_step_ranges(group, num_chunks_kv):
+    """Per kv piece (:func:`lean_pieces` of the kv chunks), the range ``(start, stop)`` of a
+    kv-major group's steps in it: a kv-major group lists its steps by kv chunk, so a piece's
+    steps are consecutive.
+
+    Returns:
+        ``[(start, stop)]``, one per piece.
+    """
+    bounds = [c0 for c0, _ in lean_pieces(num_chunks_kv)] + [num_chunks_kv]
+    index = np.searchsorted(group.kv_chunk, bounds, side="left")
+    return [(int(a), int(b)) for a, b in zip(index[:-1], index[1:])]
+
+
+def lean_piece_offsets(group, num_chunks_kv, chunk_kv):
+    """``int32[V]``: each step's first kv row within its kv piece's accumulator."""
+    per = -(-num_chunks_kv // LEAN_PIECES)
+    return (group.kv_row - (group.kv_chunk // per) * per * chunk_kv).astype(np.int32)
