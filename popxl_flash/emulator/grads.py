@@ -324,6 +324,16 @@ def _reduce_scatter(ctx, i):
     return out if out.shape == src.shape else out.reshape(src.shape)
 
 
+# -- loss ------------------------------------------------------------------------------------
+def _nll_loss(ctx, i):
+    """NllGradOp (``ops/loss.py``): reads the loss gradient, probs and labels; gives probs'
+    gradient only."""
+    from .registry import emit
+    a = ctx.op.attrs
+    return emit("nll_grad", {"dy": ctx.dy(0), "probs": ctx.x(0), "labels": ctx.x(1)}, dict(a),
+                names=["nll_grad_out"])[0]
+
+
 # -- dropout -----------------------------------------------------------------------------------
 def _dropout(ctx, i):
     """DropoutGradOp (willow/src/op/dropout.cpp): a DropoutOp on the incoming gradient with the
@@ -347,5 +357,6 @@ RULES = {
     "replicated_all_gather": (_all, _all_gather),
     "replicated_reduce_scatter": (_all, _reduce_scatter),
     "dropout": (lambda op: (0,), _dropout),
+    "nll_loss": (lambda op: (0,), _nll_loss),
 }
 RULES["concat_"] = RULES["concat"]  # ConcatInplaceOp's grad ops are ConcatOp's

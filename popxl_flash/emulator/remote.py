@@ -295,7 +295,6 @@ def replica_sharded_variable(data, dtype=None, name=None, downcast=True, replica
     """A replica-sharded variable kept on chip: its remote variable (for the Session's
     get/set) and the shard, loaded in the weights-from-host program and stored back in the
     weights-to-host program (PopXL's construction). Returns: (Variable, shard Tensor)."""
-    from . import ops
     from ._internal_ir import ExecutionContext
     from .context import _execution_context, gmg
     from .tensor import _host_data
@@ -306,9 +305,9 @@ def replica_sharded_variable(data, dtype=None, name=None, downcast=True, replica
                                           nan_on_overflow)
     with gmg():
         with _execution_context(ExecutionContext.WeightsFromHostFragment):
-            shard = ops.remote_load(buffer, 0, var.name + "_rts")
+            shard = remote_load(buffer, 0, var.name + "_rts")
         with _execution_context(ExecutionContext.WeightsToHostFragment):
-            ops.remote_store(buffer, 0, shard)
+            remote_store(buffer, 0, shard)
     return var, shard
 
 

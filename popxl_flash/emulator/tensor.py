@@ -49,9 +49,20 @@ def TensorByRef():  # noqa: N802 - PopXL name
     raise NotImplementedError("TensorByRef should only be used as an annotation.")
 
 
+#: the op module Tensor's methods and operators call (``popxl.ops``): the op table sits a layer
+#: above the tensors, so ``ops/__init__.py`` binds itself here when it is imported
+#: (:func:`bind_ops`)
+_OPS = {}
+
+
+def bind_ops(module):
+    """Args: module: the emulator's ``ops`` package, whose functions Tensor's methods and
+    operators (``+``, ``@``, ``t[i]``, ``t.reshape``, ...) call from now on."""
+    _OPS["ops"] = module
+
+
 def _ops():
-    from . import ops
-    return ops
+    return _OPS["ops"]
 
 
 class Tensor:

@@ -31,7 +31,7 @@ from .. import _internal_ir as _ir
 from .. import grads as _grads
 from ..errors import PopartError, PopartInternalError
 from ..tensor import Tensor
-from .autodiff import GradGraphInfo
+from .grad_info import GradGraphInfo
 
 _FWD, _GRAD = _ir.ExpectedConnectionType.Fwd, _ir.ExpectedConnectionType.FwdGrad
 
