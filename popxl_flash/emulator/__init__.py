@@ -11,8 +11,14 @@ Emulator-only extras live here, never in the ``popxl`` module: ``Session.profile
 give the emulator, for third-party PopXL code such as popxl-addons) and :func:`set_strict`
 (the one switch between raising on behaviour PopXL leaves unspecified, the default, and
 taking a stated choice: ``unspecified.py``).
+
+The modules import one way, bottom-up through the layers ``README.md`` lists (held by
+``tests/test_architecture.py``): this package's ``__init__`` and ``popxl`` are the top, and
+importing them imports the layers whose imports fill the tables below (the op table, the
+gradient rules, the pre-alias patterns: ``addons_ops`` registers popxl-addons' op models).
 """
 from . import popxl
+from . import addons_ops  # noqa: F401 - registers popxl-addons' op models into the tables
 from .errors import PopartError
 from .installer import install
 from .profile import RunProfile, count_ops

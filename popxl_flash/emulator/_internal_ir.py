@@ -34,6 +34,12 @@ _OP_TYPES = {"call": "Call", "repeat": "Loop", "conditional": "If", "add": "Add"
              "where": "Where", "concat": "Concat", "split": "Split", "slice": "Slice"}
 
 
+#: PopART's pre-alias pattern passes the emulator models, run in order by
+#: ``PbIr.applyPreAliasPatterns``: each ``fn(graph)`` rewrites op records of an emulator Graph.
+#: Filled by the layers above that model ops such a pattern rewrites (``addons_ops``).
+PRE_ALIAS_PATTERNS = []
+
+
 class CollectiveOperator(enum.Enum):
     """``_ir.CollectiveOperator`` (``bindings/op/enums.cpp``)."""
     Add = 0
@@ -308,10 +314,11 @@ class PbIr:
     def applyPreAliasPatterns(self, graph):  # noqa: N802
         """PopART's pre-alias patterns on ``graph`` (a graph of this Ir): the emulator's ops
         are already in their final form except the modelled custom ops that
-        ``OpToIdentityPattern`` replaces by identities (``addons_ops``)."""
+        ``OpToIdentityPattern`` replaces by identities (``addons_ops``, which registers that
+        pass in :data:`PRE_ALIAS_PATTERNS`)."""
         self._check_graph(graph)
-        from .addons_ops.tensor_parallel import apply_op_to_identity
-        apply_op_to_identity(graph._graph)
+        for pattern in PRE_ALIAS_PATTERNS:
+            pattern(graph._graph)
 
     def applyInplacePattern(self, graph):  # noqa: N802
         """No-op (see the class docstring); ``graph`` must be a graph of this Ir."""

@@ -2,6 +2,9 @@
 from collections import defaultdict
 from contextlib import contextmanager
 
+from . import tiles
+from ._internal_ir import ExecutionContext
+
 _graphs = []
 _state = {"in_sequence": None, "previous": defaultdict(list), "scopes": [], "ipu": 0}
 
@@ -135,8 +138,7 @@ def ipu(ipu):
 
 def io_tiles():
     """``popxl.io_tiles()``: ops created inside run on the IO tiles (``tiles.py``)."""
-    from .tiles import io_tiles as _io_tiles
-    return _io_tiles()
+    return tiles.io_tiles()
 
 
 # -- popxl.context's object API (PopXL 3.4 ``python_files/context.py``) ----------------------
@@ -152,7 +154,6 @@ class Context:
     """
 
     def __init__(self):
-        from ._internal_ir import ExecutionContext
         self._debug_context_frame_offset = 0
         self._execution_context = ExecutionContext.Normal
 
@@ -173,8 +174,7 @@ class Context:
     ipu_id = property(lambda self: _state["ipu"])
     @property
     def io_tile_set(self):
-        from .tiles import _state as tiles_state
-        return tiles_state["io"]
+        return tiles._state["io"]
 
     @property
     def _io_tile_set(self):
@@ -182,8 +182,7 @@ class Context:
 
     @_io_tile_set.setter
     def _io_tile_set(self, value):
-        from .tiles import _state as tiles_state
-        tiles_state["io"] = bool(value)
+        tiles._state["io"] = bool(value)
     name_scopes = property(lambda self: list(_state["scopes"]))
 
     def push_name_scope(self, name):

@@ -23,6 +23,9 @@ in no table raise ``NotImplementedError`` when a gradient is needed through them
 """
 from . import dtypes
 from . import ops
+from .errors import PopartError
+from .registry import emit
+from .tensor import constant
 
 _FLOATS = (dtypes.float16, dtypes.float32)
 
@@ -60,7 +63,6 @@ def unbroadcast(g, shape):
 
 
 def _const(value, dtype):
-    from .tensor import constant
     return constant(value, dtype)
 
 
@@ -161,26 +163,22 @@ def _identity(ctx, i):
 
 
 def _gelu(ctx, i):
-    from .registry import emit
     return emit("gelu_grad", {"dy": ctx.dy(0), "t": ctx.x(0)})[0]
 
 
 def _swish(ctx, i):
-    from .registry import emit
     return emit("swish_grad", {"dy": ctx.dy(0), "t": ctx.x(0)})[0]
 
 
 def _gather(ctx, i):
     """GatherGradOp: the incoming gradient scattered (added) into zeros of the input's shape
     at the gathered indices (out-of-range indices with ``zero_OOR`` contribute nothing)."""
-    from .registry import emit
     a = ctx.op.attrs
     return emit("gather_grad", {"dy": ctx.dy(0), "indices": ctx.x(1)},
                 {"axis": a["axis"], "shape": ctx.op.inputs[0].shape})[0]
 
 
 def _group_norm(ctx, i):
-    from .registry import emit
     if "group_norm" not in ctx.cache:
         x, w, mean, inv_std = ctx.x(0), ctx.x(1), ctx.y(1), ctx.y(2)
         ctx.cache["group_norm"] = emit(
@@ -304,7 +302,6 @@ def _all_gather(ctx, i):
     """ReplicatedAllGatherOp's grad op: a Local reduce-scatter (each replica keeps its own
     slice of the incoming gradient; no sum over replicas)."""
     src = ctx.op.inputs[0]
-    from .registry import emit
     out = emit("replicated_reduce_scatter", {"t": ctx.dy(0)},
                {"grouping": ctx.op.attrs["grouping"], "op": "local"})[0]
     return out if out.shape == src.shape else out.reshape(src.shape)
@@ -312,8 +309,6 @@ def _all_gather(ctx, i):
 
 def _reduce_scatter(ctx, i):
     """ReplicatedReduceScatterOp's grad op (Local only, else PopART throws): an all-gather."""
-    from .errors import PopartError
-    from .registry import emit
     if ctx.op.attrs["op"] != "local":
         raise PopartError("ReplicatedReduceScatterOp: grad op is only implemented when "
                           "CollectiveOperator==CollectiveOperator::Local")
@@ -324,11 +319,19 @@ def _reduce_scatter(ctx, i):
     return out if out.shape == src.shape else out.reshape(src.shape)
 
 
+# -- loss ------------------------------------------------------------------------------------
+def _nll_loss(ctx, i):
+    """NllGradOp (``ops/loss.py``): reads the loss gradient, probs and labels; gives probs'
+    gradient only."""
+    a = ctx.op.attrs
+    return emit("nll_grad", {"dy": ctx.dy(0), "probs": ctx.x(0), "labels": ctx.x(1)}, dict(a),
+                names=["nll_grad_out"])[0]
+
+
 # -- dropout -----------------------------------------------------------------------------------
 def _dropout(ctx, i):
     """DropoutGradOp (willow/src/op/dropout.cpp): a DropoutOp on the incoming gradient with the
     forward's ratio, reading the forward's seed (same seed, same shape: the same mask)."""
-    from .registry import emit
     return emit("dropout", {"t": ctx.dy(0), "seed_tensor": ctx.x(1)},
                 {"p": ctx.op.attrs["p"]}, names=["dropout_grad_out"])[0]
 
@@ -347,5 +350,6 @@ RULES = {
     "replicated_all_gather": (_all, _all_gather),
     "replicated_reduce_scatter": (_all, _reduce_scatter),
     "dropout": (lambda op: (0,), _dropout),
+    "nll_loss": (lambda op: (0,), _nll_loss),
 }
 RULES["concat_"] = RULES["concat"]  # ConcatInplaceOp's grad ops are ConcatOp's

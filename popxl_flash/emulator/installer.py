@@ -20,7 +20,10 @@ import types
 from . import popxl_names as _names
 
 _STATE = {"installed": False}
-#: {module name: module}, built once when ``popxl_flash.emulator.popxl`` is imported.
+#: {module name: module}, built once when ``popxl_flash.emulator.popxl`` is imported (it calls
+#: :func:`attach` with itself: the installer sits below the ``popxl`` module and never imports
+#: it; the emulator package's ``__init__`` imports ``popxl`` first, so the table is full before
+#: anything can call :func:`install`).
 MODULES = {}
 
 
@@ -40,7 +43,7 @@ def install(standins=False):
         True when the emulator is (now, or already) what ``import popxl`` gives; False when a
         real PopXL is importable (then nothing is changed). Idempotent.
     """
-    from . import popxl as emu_popxl
+    emu_popxl = MODULES["popxl"]  # attached by the emulator's popxl module (attach)
     if not (_STATE["installed"] or sys.modules.get("popxl") is emu_popxl):
         if "popxl" in sys.modules or importlib.util.find_spec("popxl") is not None:
             return False

@@ -5,8 +5,11 @@ from typing import List, Tuple
 import numpy as np
 
 from . import context, dtypes, tiles
+from ._internal_ir import PbGraph, PbIr
 from .context import gcg
-from .tensor import Tensor, TensorByRef, TensorSpec
+from .popart import POPXL_IR, SessionOptions
+from .replica_grouping import ReplicaGrouping
+from .tensor import Constant, Tensor, TensorByRef, TensorSpec, Variable
 
 
 class Op:
@@ -60,7 +63,6 @@ class Graph:
     @property
     def _pb_graph(self):
         """Emulator stand-in of PopXL's ``Graph._pb_graph`` (see ``_internal_ir``)."""
-        from ._internal_ir import PbGraph
         return PbGraph(self)
 
     name = property(lambda self: self._name)
@@ -77,12 +79,10 @@ class Graph:
 
     @property
     def variables(self):
-        from .tensor import Variable
         return tuple(t for t in self._tensors.values() if isinstance(t, Variable))
 
     @property
     def constants(self):
-        from .tensor import Constant
         return tuple(t for t in self._tensors.values() if isinstance(t, Constant))
 
     @property
@@ -176,7 +176,6 @@ class Ir:
         self._h2d, self._d2h = [], []
         self._num_host_transfers, self._prepared = 1, False
         self._replication = 1
-        from .popart import POPXL_IR, SessionOptions
         self._session_options = SessionOptions()  # read when a Session compiles the Ir
         self._remote_buffers = {}  # remote buffer id -> RemoteBuffer (remote.py)
         self._call_sites = {}  # id(graph) -> the call/repeat/conditional ops calling it
@@ -194,7 +193,6 @@ class Ir:
     def _pb_ir(self):
         """Emulator stand-in of PopXL's private handle to the PopART IR: ``getGraph(id)`` (see
         ``_internal_ir``) and ``getSessionOptions()`` (read when a Session compiles the Ir)."""
-        from ._internal_ir import PbIr
         return PbIr(self)
 
     @property
@@ -276,12 +274,10 @@ class Ir:
     def replica_grouping(self, stride=1, group_size=None):
         """Args: stride: offset between the replicas of a group. group_size: replicas per group
         (default ``replication_factor // stride``). Returns: a ``popxl.ReplicaGrouping``."""
-        from .replica_grouping import ReplicaGrouping
         return ReplicaGrouping._from_params(self, stride=stride, group_size=group_size)
 
     def replica_grouping_from_assignments(self, assignment):
         """Args: assignment: group index of every replica. Returns: a ReplicaGrouping."""
-        from .replica_grouping import ReplicaGrouping
         return ReplicaGrouping._from_assignment(self, assignment)
 
     def __repr__(self):

@@ -8,8 +8,7 @@ emulator, and ``popdist``, ``mpi4py.MPI`` and ``cppimport`` get their stand-ins 
 (``standins.py``); Python processes the tests start (``subprocess``) install them too. When a
 real PopXL is importable nothing is changed and the suite runs on the SDK.
 """
-from . import install
-from .installer import inherit
+from .installer import inherit, install
 
 INSTALLED = install(standins=True)
 if INSTALLED:

@@ -8,6 +8,7 @@ from . import tiles
 from .context import gcg
 from .errors import PopartError
 from .ir import Op, check_in_graph
+from .tensor import Constant
 
 SHAPE_RULES = {}
 IMPLS = {}
@@ -60,7 +61,6 @@ def emit(kind, tensors, attrs=None, names=None, modifies=None, subgraphs=()):
 
 
 def _check_modifiable(t, kind):
-    from .tensor import Constant
     if isinstance(t, Constant):
         raise NotImplementedError(f"{kind}: in-place modification of constant {t.id} is not "
                                   "supported by the emulator")

@@ -17,9 +17,11 @@ The run profile counts the bytes each replica loads and stores (``remote_bytes_l
 import numpy as np
 
 from . import dtypes, unspecified
-from .context import gcg
+from ._internal_ir import ExecutionContext
+from .context import _execution_context, gcg, gmg
 from .errors import PopartError
 from .registry import COMPILE_CHECKS, PREPARE, emit, register
+from .tensor import Tensor, _host_data, constant, variable
 
 
 class RemoteBuffer:
@@ -92,7 +94,6 @@ def remote_buffer(tensor_shape, tensor_dtype, entries=1):
 
 # -- ops -----------------------------------------------------------------------------------------
 def _offset(offset):
-    from .tensor import Tensor, constant
     if isinstance(offset, Tensor):
         return offset
     return constant(offset, dtypes.uint32, name="offset")
@@ -226,7 +227,6 @@ def remote_variable(data, remote_buffer, offset=0, dtype=None, name=None, downca
                     nan_on_overflow=None):
     """A Variable stored off chip in entry ``offset`` of ``remote_buffer`` (``variable``'s
     arguments otherwise). Returns: Variable."""
-    from .tensor import variable
     var = variable(data, dtype, name, downcast, replica_grouping, retrieval_mode,
                    log2_scale=log2_scale, nan_on_overflow=nan_on_overflow)
     _check_buffer(remote_buffer)
@@ -269,7 +269,6 @@ def remote_replica_sharded_variable(data, remote_buffer, offset=0, dtype=None, n
     k-th replica of each ``shard_over`` consecutive members of the group (see
     :func:`shard_of`). Raises: ValueError without replication or for a buffer meta shape
     already set to another shape, as PopXL."""
-    from .tensor import _host_data
     rf = gcg().ir.replication_factor
     if rf <= 1:
         raise ValueError(f"The IR's global replication factor is {rf}. It must be greater than "
@@ -295,10 +294,6 @@ def replica_sharded_variable(data, dtype=None, name=None, downcast=True, replica
     """A replica-sharded variable kept on chip: its remote variable (for the Session's
     get/set) and the shard, loaded in the weights-from-host program and stored back in the
     weights-to-host program (PopXL's construction). Returns: (Variable, shard Tensor)."""
-    from . import ops
-    from ._internal_ir import ExecutionContext
-    from .context import _execution_context, gmg
-    from .tensor import _host_data
     arr, dt = _host_data(data, dtype, downcast, "replica_sharded_variable")
     buffer = replica_sharded_buffer(arr.shape, dt, replica_grouping, shard_over)
     var = remote_replica_sharded_variable(data, buffer, 0, dtype, name, downcast,
@@ -306,9 +301,9 @@ def replica_sharded_variable(data, dtype=None, name=None, downcast=True, replica
                                           nan_on_overflow)
     with gmg():
         with _execution_context(ExecutionContext.WeightsFromHostFragment):
-            shard = ops.remote_load(buffer, 0, var.name + "_rts")
+            shard = remote_load(buffer, 0, var.name + "_rts")
         with _execution_context(ExecutionContext.WeightsToHostFragment):
-            ops.remote_store(buffer, 0, shard)
+            remote_store(buffer, 0, shard)
     return var, shard
 
 

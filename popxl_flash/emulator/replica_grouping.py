@@ -13,6 +13,8 @@ from functools import reduce
 
 import numpy as np
 
+from ._internal_ir import ReplicaGrouping as PbReplicaGrouping
+
 
 class ReplicaGrouping:
     """A partition of an Ir's replicas into equally sized groups (use ``Ir.replica_grouping``)."""
@@ -112,7 +114,6 @@ class ReplicaGrouping:
     def _pb_replica_grouping(self):
         """The C++ ``popart.ReplicaGrouping`` handed to collective ops (custom ops read it).
         Raises NotImplementedError for a non-constant grouping, as PopXL's."""
-        from ._internal_ir import ReplicaGrouping as PbReplicaGrouping
         return PbReplicaGrouping(self._num_replicas, self.stride, self._group_size)
 
     def __repr__(self):

@@ -15,8 +15,7 @@ import os
 import runpy
 import sys
 
-from . import install
-from .installer import inherit
+from .installer import inherit, install
 
 USAGE = "usage: python -m popxl_flash.emulator.run (script.py | -m module) [args...]"
 

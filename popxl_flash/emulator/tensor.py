@@ -4,7 +4,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from . import dtypes
+from ._internal_ir import PbTensor
 from .context import gcg, gmg
+from .errors import PopartError, UndefinedValue
+from .tiles import tile_set_of
 
 #: ``popxl.tensor.HostTensor``/``host_tensor_types`` (PopXL 3.4 ``python_files/tensor.py``;
 #: PopXL adds ``torch.Tensor`` when torch is installed, which ``Iterable`` already matches).
@@ -49,9 +52,20 @@ def TensorByRef():  # noqa: N802 - PopXL name
     raise NotImplementedError("TensorByRef should only be used as an annotation.")
 
 
+#: the op module Tensor's methods and operators call (``popxl.ops``): the op table sits a layer
+#: above the tensors, so ``ops/__init__.py`` binds itself here when it is imported
+#: (:func:`bind_ops`)
+_OPS = {}
+
+
+def bind_ops(module):
+    """Args: module: the emulator's ``ops`` package, whose functions Tensor's methods and
+    operators (``+``, ``@``, ``t[i]``, ``t.reshape``, ...) call from now on."""
+    _OPS["ops"] = module
+
+
 def _ops():
-    from . import ops
-    return ops
+    return _OPS["ops"]
 
 
 class Tensor:
@@ -76,7 +90,6 @@ class Tensor:
     def _from_pb_tensor(cls, pb_tensor):
         """Returns: the Tensor of an ``_internal_ir.PbTensor`` wrapper (``Tensor._pb_tensor``
         gives the wrapper), as PopXL's ``Tensor._from_pb_tensor``."""
-        from ._internal_ir import PbTensor
         if not isinstance(pb_tensor, PbTensor):
             raise TypeError(f"Tensor._from_pb_tensor expects a tensor's _pb_tensor, got "
                             f"{pb_tensor!r}")
@@ -84,7 +97,6 @@ class Tensor:
 
     @property
     def _pb_tensor(self):
-        from ._internal_ir import PbTensor
         return PbTensor(self)
 
     # -- properties ------------------------------------------------------------------------
@@ -101,8 +113,6 @@ class Tensor:
     def tile_set(self):
         """"compute" or "io" (PopART's introspection, ``tiles.tile_set_of``). Raises:
         UndefinedValue when neither is determined."""
-        from .errors import UndefinedValue
-        from .tiles import tile_set_of
         ts = tile_set_of(self)
         if ts == "undefined":
             raise UndefinedValue("Tensor's tile set is undefined.")
@@ -111,8 +121,6 @@ class Tensor:
     def _get_ipu_and_tile_set(self, raise_on_undefined_tile_set=True,
                               raise_on_undefined_ipu=True):
         """PopXL's private helper: ``(ipu, tile set)``; the emulator has IPU 0 only."""
-        from .errors import UndefinedValue
-        from .tiles import tile_set_of
         ts = tile_set_of(self)
         if raise_on_undefined_tile_set and ts == "undefined":
             raise UndefinedValue("Tensor's tile set is undefined.")
@@ -426,7 +434,6 @@ def _check_tiles_replicas(replicas, rg, name):
     its constructor checks that ``stride * group_size`` divides the replicas
     (``willow/src/replicagrouping.cpp``, ``POPART_CHECK_EQ``: a ``popart::error``).
     Raises: PopartError."""
-    from .errors import PopartError
     if replicas % (rg.stride * rg.group_size):
         raise PopartError(f"variable {name}: the number of replicas in a `popart::ReplicaGrouping` "
                           "must be divisible by the product of the stride and the group size "
@@ -437,7 +444,6 @@ def _check_tiles_replicas(replicas, rg, name):
 def _shape_on_replica(shape, num_groups, name):
     """PopART's ``VariableSettings::shapeOnReplica``: with more than one group the host value's
     outer dimension must be the group count, and it is dropped on the replica."""
-    from .errors import PopartError
     if num_groups == 1:
         return shape
     if not shape or shape[0] != num_groups:

@@ -8,7 +8,9 @@ import numpy as np
 
 from . import dtypes
 from .ir import Graph, check_in_graph as _check_in_graph
+from .ops import cast
 from .tensor import Tensor
+from .tiles import check_same_tile_set
 
 #: ``popxl.ops.conv.PadType``.
 PadType = Literal["not_set", "same_upper", "same_lower", "valid"]
@@ -84,7 +86,6 @@ def check_tensor_ipu_and_tile_set(*args, **tensors):
     (PopXL unpacks ``zip(*[])`` into three names), each a Tensor (PopXL reads
     ``t._get_ipu_and_tile_set``); every emulated tensor is on IPU 0, and tensors on different
     tile sets (undefined ones skipped) raise ValueError (``tiles.py``)."""
-    from .tiles import check_same_tile_set
     if args:
         raise Exception("Internal error: please specify all tensors as keyword arguments.")
     if not tensors:
@@ -106,7 +107,6 @@ def check_in_graph(graph, *args, **tensors):
 
 def cast_if_needed(t, data_type):
     """Returns: ``t`` cast to ``data_type`` when its dtype differs."""
-    from .ops import cast
     return cast(t, data_type) if t.dtype != data_type else t
 
 

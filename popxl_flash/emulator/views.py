@@ -19,6 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from .registry import IMPLS
+
 
 class Aliases:
     """Storage groups of one graph's tensors.
@@ -86,7 +88,6 @@ class Aliases:
             elif op.alias == "modify":
                 idx = self.elements(op.inputs[0])
             else:
-                from .registry import IMPLS
                 idx = np.asarray(IMPLS[op.kind](*[self.elements(s) for s in op.inputs],
                                                 **op.attrs))
             self._index[key] = idx
@@ -103,7 +104,6 @@ class Aliases:
         """
         t = op.inputs[pos]
         if op.kind in _REGION_READS:
-            from .registry import IMPLS
             return np.asarray(IMPLS[op.kind](self.elements(t), **op.attrs))
         return self.elements(t)
 

@@ -4,6 +4,10 @@ driven the way popxl-addons' Python builders drive the compiled bindings
 checked against numpy models of the C++ sources. Emulator only: on the SDK these bindings are
 cppimport-compiled C++.
 """
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -105,6 +109,56 @@ def test_tp_all_reduce_refuses_other_operators_at_setup():
         with pytest.raises(IR_ERRORS, match="Add"):
             _tp_all_reduce(x, ir, op=CollectiveOperator.Max)
 
+
+
+def test_a_fresh_import_of_popxl_registers_the_models():
+    """The models register themselves into the lower layers' tables (op table, gradient
+    rules, pre-alias patterns) when they are imported, and a bare ``import
+    popxl_flash.emulator.popxl`` imports them: a new process builds, differentiates, rewrites
+    and runs the identical-inputs TP all-reduce without naming ``addons_ops`` first."""
+    code = textwrap.dedent("""
+        import numpy as np
+        import popxl_flash.emulator.popxl as popxl
+        import popxl_flash
+        from popxl_flash.emulator._internal_ir import CollectiveOperator
+        addons_ops = popxl_flash.emulator.addons_ops  # imported by the emulator itself
+        ops = popxl.ops
+        ir = popxl.Ir(replication=2)
+        data = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+        def reduce(t):
+            ctx = popxl.context.get_current_context()
+            g = ctx.graph
+            op = addons_ops.binding("popxl_addons.ops.x.replicated_all_reduce_TP_binding"
+                                    ).ReplicatedAllReduceTPOp.createOpInGraph(
+                g._pb_graph, {0: t.id}, {0: g._create_tensor_id("out")},
+                CollectiveOperator.Add,
+                ir.replica_grouping()._pb_replica_grouping, True, False,
+                ctx._get_op_settings("tp"))
+            return popxl.Tensor._from_pb_tensor(op.outTensor(0)) + t  # Tensor's operators
+
+        with ir.main_graph:
+            sx = popxl.h2d_stream((3,), popxl.float32)
+            x = ops.host_load(sx)
+            g = ir.create_graph(reduce, x)
+            grad = popxl.transforms.autodiff(g)
+            info = ops.call_with_info(g, x)
+            (dx,) = ops.call(grad.graph, x, inputs_dict=grad.inputs_dict(info))
+            outs = []
+            for t in (info.outputs[0], dx):
+                outs.append(popxl.d2h_stream(t.shape, t.dtype))
+                ops.host_store(outs[-1], t)
+        for graph in (g, grad.graph, ir.main_graph):
+            ir._pb_ir.applyPreAliasPatterns(graph._pb_graph)
+        with popxl.Session(ir, "ipu_model") as session:
+            res = session.run({sx: data})
+        np.testing.assert_array_equal(res[outs[0]], 2 * data)
+        np.testing.assert_array_equal(res[outs[1]], data + data.sum(0))
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 # -- strided collectives -----------------------------------------------------------------------
 def test_strided_collectives_follow_the_grouping():

@@ -6,7 +6,7 @@ import os
 
 if os.environ.get("POPXL_FLASH_EMULATOR") == "1":
     try:
-        from popxl_flash.emulator import install
+        from popxl_flash.emulator.installer import install
     except ImportError:  # popxl_flash not importable in this interpreter: leave it alone
         pass
     else:

@@ -1,5 +1,6 @@
 """What the modelled C++ bindings share: creating an emulator op from ``createOpInGraph``'s
 arguments, and the returned op handle (``outTensor``, ``getGraph``)."""
+from .._internal_ir import PbGraph, PbTensor
 from ..context import pop_graph, push_graph
 from ..errors import PopartError
 from ..registry import emit
@@ -13,11 +14,9 @@ class CustomOp:
 
     def outTensor(self, index):  # noqa: N802 - the binding's name
         """Returns: output ``index`` as ``popart._internal.ir`` tensor (``_pb_tensor``)."""
-        from .._internal_ir import PbTensor
         return PbTensor(self._op.outputs[index])
 
     def getGraph(self):  # noqa: N802
-        from .._internal_ir import PbGraph
         return PbGraph(self._op.graph)
 
     id = property(lambda self: self._op.op_id)

@@ -18,6 +18,7 @@ A (stride, group size) group puts replica r in group ``r % s + s * (r // (s * G)
 PopXL's ReplicaGrouping. Values, lock step and bytes moved are the emulator's collectives'
 (``ops/collectives.py``).
 """
+from .. import _internal_ir as _ir
 from .. import grads
 from ..errors import PopartError
 from ..ops import collectives as coll
@@ -88,6 +89,9 @@ def apply_op_to_identity(graph):
     for op in graph._ops:
         if op.kind == _ALL_REDUCE and op.attrs["identical_inputs"]:
             op.attrs["replaced_by_identity"] = True
+
+
+_ir.PRE_ALIAS_PATTERNS.append(apply_op_to_identity)  # Ir.applyPreAliasPatterns runs it
 
 
 class ReplicatedAllReduceTPOp:

@@ -1,5 +1,8 @@
 """The emulator's op implementations. ``popxl.ops`` (in ``../popxl.py``) exposes these under
-PopXL's names; PopXL ops not implemented here are stubs there."""
+PopXL's names; PopXL ops not implemented here are stubs there. Importing this package binds
+it as the op module Tensor's methods and operators call (``tensor.bind_ops``)."""
+import sys as _sys
+
 from . import collectives, var_updates
 from .control import (CallSiteInfo, ConditionalSiteInfo, RepeatSiteInfo, call, call_with_info,
                       conditional, conditional_with_info, repeat, repeat_with_info)
@@ -20,3 +23,6 @@ from .shape import (concat, concat_, detach, detach_, flatten, flatten_, gather,
                     rename, reshape, reshape_, slice, slice_, split, squeeze, subsample,
                     transpose, transpose_)
 from ..remote import remote_load, remote_load_, remote_store  # noqa: E402
+from ..tensor import bind_ops as _bind_ops  # noqa: E402
+
+_bind_ops(_sys.modules[__name__])

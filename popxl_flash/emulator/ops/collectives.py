@@ -23,6 +23,7 @@ that (reduce-scatter then all-gather), a ``Local`` slice nothing.
 import numpy as np
 
 from .. import dtypes
+from .._internal_ir import COLLECTIVE_NAMES
 from ..context import gcg
 from ..errors import PopartError
 from ..ir import check_in_graph
@@ -47,7 +48,6 @@ def _to_collective_op(op):
 def to_collective_op(op):
     """``popxl.ops.collectives.collectives.to_collective_op``: the ``_ir.CollectiveOperator``
     of ``op`` ("mul" gives Mean, as PopXL 3.4's table). Raises: ValueError."""
-    from .._internal_ir import COLLECTIVE_NAMES
     name = _to_collective_op(op)
     return next(k for k, v in COLLECTIVE_NAMES.items() if v == name)
 
@@ -55,7 +55,6 @@ def to_collective_op(op):
 def collective_name(operator):
     """The emulator's collective name of an ``_ir.CollectiveOperator`` (custom ops get one
     from PopXL code). Raises: ValueError for Mul (PopXL maps no name to it)."""
-    from .._internal_ir import COLLECTIVE_NAMES
     if operator not in COLLECTIVE_NAMES:
         raise ValueError(f"collective operator {operator} is not modelled by the emulator")
     return COLLECTIVE_NAMES[operator]

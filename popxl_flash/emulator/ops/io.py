@@ -1,6 +1,6 @@
 """Host IO ops: host_load, host_store (runtime ops; the Session owns the stream buffers)."""
 from ..context import gcg
-from ..ir import DeviceToHostStream, HostToDeviceStream
+from ..ir import DeviceToHostStream, HostToDeviceStream, check_in_graph
 from ..registry import PREPARE, emit, register
 
 
@@ -45,7 +45,6 @@ def host_load(h2d_stream, name=None):
 
 def host_store(d2h_stream, t):
     """Args: d2h_stream: DeviceToHostStream. t: tensor of the stream's dtype and shape."""
-    from ..ir import check_in_graph
     check_in_graph(gcg(), t=t)
     _check_stream(d2h_stream, DeviceToHostStream, "host_store")
     if d2h_stream.dtype != t.dtype:

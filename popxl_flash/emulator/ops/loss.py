@@ -19,7 +19,7 @@ as ignored).
 """
 import numpy as np
 
-from .. import dtypes, grads, unspecified
+from .. import dtypes, unspecified
 from ..errors import PopartError
 from ..registry import COMPILE_CHECKS, emit, register
 from ..tensor import Tensor, constant
@@ -121,16 +121,6 @@ def _nll_grad(dy, probs, labels, ignore_index, reduction, log_prob):
 
 register("nll_loss", _nll_rule, _nll)
 register("nll_grad", _nll_grad_rule, _nll_grad)
-
-
-def _nll_grad_rule_fn(ctx, i):
-    """NllGradOp: reads the loss gradient, probs and labels; gives probs' gradient only."""
-    a = ctx.op.attrs
-    return emit("nll_grad", {"dy": ctx.dy(0), "probs": ctx.x(0), "labels": ctx.x(1)}, dict(a),
-                names=["nll_grad_out"])[0]
-
-
-grads.RULES["nll_loss"] = (lambda op: (0,), _nll_grad_rule_fn)
 
 
 def _ignore(ignore_index):

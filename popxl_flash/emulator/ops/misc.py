@@ -6,7 +6,10 @@ that read them before writing show it.
 import numpy as np
 
 from .. import dtypes
+from ..context import gcg
 from ..registry import emit, register
+from ..tensor import Tensor
+from ..tiles import current, tile_set_of
 
 
 def _init_rule(shape, dtype, init_type):
@@ -53,9 +56,6 @@ def io_tile_copy(t):
     op's tile set is the opposite of ``t``'s; when ``t``'s is undefined, the current one,
     ``popxl.io_tiles()`` or not). Returns: the copy (same values). No grad op (PopART's
     IoTileCopyOp defines none)."""
-    from ..context import gcg
-    from ..tensor import Tensor
-    from ..tiles import current, tile_set_of
     if not isinstance(t, Tensor):
         raise TypeError(f"The input `t` is not a Tensor. Type: {type(t)}. Value: {t}.")
     source = tile_set_of(t)

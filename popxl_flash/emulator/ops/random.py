@@ -21,8 +21,11 @@ reachable as ``popxl.ops.random_seed.create_random_seed``, as in PopXL.
 import numpy as np
 
 from .. import dtypes
+from ..context import gcg
 from ..errors import PopartError
+from ..ir import check_in_graph
 from ..registry import COMPILE_CHECKS, emit, register
+from ..tensor import constant
 from ._common import FLOATS, int_vector, scalar_value
 
 _U32 = 1 << 32
@@ -197,8 +200,6 @@ def _create_random_seed(seed, modifier):
     """PopXL's ``popxl.ops.random_seed.create_random_seed`` (not a public ``ops`` name in 3.4):
     a ModifyRandomSeed of ``seed`` (uint32 ``[2]``, else ValueError) by ``modifier`` (uint32
     scalar tensor, checked by the op's setup)."""
-    from ..context import gcg
-    from ..ir import check_in_graph
     check_in_graph(gcg(), seed=seed, modifier=modifier)  # before the shape check, as PopXL
     if seed.shape != (2,) or seed.dtype != dtypes.uint32:
         raise ValueError(f"seed Tensor must be shape=(2,) dtype=uint32. Provided {seed}")
@@ -213,5 +214,4 @@ def split_random_seed(seed, n=2):
     Returns:
         tuple of ``n`` uint32 ``[2]`` tensors.
     """
-    from ..tensor import constant
     return tuple(_create_random_seed(seed, constant(i, dtypes.uint32)) for i in range(n))

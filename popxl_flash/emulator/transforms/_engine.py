@@ -29,9 +29,10 @@ from collections import defaultdict
 
 from .. import _internal_ir as _ir
 from .. import grads as _grads
+from .. import ops
 from ..errors import PopartError, PopartInternalError
 from ..tensor import Tensor
-from .autodiff import GradGraphInfo
+from .grad_info import GradGraphInfo
 
 _FWD, _GRAD = _ir.ExpectedConnectionType.Fwd, _ir.ExpectedConnectionType.FwdGrad
 
@@ -270,7 +271,6 @@ class _Builder:
             self.edges[id(src)].append(g)
 
     def _grow_call(self, op, dys):
-        from .. import ops
         callee = op.attrs["graph"]
         info = self.infos[callee]
         grad_graph = info.graph
