@@ -23,6 +23,9 @@ Graph structure::
             dq_i, dkdv_j = grad_block_update(...)
             write dq_i, dkdv_j back in place       # by reference: aliased, not copied
         then: dk = scale * dk (and dq unless the scale folded), cast, drop padding rows
+      lean (cfg.lean_backward, looped passes): Dvec per q piece, no k * scale copy, and
+        [dv; dk] accumulated one kv piece at a time (graph/lean.py), each piece written out
+        before the next; dq finished per q piece
 
 Per visited block (5 matmuls; statistics and accumulators float32)::
 
@@ -192,7 +195,10 @@ def _flush_piece(cfg, acc, piece):
     """
     r0, r1 = steps.lean_piece_rows(cfg.num_chunks_kv, cfg.chunk_kv, cfg.kv_len)[piece]
     dv, dk = (blocks.unpad_rows(blocks.part(acc, n), r1 - r0) for n in (0, 1))
-    return blocks.to_input_dtype(cfg, dk * cfg.scale), blocks.to_input_dtype(cfg, dv)
+    dv = blocks.to_input_dtype(cfg, dv)
+    if dv.dtype == blocks.float32():  # a copy, not a view that would keep the piece's
+        dv = ops.identity(dv)  # whole accumulator live with the output
+    return blocks.to_input_dtype(cfg, dk * cfg.scale), dv
 
 
 def _run_lean(cfg, operands, extras):

@@ -23,6 +23,9 @@ row passes are at most steps.MAX_ROW_PASSES)::
           (a group of one step: the same step inline, static offsets, no loop)
         then (unordered among themselves): out = acc / l, lse = m + log(l)   # once
       drop padding rows
+    lean (cfg.lean_forward, looped passes; docs/design.md "Memory-lean structures"): no
+      k * scale copy (each step scales its k slice), the state's m column set in place, and
+      out, lse normalised per q piece (steps.lean_pieces), joined by views
 
 The state lives in one full-length tensor instead of being carried from step to step, so steps
 need no "first"/"last" bookkeeping and run in any order: full blocks, diagonal sub-blocks and
