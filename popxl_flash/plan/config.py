@@ -243,7 +243,7 @@ class AttentionConfig:
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                    names=("q", "k", "v"), memory_budget=None):
+                    names=("q", "k", "v"), memory_budget=None, mods=None):
         """Validate shapes, dtypes and options.
 
         Args:
@@ -253,6 +253,9 @@ class AttentionConfig:
             memory_budget: bytes for the automatic chunk choice (``None``: the default,
                 :func:`popxl_flash.plan.memory.default_budget`); an explicit budget that no
                 chunking meets raises ``ValueError``.
+            mods: ``None`` or the call's :class:`~popxl_flash.plan.score_mods.ScoreMods`,
+                which the automatic choice's memory bound weighs (the config's own ``mods`` are
+                set by :func:`popxl_flash.graph.score_mods.check_extras`).
 
         Returns:
             A validated :class:`AttentionConfig`.
@@ -281,7 +284,8 @@ class AttentionConfig:
         if chunk_q is None or chunk_kv is None or budget is not None:
             choice = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
                                       window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
-                                      kv_groups=Gk, memory_budget=budget)
+                                      kv_groups=Gk, memory_budget=budget, scale=scale,
+                                      mods=mods)
             if budget is not None and not choice.chosen.fits:
                 raise ValueError(
                     f"memory_budget={budget:,} bytes: no chunking of this call fits it (the "

@@ -419,7 +419,7 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
 
 
 def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
-             kv_groups=None, memory_budget=None):
+             kv_groups=None, memory_budget=None, scale=None, mods=None):
     """The model's figures for one chunking.
 
     Args:
@@ -431,6 +431,9 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
         memory_budget: bytes (``None``: each pass's default,
             :func:`popxl_flash.plan.memory.default_budget`).
+        scale, mods: the softmax scale (``None``: ``1 / sqrt(D)``) and the score modifiers
+            (``None`` or a :class:`~popxl_flash.plan.score_mods.ScoreMods`), which the memory
+            bound weighs (:func:`popxl_flash.plan.memory.flash_bytes`).
 
     Returns:
         A :class:`Candidate`.
@@ -446,7 +449,8 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     fwd, bwd = (_counts.pass_counts(Lq, Lkv, chunk_q, chunk_kv, backward=b, **args)
                 for b in (False, True))
     mem = [_memory.flash_bytes(sched, groups=groups, kv_groups=kv_groups, head_dim=head_dim,
-                               dtype=dtype, backward=b, steps=c.iterations)
+                               dtype=dtype, backward=b, steps=c.iterations, scale=scale,
+                               mods=mods)
            for b, c in ((False, fwd), (True, bwd))]
     return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
                      num_chunks_kv=sched.nkv, flop_ratio=_flop_ratio(sched, fwd, head_dim, groups),
@@ -489,7 +493,8 @@ CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024)
 #: Largest number of blocks a candidate may have (each visited block costs its compute sets, so
 #: finer chunkings only win where memory binds, and the planner's tables grow with them).
 MAX_CANDIDATE_BLOCKS = 2048
-#: Largest ratio between the two axes' chunk lengths tried.
+#: Largest ratio between the two axes' chunk lengths tried (but for a pair where one axis is
+#: one chunk: the row passes of one kv chunk, one q chunk's kv loop).
 MAX_CHUNK_ASPECT = 4
 
 
@@ -513,7 +518,7 @@ def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
     pairs = [(cq, ckv) for cq in _axis_lengths(Lq, chunk_q) for ckv in _axis_lengths(Lkv, chunk_kv)
              if -(-Lq // cq) * -(-Lkv // ckv) <= MAX_CANDIDATE_BLOCKS
              and (chunk_q or chunk_kv or max(cq, ckv) <= MAX_CHUNK_ASPECT * min(cq, ckv)
-                  or min(cq, ckv) in (Lq, Lkv))]
+                  or cq == Lq or ckv == Lkv)]
     if not pairs:  # fixed lengths that make many blocks: the finest allowed on the free axis
         cq = chunk_q or Lq
         ckv = chunk_kv or Lkv
@@ -523,7 +528,7 @@ def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
 
 @functools.lru_cache(maxsize=1024)
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
-           chunk_kv=None, kv_groups=None, memory_budget=None):
+           chunk_kv=None, kv_groups=None, memory_budget=None, scale=None, mods=None):
     """Choose chunk lengths: the least modelled forward + backward time within the budget.
 
     Cached (the arguments are hashable and the result immutable): the functional API validates
@@ -535,6 +540,7 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
         memory_budget: bytes each pass may hold beyond its inputs and outputs (``None``: the
             default, each pass's :func:`popxl_flash.plan.memory.default_budget`, O(L)).
+        scale, mods: as :func:`evaluate` (the memory bound weighs them).
 
     Returns:
         A :class:`ChunkChoice`. When no candidate fits, ``chosen`` is the one needing the
@@ -547,7 +553,7 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
                                    kv_len=Lkv, head_dim=head_dim, dtype=dtype)
     args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
-                kv_groups=kv_groups, memory_budget=explicit)
+                kv_groups=kv_groups, memory_budget=explicit, scale=scale, mods=mods)
     pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
 
     def bound(pair):
