@@ -69,11 +69,11 @@ def test_automatic_choice_within_1_15x_of_the_best_explicit_chunking(L, G, D, ca
 def test_seed_demo_shape_no_more_forward_compute_sets_than_the_seed_rule():
     """nanoGPT, the seed's demo (G = 24, L = 1024, D = 64, causal), within the memory the
     seed's 256-row chunks need: the choice runs no more forward compute sets than the seed's
-    rule and is modelled no slower. (The default budget, O(L), is below that need: there the
-    choice is the fastest that meets it.)"""
+    rule and is modelled no slower. (The default budget, O(L), meets that need since the bound
+    walks the graphs' liveness: there the choice is the fastest that meets it.)"""
     default = pf.explain(1024, 1024, head_dim=64, groups=24)
     assert (default.seed.chunk_q, default.seed.chunk_kv) == (256, 256)
-    assert not default.seed.fits and default.chosen.fits
+    assert default.chosen.fits and default.chosen.seconds <= default.seed.seconds
     choice = pf.explain(1024, 1024, head_dim=64, groups=24,
                         memory_budget=default.seed.memory_bytes)
     assert choice.chosen.forward.compute_sets <= choice.seed.forward.compute_sets

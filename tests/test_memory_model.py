@@ -3,28 +3,21 @@ default budget's promise.
 
 * The bound is never below the emulator's peak beyond the call's inputs and outputs
   (``test_memory_budget._flash_extra``) and, for every structure the chooser picks (one-block
-  passes, the backward's row steps, looped steps; forward and backward), at most
-  :data:`TIGHT` times it plus :data:`TIGHT_FLOOR`. The forward's row passes are only bounded
-  (their fitted terms are up to ~2x loose), and the backward's float32 grouped-query row
-  steps up to ~1.3x.
+  passes, the forward's row passes, the backward's row steps, looped steps; forward and
+  backward, float16 and float32, grouped-query), at most :data:`TIGHT` times it plus
+  :data:`TIGHT_FLOOR`: the bound walks the emulator's liveness op by op over the graphs
+  (``_forward_walk``, ``_backward_walk``), so it is within its fixed allowance
+  (``LOOP_FIXED_BYTES``, 64 KiB) of the peak.
+* Score modifiers and dropout (the bound's ``mods=``: fitted blocks per modifier, dropout's
+  hash tables) are bounded and tight over the structures too; segment ids bounded
+  (``packed.segment_bytes``; up to ~2x loose, not checked).
 * With no ``memory_budget`` a call holds at most twice its own inputs' and outputs' bytes plus
   4 MiB, measured; a default nothing meets takes the least memory, never raises.
-* A budget that some explicit chunking meets is met by the automatic choice.
-* Modes: grouped-query attention is drawn above; score modifiers and dropout in looped passes
-  are bounded and tight, segment ids bounded; one-block passes with softcap or dropout are not
-  covered (they hold more than the bound).
+* A budget 1.15x the least any explicit chunking measures is met by the automatic choice.
 
-**Known gap.** The bound was fitted to the graphs before their re-indexing became PopXL's `_`
-views (`slice_`, `reshape_`, `transpose_`, `concat_`: no Copy programs, no bytes). It still
-holds above the emulator's peak (asserted), but it is looser than :data:`TIGHT` on some
-structures and shapes, and dropout's position hash holds uint32 ``[2, G, Lq, 1]`` and
-``[2, 1, 1, Lkv]`` tables the bound does not count (the chooser does not see modifiers).
-:data:`STALE_FIT` marks those assertions as strict expected failures until the bound is
-refitted: they run, and fail the suite if they start to pass.
-
-When the graph code changes (fewer copies, say), rerun this file: the bound's step terms
-(:data:`popxl_flash.plan.memory.FORWARD_STEP`, ``BACKWARD_STEP``, ``ROW_STEP``) are fitted and
-the phases (``_forward_phases``, ``_backward_phases``) list the live tensors by name.
+When the graph code changes (fewer copies, a new structure), rerun this file: the walks list
+the graphs' ops in order (one line per tensor-sized op), and the modifiers' blocks
+(:data:`popxl_flash.plan.memory.MOD_BLOCKS`) are fitted.
 """
 import numpy as np
 import pytest
@@ -33,7 +26,7 @@ from hypothesis import given, settings, strategies as st
 import popxl_flash as pf
 from test_forward import emulator_only
 from test_memory_budget import _flash_extra
-from popxl_flash.plan import costmodel, memory, steps
+from popxl_flash.plan import costmodel, memory, score_mods, steps
 
 pytestmark = emulator_only
 
@@ -42,14 +35,6 @@ MiB = 2 ** 20
 TIGHT = 1.2
 #: ... plus this many bytes.
 TIGHT_FLOOR = MiB
-
-
-#: The tightness checks the bound's earlier fit does not meet on the ``_``-view graphs (see the
-#: module docstring): strict expected failures until the bound is refitted.
-STALE_FIT = pytest.mark.xfail(
-    strict=True, reason="bound fitted to the graphs' earlier view copies: looser than 1.2x + "
-                        "1 MiB on the _-view graphs (and dropout's hash tables uncounted) "
-                        "until refitted")
 
 
 def _model(G, Gk, Lq, Lkv, D, nq, nkv, dtype, causal, backward):
@@ -95,22 +80,16 @@ def test_bound_holds_for_one_block_backward_at_short_kv():
         assert measured <= model, (args, measured, model)
 
 
-@STALE_FIT
 @settings(max_examples=200, deadline=None)
 @given(calls)
 def test_bound_is_tight_over_structures(args):
-    """Within TIGHT x + TIGHT_FLOOR except the forward's row passes and the backward's float32
-    grouped-query row steps (up to ~1.3x; one linear step term does not fit both their small
-    and large shapes)."""
-    sched, measured, model = _measured_and_model(args)
-    (G, Gk), dtype, backward = args[0], args[6], args[8]
-    loose = steps.row_passes(sched) and (not backward or (dtype == "float32" and Gk < G))
-    if not loose:
-        assert model <= TIGHT * measured + TIGHT_FLOOR, (measured, model)
+    """Within TIGHT x + TIGHT_FLOOR, every structure (the forward's row passes included)."""
+    _, measured, model = _measured_and_model(args)
+    assert model <= TIGHT * measured + TIGHT_FLOOR, (measured, model)
 
 
 @pytest.mark.parametrize("G, L, D, nq, nkv", [
-    (2, 2048, 256, 16, 16), pytest.param(8, 512, 64, 4, 4, marks=STALE_FIT)])
+    (2, 2048, 256, 16, 16), (8, 512, 64, 4, 4)])
 def test_bound_is_tight_where_it_was_loose(G, L, D, nq, nkv):
     """The shapes where the earlier bound was 1.8-2.5x the peak (issue 32)."""
     for backward in (False, True):
@@ -216,8 +195,10 @@ def _mode_extra(mode, G, L, D, n, dtype, backward):
     sched = pf.AttentionConfig.from_shapes((G, L, D), (G, L, D), (G, L, D), (dtype,) * 3,
                                            num_chunks_q=n, num_chunks_kv=n).schedule
     seg = mode == "segments"
+    mods = score_mods.options(**{"softcap": {"softcap": 20.0}, "alibi": {"alibi": True},
+                                 "dropout": {"dropout": 0.1}}.get(mode, {}))
     bound = memory.flash_bytes(sched, groups=G, kv_groups=G, head_dim=D, dtype=dtype,
-                               backward=backward, steps=steps.loop_steps(sched, seg))
+                               backward=backward, steps=steps.loop_steps(sched, seg), mods=mods)
     if seg:
         bound += packed.segment_bytes(sched, groups=G, head_dim=D, dtype=dtype,
                                       backward=backward, segments=SegmentConfig(1, 1, False))
@@ -229,26 +210,66 @@ MODE_CASES = [(mode, *shape, backward) for mode in ("softcap", "alibi", "dropout
               for shape in MODE_SHAPES for backward in (False, True)]
 
 
-def _stale(cases, stale):
-    return [pytest.param(*c, marks=STALE_FIT) if stale(*c) else c for c in cases]
-
-
-@pytest.mark.parametrize("mode, G, L, D, n, dtype, backward", _stale(
-    MODE_CASES, lambda mode, G, L, D, n, dtype, backward: mode == "dropout" and not backward))
+@pytest.mark.parametrize("mode, G, L, D, n, dtype, backward", MODE_CASES)
 def test_modes_in_loops_are_bounded(mode, G, L, D, n, dtype, backward):
     """Looped passes with a score modifier, dropout or segment ids (plus
-    :func:`popxl_flash.plan.packed.segment_bytes`): the bound holds. (One-block passes with
-    softcap or dropout hold more than the bound: the choice does not see the modifiers; nor
-    does the bound count dropout's hash tables: a looped forward exceeds it, STALE_FIT.)"""
+    :func:`popxl_flash.plan.packed.segment_bytes`): the bound (told the modifiers) holds."""
     measured, bound = _mode_extra(mode, G, L, D, n, dtype, backward)
     assert measured <= bound, (measured, bound)
 
 
-@pytest.mark.parametrize("mode, G, L, D, n, dtype, backward", _stale(
-    [c for c in MODE_CASES if c[0] != "segments"],
-    lambda mode, G, L, D, n, dtype, backward: backward and dtype == "float32"))
+@pytest.mark.parametrize("mode, G, L, D, n, dtype, backward",
+                         [c for c in MODE_CASES if c[0] != "segments"])
 def test_modes_in_loops_are_tight(mode, G, L, D, n, dtype, backward):
     """Looped passes with a score modifier or dropout: the bound is within TIGHT x +
     TIGHT_FLOOR (segment ids: up to ~2x loose, not checked)."""
     measured, bound = _mode_extra(mode, G, L, D, n, dtype, backward)
     assert bound <= TIGHT * measured + TIGHT_FLOOR, (measured, bound)
+
+
+mode_calls = st.tuples(st.sampled_from(["softcap", "alibi", "dropout", "score_mod"]),
+                       st.sampled_from([(1, 1), (2, 2), (2, 1), (4, 2)]), st.integers(16, 600),
+                       st.integers(16, 600), st.sampled_from([16, 32, 64, 128]),
+                       st.sampled_from([(1, 1), (2, 1), (4, 1), (8, 1), (2, 3), (4, 4)]),
+                       st.sampled_from(["float16", "float32"]), st.booleans(), st.booleans())
+
+
+def _half(s, g, q_idx, kv_idx):
+    return s * 0.5
+
+
+@settings(max_examples=40, deadline=None)
+@given(mode_calls)
+def test_modes_are_bounded_and_tight_over_structures(args):
+    """Every structure (one block, row passes, loops) with a score modifier or dropout,
+    grouped-query drawn: never below the emulator's peak, within TIGHT x + TIGHT_FLOOR
+    (``score_mod``: an elementwise one)."""
+    from popxl_flash.checks.harness import run_graph
+    mode, (G, Gk), Lq, Lkv, D, (nq, nkv), dtype, causal, backward = args
+    nq, nkv = min(nq, Lq), min(nkv, Lkv)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((G, Lq, D)).astype(dtype)
+    k, v = (rng.standard_normal((Gk, Lkv, D)).astype(dtype) for _ in range(2))
+    extra, names = {"alibi": ([np.linspace(0.1, 1, G).astype(np.float32)], ["alibi_slopes"]),
+                    "dropout": ([np.array([1, 2], np.uint32)], ["seed"])}.get(mode, ([], []))
+    option = {"softcap": {"softcap": 20.0}, "alibi": {}, "dropout": {"dropout": 0.1},
+              "score_mod": {"score_mod": _half}}[mode]
+    opts = dict(num_chunks_q=nq, num_chunks_kv=nkv, causal=causal, **option)
+    if not backward:
+        arrays = [q, k, v] + extra
+        result = run_graph(lambda q, k, v, *x: list(pf.flash_attention(
+            q, k, v, return_lse=True, **opts, **dict(zip(names, x)))), arrays)
+    else:
+        do = rng.standard_normal((G, Lq, D)).astype(dtype)
+        arrays = [do, q, k, v, do.copy(), rng.standard_normal((G, Lq)).astype(np.float32)] + extra
+        result = run_graph(lambda do, q, k, v, o, l, *x: list(pf.flash_attention_grad(
+            do, q, k, v, o, l, **opts, **dict(zip(names, x)))), arrays)
+    measured = result.profile.peak_live_bytes - sum(a.nbytes for a in arrays) - sum(
+        o.nbytes for o in result.outputs)
+    sched = pf.AttentionConfig.from_shapes((G, Lq, D), (Gk, Lkv, D), (Gk, Lkv, D), (dtype,) * 3,
+                                           num_chunks_q=nq, num_chunks_kv=nkv,
+                                           causal=causal).schedule
+    mods = score_mods.options(**{**option, "alibi": mode == "alibi"})
+    bound = memory.flash_bytes(sched, groups=G, kv_groups=Gk, head_dim=D, dtype=dtype,
+                               backward=backward, steps=steps.loop_steps(sched), mods=mods)
+    assert measured <= bound <= TIGHT * measured + TIGHT_FLOOR, (measured, bound)

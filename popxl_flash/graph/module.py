@@ -49,7 +49,7 @@ class AttentionModule(popxl.Module):
         Returns:
             The :class:`AttentionConfig`.
         """
-        options = {n: o for n, o in self.options.items() if n not in ("mods", "packing")}
+        options = {n: o for n, o in self.options.items() if n != "packing"}
         cfg = AttentionConfig.from_shapes(q.shape, k.shape, v.shape,
                                           (q.dtype.name, k.dtype.name, v.dtype.name),
                                           **options)

@@ -251,7 +251,7 @@ class AttentionConfig:
     @classmethod
     def from_shapes(cls, q_shape, k_shape, v_shape, dtypes, *, num_chunks_q=None,
                     num_chunks_kv=None, causal=True, scale=None, window=None,
-                    names=("q", "k", "v"), memory_budget=None, lean=None):
+                    names=("q", "k", "v"), memory_budget=None, mods=None, lean=None):
         """Validate shapes, dtypes and options.
 
         Args:
@@ -261,6 +261,9 @@ class AttentionConfig:
             memory_budget: bytes for the automatic chunk choice (``None``: the default,
                 :func:`popxl_flash.plan.memory.default_budget`); an explicit budget that no
                 chunking meets raises ``ValueError``.
+            mods: ``None`` or the call's :class:`~popxl_flash.plan.score_mods.ScoreMods`,
+                which the automatic choice's memory bound weighs (the config's own ``mods`` are
+                set by :func:`popxl_flash.graph.score_mods.check_extras`).
             lean: ``None`` (the memory-lean structure where the chosen chunking needs it to
                 meet the budget; with explicit chunks and no budget, never), ``True`` (both
                 passes lean where they loop) or ``False`` (never).
@@ -295,7 +298,8 @@ class AttentionConfig:
         if chunk_q is None or chunk_kv is None or budget is not None:
             choice = costmodel.choose(Lq, Lkv, head_dim=D, groups=G, dtype=dtype, causal=causal,
                                       window=window, chunk_q=chunk_q, chunk_kv=chunk_kv,
-                                      kv_groups=Gk, memory_budget=budget, lean=lean)
+                                      kv_groups=Gk, memory_budget=budget, scale=scale,
+                                      mods=mods, lean=lean)
             if budget is not None and not choice.chosen.fits:
                 raise ValueError(
                     f"memory_budget={budget:,} bytes: no chunking of this call fits it (the "

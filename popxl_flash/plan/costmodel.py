@@ -438,7 +438,7 @@ def pass_copies(sched, *, groups, head_dim, dtype, backward, kv_groups=None, seg
 
 
 def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, window,
-             kv_groups=None, memory_budget=None, lean=None):
+             kv_groups=None, memory_budget=None, scale=None, mods=None, lean=None):
     """The model's figures for one chunking.
 
     Args:
@@ -450,6 +450,9 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
         causal, window: the mask (as :func:`popxl_flash.plan.schedule.plan`).
         memory_budget: bytes (``None``: each pass's default,
             :func:`popxl_flash.plan.memory.default_budget`).
+        scale, mods: the softmax scale (``None``: ``1 / sqrt(D)``) and the score modifiers
+            (``None`` or a :class:`~popxl_flash.plan.score_mods.ScoreMods`), which the memory
+            bound weighs (:func:`popxl_flash.plan.memory.flash_bytes`).
         lean: ``None``: a looped pass that misses its budget runs its memory-lean structure
             when that needs less (it is never faster: it scales each step's k slice and works
             in pieces); ``True``/``False``: looped passes always/never lean.
@@ -465,9 +468,10 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     args = dict(head_dim=head_dim, groups=groups, kv_groups=kv_groups, dtype=dtype,
                 causal=causal, window=window)
     looped = not (_steps.single_block(sched) or _steps.row_passes(sched))
+    bound = dict(scale=scale, mods=mods)
     passes = [_pass_figures(sched, Lq, Lkv, b, budget, looped and lean is not False,
-                            bool(lean), args) for b, budget in ((False, budgets[0]),
-                                                                (True, budgets[1]))]
+                            bool(lean), args, bound) for b, budget in ((False, budgets[0]),
+                                                                       (True, budgets[1]))]
     (fwd, mem_f, lean_f), (bwd, mem_b, lean_b) = passes
     return Candidate(chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq,
                      num_chunks_kv=sched.nkv, flop_ratio=_flop_ratio(sched, fwd, head_dim, groups),
@@ -477,10 +481,10 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                      lean_forward=lean_f, lean_backward=lean_b)
 
 
-def _pass_figures(sched, Lq, Lkv, backward, budget, may_lean, must_lean, args):
+def _pass_figures(sched, Lq, Lkv, backward, budget, may_lean, must_lean, args, bound):
     """``(counts, memory bytes, lean)`` of one pass: its usual structure, or the memory-lean
     one where ``must_lean``, or where ``may_lean`` and the usual one misses ``budget`` and the
-    lean one needs less."""
+    lean one needs less. ``bound``: the memory bound's ``scale`` and ``mods``."""
     from popxl_flash.plan import counts as _counts
 
     def figures(lean):
@@ -488,7 +492,7 @@ def _pass_figures(sched, Lq, Lkv, backward, budget, may_lean, must_lean, args):
                                 lean=lean, **args)
         m = _memory.flash_bytes(sched, groups=args["groups"], kv_groups=args["kv_groups"],
                                 head_dim=args["head_dim"], dtype=args["dtype"],
-                                backward=backward, steps=c.iterations, lean=lean)
+                                backward=backward, steps=c.iterations, lean=lean, **bound)
         return c, m, lean
     if may_lean and must_lean:
         return figures(True)
@@ -533,7 +537,8 @@ CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024)
 #: Largest number of blocks a candidate may have (each visited block costs its compute sets, so
 #: finer chunkings only win where memory binds, and the planner's tables grow with them).
 MAX_CANDIDATE_BLOCKS = 2048
-#: Largest ratio between the two axes' chunk lengths tried.
+#: Largest ratio between the two axes' chunk lengths tried (but for a pair where one axis is
+#: one chunk: the row passes of one kv chunk, one q chunk's kv loop).
 MAX_CHUNK_ASPECT = 4
 
 
@@ -557,7 +562,7 @@ def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
     pairs = [(cq, ckv) for cq in _axis_lengths(Lq, chunk_q) for ckv in _axis_lengths(Lkv, chunk_kv)
              if -(-Lq // cq) * -(-Lkv // ckv) <= MAX_CANDIDATE_BLOCKS
              and (chunk_q or chunk_kv or max(cq, ckv) <= MAX_CHUNK_ASPECT * min(cq, ckv)
-                  or min(cq, ckv) in (Lq, Lkv))]
+                  or cq == Lq or ckv == Lkv)]
     if not pairs:  # fixed lengths that make many blocks: the finest allowed on the free axis
         cq = chunk_q or Lq
         ckv = chunk_kv or Lkv
@@ -567,7 +572,8 @@ def candidate_pairs(Lq, Lkv, chunk_q=None, chunk_kv=None):
 
 @functools.lru_cache(maxsize=1024)
 def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_q=None,
-           chunk_kv=None, kv_groups=None, memory_budget=None, lean=None):
+           chunk_kv=None, kv_groups=None, memory_budget=None, scale=None, mods=None,
+           lean=None):
     """Choose chunk lengths: the least modelled forward + backward time within the budget.
 
     Cached (the arguments are hashable and the result immutable): the functional API validates
@@ -579,6 +585,7 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         chunk_q, chunk_kv: a fixed chunk length for that axis, or ``None`` to choose it.
         memory_budget: bytes each pass may hold beyond its inputs and outputs (``None``: the
             default, each pass's :func:`popxl_flash.plan.memory.default_budget`, O(L)).
+        scale, mods: as :func:`evaluate` (the memory bound weighs them).
         lean: the memory-lean structures, as :func:`evaluate` (``None``: where a chunking
             needs them to meet the budget).
 
@@ -593,13 +600,13 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
                                    kv_len=Lkv, head_dim=head_dim, dtype=dtype)
     args = dict(head_dim=head_dim, groups=groups, dtype=dtype, causal=causal, window=window,
-                kv_groups=kv_groups, memory_budget=explicit, lean=lean)
+                kv_groups=kv_groups, memory_budget=explicit, scale=scale, mods=mods,
+                lean=lean)
     pairs = candidate_pairs(Lq, Lkv, chunk_q, chunk_kv)
 
     def bound(pair):
         return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
-                                         chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim,
-                                         lean=lean is not False)
+                                         chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
     # Candidates that cannot fit are not planned; if none can, the few needing the least.
     kept = [pair for pair in pairs if bound(pair) <= max(budgets)]
     kept = kept or sorted(pairs, key=bound)[:4]

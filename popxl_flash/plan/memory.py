@@ -15,71 +15,55 @@ where no chunking meets it the least memory (a default never refuses). ``memory_
 (bytes, both passes) is how a user spends more memory for speed; an explicit budget nothing
 meets raises ``ValueError``.
 
-The looped passes' and the backward's row steps' bound is a max over phases (setup, loops,
-finish) of explicit sums of the live tensors of ``popxl_flash/graph/`` (one term per tensor,
-commented), with fitted step temporaries (:data:`FORWARD_STEP`, :data:`BACKWARD_STEP`,
-:data:`ROW_STEP`); ``tests/test_memory_model.py`` holds it within 1.2x + 1 MiB of the emulator's
-peak. One-block passes and the forward's row passes keep fitted per-element terms (row passes:
-an upper bound, up to ~2x loose).
+The flash bound (:func:`flash_bytes`) walks the pass's graph (``popxl_flash/graph/forward.py``,
+``backward.py``, every structure: one block, the forward's row passes, the backward's row
+steps, the loops) op by op, one line per tensor-sized op (``_forward_walk``,
+``_backward_walk``), with the emulator's liveness (``popxl_flash/emulator/plan.py``): an op's
+output is allocated before the storage whose last use it is is freed; ``_`` views (``slice_``,
+``reshape_``, ``transpose_``, ``concat_``) allocate nothing and a view group is freed with its
+last member (the scaled k, stacked with the input v, so lives to the end); a loop body's
+inputs share the caller's storage, and its dynamic slices are copies. The peak less the
+outputs' bytes, plus the constants (patterns, step tables) and :data:`LOOP_FIXED_BYTES` for
+the scalars and few-row tensors the walk leaves out. Score modifiers and dropout (``mods=``)
+add fitted blocks (:data:`MOD_BLOCKS`) and dropout's hash tables. ``tests/test_memory_model.py``
+holds it within 1.2x + 1 MiB of the emulator's peak for every structure (over ~1,500 drawn
+shapes and chunkings it is 0-62 KiB above the peak, the fixed allowance); when the graph code
+changes, the walk must follow it.
 """
+import math
 import numbers
-from dataclasses import dataclass
 
 from popxl_flash.plan import ipu_time
 from popxl_flash.plan import steps as _steps
+from popxl_flash.plan.schedule import PARTIAL
 
 _F32 = 4
 
-#: Float32 block-sized temporaries live at once at the peak of a step ``[G, cq, ckv]``
-#: (forward: scores and probabilities; backward: P, dP, dS, the stacked ``[P; dS]`` and its
-#: cast or transposed copy, by dtype), an upper bound of the emulator's liveness on this
-#: version's graphs: at float32 blocks of 512 x 512 a backward step holds about 4 (measured
-#: 3.5-4.0 over the margin), float16 about 3.
-FORWARD_BLOCKS = 2.0
-BACKWARD_BLOCKS = {"float16": 3.25, "float32": 4.25}
-#: Added for the backward's row steps (inline, one per q chunk, on the unpadded tensors, so no
-#: padded copies): blocks and float32 k/v-row elements ``[Gk, cols, D]`` (a step's ``[dv;
-#: dk]`` product and sum), fitted to the emulator's peak over 600 drawn row-pass shapes.
-ROW_STEP_BLOCKS, ROW_STEP_KV_ROWS = 0.25, 3.0
-#: Float32 row-sized temporaries ``[G, cq, D]`` and ``[Gk, ckv, D]`` at once.
-FORWARD_ROWS, BACKWARD_ROWS = 2.0, 2.0
-#: Float32 q-row-sized tensors ``[G, Lq_pad, D]`` live at the peak besides the state (the
-#: scaled q, casts of the stashed operands), an upper bound of the emulator's on this version's
-#: graphs: forward, backward.
-FORWARD_FULL_ROWS, BACKWARD_FULL_ROWS = 1.5, 3.0
-#: The same for k/v-row-sized tensors ``[Gk, Lkv_pad, D]`` (k and v stacked once per call for
-#: one slice per step), forward and backward.
-FORWARD_FULL_KV_ROWS, BACKWARD_FULL_KV_ROWS = 1.0, 2.5
-#: Proportional margin over the terms above: the emulator's liveness order varies with the
-#: graph's op order, which small shapes show as a few tens of bytes over the terms.
+#: Proportional margin of the estimates that are not walked op by op (naive attention, the
+#: packed and context-parallel terms built on these).
 MARGIN = 1.10
 #: Small tensors of any pass (scalars, counters, one-element constants): a fixed allowance.
 FIXED_BYTES = 16384
-#: Small tensors of a flash pass (per-step scalars, slices of a few rows, row statistics of
-#: short calls) beyond its terms: a fixed allowance, within the tests' 1 MiB floor.
+#: Small tensors of a flash pass the walk leaves out (scalars, counters, step-table rows,
+#: comparison masks of a few rows): a fixed allowance (without it the walk falls at most
+#: ~4 KiB short of the emulator over the drawn shapes of ``tests/test_memory_model.py``).
 LOOP_FIXED_BYTES = 65536
 #: Bytes of the loop tables per step (first q row, first kv column, pattern id: int32).
 TABLE_BYTES_PER_STEP = 12
-#: A pass of one block (a straight line, no loop state): bytes per score element ``[G, Lq,
-#: Lkv]``, per float32 q-row element ``[G, Lq, D]`` and per float32 k/v-row element ``[Gk,
-#: Lkv, D]`` live at its peak, by (dtype, backward): the least upper bound of the emulator's
-#: peak over 40 drawn shapes (G, Gk, Lq, Lkv, D), both masks, with :data:`SINGLE_MARGIN`.
-#: Forward: the scores and the softmax (float32), the cast of P; backward: P, dP, dS and a
-#: cast, plus the float32 gradients.
-SINGLE_BYTES = {("float16", False): (8.0, 0.0, 0.5), ("float16", True): (12.0, 0.5, 2.0),
-                ("float32", False): (8.0, 0.0, 1.5), ("float32", True): (12.0, 0.0, 1.0)}
-#: Row passes: float32 k/v-row elements ``[Gk, Lkv, D]`` live across the passes (the scaled
-#: k they slice, and a pass's copies of its k/v columns), by dtype: the least upper bound of
-#: the emulator's peak over 950 drawn shapes and chunkings, rounded up.
-ROW_PASS_KV_ROWS = {"float16": 1.75, "float32": 2.5}
-#: A proportional margin on the looped passes' and row passes' phases: on the _-view graphs
-#: (views, not copies) the phases and step terms fitted to the earlier graphs fell up to
-#: ~1% short at a few drawn shapes (grouped-query, short kv chunks); 3% until refitted.
-REFIT_MARGIN = 1.03
-#: Proportional margin of the one-block bound (its terms are fitted, not summed; 1.08: on the
-#: _-view graphs the earlier fit fell up to ~2% short for grouped-query backward blocks, until it is
-#: refitted).
-SINGLE_MARGIN = 1.08
+#: Score modifiers and dropout (:class:`popxl_flash.plan.score_mods.ScoreMods`): float32
+#: score blocks of the largest step each adds at its peak, by (modifier, backward): the least
+#: upper bound over drawn shapes of every structure, rounded up to 0.25 (softcap: 0 forward,
+#: 1 backward, its chain; ALiBi: the bias block; a ``score_mod``: measured with an elementwise
+#: one, a user function that makes more block-sized temporaries holds more; dropout: the keep
+#: mask's hash blocks, :data:`DROPOUT_LOOP_BLOCKS` in the forward's loops), plus dropout's
+#: uint32 hash tables ``[2, G, Lq, 1]`` and ``[2, 1, 1, Lkv]`` and their slices
+#: (:data:`DROPOUT_TABLE_BYTES` per padded q row of each group and per kv row).
+MOD_BLOCKS = {("softcap", False): 0.0, ("softcap", True): 1.0,
+              ("alibi", False): 1.0, ("alibi", True): 0.25,
+              ("score_mod", False): 0.25, ("score_mod", True): 2.0,
+              ("dropout", False): 2.25, ("dropout", True): 2.0}
+DROPOUT_LOOP_BLOCKS = 3.0
+DROPOUT_TABLE_BYTES = 16
 #: Naive attention: bytes per score element ``[G, Lq, Lkv]`` live at its peak (float32 scores,
 #: their scaled and masked copies, the softmax, its cast), the least upper bound of the
 #: emulator's peak over score-dominated shapes (L 128-512), rounded up (float16: 7.06 forward,
@@ -169,8 +153,10 @@ def _item(dtype):
     return 2 if dtype == "float16" else 4
 
 
-def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps, lean=False):
-    """Upper bound of one flash pass's live bytes beyond its inputs and outputs.
+def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps, scale=None,
+                mods=None, lean=False):
+    """Upper bound of one flash pass's live bytes beyond its inputs and outputs: the
+    emulator's liveness walked op by op over the pass's graph (module docstring).
 
     Args:
         sched: the :class:`~popxl_flash.plan.schedule.BlockSchedule`.
@@ -178,268 +164,436 @@ def flash_bytes(sched, *, groups, kv_groups, head_dim, dtype, backward, steps, l
         backward: the stash-mode backward (else the forward).
         steps: the pass's loop steps (:func:`popxl_flash.plan.steps.loop_steps`; the step
             tables' bytes grow with them).
-        lean: the pass's memory-lean structure (looped passes only: :func:`lean_bytes`).
+        scale: the softmax scale (``None``: ``1 / sqrt(D)``); whether it folds into k
+            (:func:`popxl_flash.graph.blocks.scale_folds`) changes the temporaries.
+        mods: ``None`` or the call's :class:`~popxl_flash.plan.score_mods.ScoreMods` (score
+            modifiers and dropout: :data:`MOD_BLOCKS`).
+        lean: the pass's memory-lean structure (looped passes only; ``docs/design.md``,
+            "Memory-lean structures").
 
     Returns:
         int bytes.
     """
-    G, Gk, D = groups, kv_groups, head_dim
-    if _steps.single_block(sched):  # (no segment ids: the choice prices those loops apart)
-        terms = _single_terms(dtype, backward, G, Gk, sched.Lq, sched.Lkv, D)
-        # the forward's out is not live at its peak (the softmax): its bytes are not held;
-        # where rows see nothing, ``where(seen, out, 0)`` copies out while out is live
-        out = 0 if backward else G * sched.Lq * D * _item(dtype)
-        seen = out if sched.num_empty_rows else 0
-        # ... but is at ``P v``, with P (float32) or its cast, the k/v terms, and the float32
-        # ``P v`` and ``(P v) / l`` ([G, Lq, D] each: the softmax is written out, normalised
-        # after the matmul)
-        per_kv = SINGLE_BYTES[dtype, bool(backward)][2]
-        pv = (_item(dtype) * G * sched.Lq * sched.Lkv + per_kv * Gk * sched.Lkv * D * _F32
-              + 2 * G * sched.Lq * D * _F32)
-        # (row statistics: 16 bytes per q row, four float32 [G, Lq, 1] tensors)
-        return int(max(SINGLE_MARGIN * terms - out, seen, 0 if backward else pv)
-                   + sched.patterns_nbytes + 16 * G * sched.Lq + LOOP_FIXED_BYTES)
-    if not backward and _steps.row_passes(sched):
-        return _row_pass_bytes(sched, G, Gk, D, dtype)
-    shape = _LoopShape.of(sched, G, Gk, D, dtype, backward, steps)
-    if lean and not shape.row_steps:
-        return lean_bytes(sched, shape, G, Gk, D, backward)
-    phases = _backward_phases(shape) if backward else _forward_phases(shape)
-    return int(REFIT_MARGIN * max(phases.values()) + LOOP_FIXED_BYTES)
+    G, Gk, D, item = groups, kv_groups, head_dim, _item(dtype)
+    folds = _scale_folds(D, scale)
+    single = _steps.single_block(sched)  # (no segment ids: the choice prices those loops apart)
+    rows = not single and _steps.row_passes(sched)
+    lean = lean and not (single or rows)
+    walk = (_backward_walk if backward else _forward_walk)(sched, G, Gk, D, item, folds,
+                                                           single, rows, lean)
+    if not (single or rows):
+        walk += TABLE_BYTES_PER_STEP * steps
+    return int(walk + _mod_bytes(sched, G, backward, mods, single, rows) + LOOP_FIXED_BYTES)
 
 
-@dataclass(frozen=True)
-class _LoopShape:
-    """Byte sizes a looped pass (or the backward's inline row steps) is made of.
-
-    Attributes:
-        q, kv: bytes of one unpadded ``[G, Lq, D]`` / ``[Gk, Lkv, D]`` tensor in the input
-            dtype; q_pad, kv_pad: the same padded to whole chunks (equal without padding;
-            the row steps run unpadded).
-        q32, kv32, q32_pad, kv32_pad: the same in float32.
-        rows, rows_pad: bytes of a float32 ``[G, Lq, 1]`` (unpadded, padded).
-        block: a float32 ``[G, rows, cols]`` score block of the largest step;
-        step_q, step_kv: float32 ``[G, rows, D]``, ``[Gk, cols, D]`` of the longest rows and
-            columns of any step.
-        outputs: the pass's outputs (out and lse; dq, dk, dv), which are not live until
-            its end.
-        constants: the step tables and the static patterns.
-        item: the input dtype's bytes; dtype: its name; gqa: ``Gk < G`` (the steps fold
-            q's groups, with copies of the folded q rows); row_steps: the backward's inline
-            row steps (static slices, no loop).
-    """
-
-    q: int
-    kv: int
-    q_pad: int
-    kv_pad: int
-    q32: int
-    kv32: int
-    q32_pad: int
-    kv32_pad: int
-    rows: int
-    rows_pad: int
-    block: int
-    step_q: int
-    step_kv: int
-    outputs: int
-    constants: int
-    item: int
-    dtype: str
-    gqa: bool
-    row_steps: bool = False
-
-    @classmethod
-    def of(cls, sched, G, Gk, D, dtype, backward, steps):
-        item = _item(dtype)
-        lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-        groups = _steps.step_groups(sched, "kv_major" if backward else "q_major")
-        # the largest step's block, and the longest rows and columns of any step
-        block = max(g.rows * g.cols for g in groups)
-        cq, ckv = max(g.rows for g in groups), max(g.cols for g in groups)
-        constants = sched.patterns_nbytes + TABLE_BYTES_PER_STEP * steps
-        row_steps = backward and _steps.row_passes(sched)
-        if row_steps:  # inline steps on the unpadded tensors
-            plan = _steps.row_pass_plan(sched)
-            lq, lkv = sched.Lq, sched.Lkv
-            sizes = [(p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]) for p in plan]
-            block = max(r * c for r, c in sizes)
-            cq, ckv = max(r for r, _ in sizes), max(c for _, c in sizes)
-            constants = sum(p.pattern_nbytes for p in plan)
-        Lq, Lkv = sched.Lq, sched.Lkv
-        outputs = ((G * Lq + 2 * Gk * Lkv) * D * item if backward
-                   else G * Lq * (D * item + _F32))
-        return cls(q=G * Lq * D * item, kv=Gk * Lkv * D * item, q_pad=G * lq * D * item,
-                   kv_pad=Gk * lkv * D * item, q32=G * Lq * D * _F32, kv32=Gk * Lkv * D * _F32,
-                   q32_pad=G * lq * D * _F32, kv32_pad=Gk * lkv * D * _F32,
-                   rows=G * Lq * _F32, rows_pad=G * lq * _F32, block=G * block * _F32,
-                   step_q=G * cq * D * _F32, step_kv=Gk * ckv * D * _F32, outputs=outputs,
-                   constants=constants, item=item, dtype=dtype, gqa=Gk < G,
-                   row_steps=row_steps)
+def _scale_folds(head_dim, scale):
+    """:func:`popxl_flash.graph.blocks.scale_folds` for ``scale`` (``None``: 1 / sqrt(D))."""
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    mantissa, _ = math.frexp(abs(scale))
+    return mantissa == 0.5 and abs(scale) <= 1.0
 
 
-def _stack(one, padded):
-    """Peak bytes of ``blocks.stack`` of two ``one``-byte tensors padded to ``padded`` each
-    (``blocks.pad_rows``): each part's reshape copy and their concat (``4 one``), or with
-    padding the concat, the zeros and the padded concat (``2 one + 2 (padded - one) + 2
-    padded``): ``4 padded`` either way."""
-    return 4 * padded if padded > one else 4 * one
+def _mod_bytes(sched, G, backward, mods, single, rows):
+    """What score modifiers and dropout add: :data:`MOD_BLOCKS` float32 blocks of the largest
+    step, and dropout's hash tables."""
+    if mods is None:
+        return 0
+    if single:
+        block = sched.Lq * sched.Lkv
+    elif rows:
+        block = max((p.rows[1] - p.rows[0]) * (p.cols[1] - p.cols[0])
+                    for p in _steps.row_pass_plan(sched))
+    else:
+        block = max(g.rows * g.cols for g in
+                    _steps.step_groups(sched, "kv_major" if backward else "q_major"))
+    dropout = getattr(mods, "dropout", 0) > 0
+    used = [("softcap", getattr(mods, "softcap", 0) > 0), ("alibi", getattr(mods, "alibi", False)),
+            ("score_mod", getattr(mods, "score_mod", None) is not None), ("dropout", dropout)]
+    blocks = sum(MOD_BLOCKS[name, bool(backward)] for name, on in used if on)
+    if dropout and not backward and not (single or rows):
+        blocks += DROPOUT_LOOP_BLOCKS - MOD_BLOCKS["dropout", False]
+    tables = 0
+    if dropout:
+        tables = DROPOUT_TABLE_BYTES * (G * sched.nq * sched.chunk_q + sched.nkv * sched.chunk_kv)
+    return int(blocks * G * block * _F32 + tables)
 
 
-def _forward_phases(s):
-    """Bytes beyond the inputs at the forward's peaks, by phase (``graph/forward.py``
-    ``FlashAttention.build``, looped branch, in op order; an op's output is allocated before
-    its dead inputs are freed, as the emulator's liveness counts). The outputs are not live
-    before their ops: every phase is counted less their bytes (at the finish, the live
-    float32 out is counted in its terms)."""
-    state = s.q32_pad + 2 * s.rows_pad  # acc | l | m, float32 [G, Lq_pad, D + 2]
-    q_pad = s.q_pad if s.q_pad > s.q else 0  # blocks.pad_rows(q): a padded copy
-    # the stacked [k; v], padded; a concat_ of views of k * scale (a copy) and v, so with
-    # padding the scaled k stays live with v's storage (the emulator frees a view group with
-    # its last member; v is an input)
-    kv = 2 * s.kv_pad + (s.kv if s.kv_pad > s.kv else 0)
-    phases = {
-        # k * scale (a copy, where the scale folds) while q is padded: zeros and concat
-        "pad q": s.kv + 2 * q_pad,
-        # stack([k, v]): reshape copies and the concat (and its padding), q_pad held
-        "stack kv": q_pad + _stack(s.kv, s.kv_pad),
-        # state = where(is_m, INITIAL_MAX, init(0)): both full-length tensors at once
-        "init state": q_pad + kv + 2 * state,
-        # the loops: state, operands, one step's temporaries
-        "loop": q_pad + kv + state + _forward_step(s),
-        # finish: the state's m, l, acc sliced (copies) while it is live
-        "finish state": 2 * state,
-        # then, the state freed: acc's slice (or its unpadded copy) and acc / l (float32 out,
-        # or cast to float16 out after acc is freed), m, l and the lse's terms
-        # (6 row terms: m, l, l's where, log(l), m + log(l) and the lse's select)
-        "finish": s.q32_pad + s.q32 + 6 * s.rows_pad,
-    }
-    phases = {k: v - s.outputs for k, v in phases.items()}
-    # the constants (tables, patterns) live for the whole run
-    return {k: v + s.constants for k, v in phases.items()}
+class _Live:
+    """Live bytes as the emulator counts them (``popxl_flash/emulator/plan.py``): an op
+    allocates its output, then the storage whose last use it is is freed; views (``slice_``,
+    ``reshape_``, ``transpose_``, ``concat_``) allocate nothing and a view group is freed with
+    its last member; a loop body's inputs share the caller's storage (AliasZeroCopy), so a
+    body adds only its own temporaries. Names are the graph's tensors (``held``)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.held = {}
+
+    def op(self, nbytes=0, name=None, free=()):
+        """One op: ``nbytes`` of output (held as ``name``), then ``free`` released."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        for n in free:
+            self.live -= self.held.pop(n, 0)
+        if name is not None:
+            self.held[name] = self.held.get(name, 0) + nbytes
+
+    def free(self, *names):
+        self.op(0, None, names)
 
 
-#: A forward step's temporaries at its peak (``forward.softmax_block`` on the step's slices),
-#: by (dtype, grouped-query): float32 score blocks (the scores and their shifted or masked
-#: copy, the probabilities and their cast), float32 q rows ``[G, rows, D]`` (the state slice
-#: ``acc | l | m``, its ``acc | l`` and ``m`` slices, ``p v``, the update and its concats, the
-#: folded q copy) and k/v rows ``[Gk, cols, D]`` in float32 bytes (the ``[k_j; v_j]`` slice,
-#: the copies of its parts, k_j's transpose): the least upper bound of the emulator's over the
-#: drawn shapes of ``tests/test_memory_model.py``.
-FORWARD_STEP = {("float16", False): (2.25, 3.0, 1.5), ("float16", True): (2.0, 2.75, 3.5),
-                ("float32", False): (2.25, 2.5, 3.5), ("float32", True): (2.0, 3.0, 3.5)}
+def _single_pass(sim, G, rows, cols, D, item, folds, visible, seen, k_free=()):
+    """``forward.single_pass`` on ``rows x cols`` (the one-block forward, a row pass); leaves
+    ``out`` and ``lse`` held. ``k_free``: freed at the scores' matmul (the scaled k's last
+    use)."""
+    S, R, Q32 = G * rows * cols * _F32, G * rows * _F32, G * rows * D * _F32
+    sim.op(S, "s", k_free)  # q k^T, float32
+    if not folds:
+        sim.op(S, "s", ("s",))  # * scale
+    if visible:
+        sim.op(S, "s", ("s",))  # where(visible, s, INITIAL_MAX)
+    sim.op(R, "m")  # max
+    sim.op(S, "d", ("s",))  # s - m
+    sim.op(S, "p", ("d",))  # exp
+    sim.op(R, "l")  # sum
+    if item == 2:
+        sim.op(S // 2, "p", ("p",))  # cast
+    sim.op(Q32, "pv", ("p",))  # P v
+    sim.op(Q32, "out", ("pv",))  # / l
+    if item == 2:
+        sim.op(G * rows * D * item, "out", ("out",))  # cast
+    sim.op(R, "lg", ("l",))  # log(l)
+    sim.op(R, "lse", ("m", "lg"))  # m + log(l)
+    if seen:  # where(seen, out, 0), where(seen, lse, -inf)
+        sim.op(G * rows * D * item, "out", ("out",))
+        sim.op(R, "lse", ("lse",))
 
 
-def _forward_step(s):
-    """Upper bound of one forward step's temporaries (:data:`FORWARD_STEP`)."""
-    blocks, q_rows, kv_rows = FORWARD_STEP[s.dtype, s.gqa]
-    return blocks * s.block + q_rows * s.step_q + kv_rows * s.step_kv
+def _pad(sim, nbytes, padded_bytes, name, free=()):
+    """``blocks.pad_rows``: zeros, then the padded concat (nothing when not padded).
+
+    Returns:
+        Whether it padded (a copy held as ``name``)."""
+    if padded_bytes <= nbytes:
+        return False
+    sim.op(padded_bytes - nbytes, "zeros")
+    sim.op(padded_bytes, name, ("zeros",) + tuple(free))
+    return True
 
 
-def _backward_phases(s):
-    """Bytes beyond the inputs at the backward's peaks, by phase (``graph/backward.py``
-    ``FlashAttentionGrad.build``, looped and row-step branches, in op order). The outputs
-    (dq, dk, dv) are not live before the finish's casts: every phase but the last is
-    counted less their bytes."""
-    f16 = s.item == 2
-    q_pad = s.q_pad > s.q
-    dvec = s.rows  # Dvec = rowsum(dout * out), float32 [G, Lq, 1]
-    lse = 2 * s.rows  # lse reshaped (a copy), and its where where rows may see nothing
-    stats = 2 * s.rows_pad + (2 * s.rows_pad if q_pad else 0)  # lse | Dvec (and padded)
-    qdo = 2 * s.q_pad  # the stacked [do; q], padded
-    # the stacked [k; v], padded; a concat_ of views of k * scale (a copy) and v, so with
-    # padding the scaled k stays live with v's storage (the emulator frees a view group with
-    # its last member; v is an input)
-    kv = 2 * s.kv_pad + (s.kv if s.kv_pad > s.kv else 0)
-    state = s.q32_pad + 2 * s.kv32_pad  # dq, [dv; dk] float32
-    phases = {
-        # float32 casts of dout and out (float16) and their product
-        "dvec": (2 * f16 + 1) * s.q32 + dvec,
-        # k * scale (a copy, where the scale folds), then stack([do, q]) (and its padding)
-        "stack qdo": dvec + lse + s.kv + _stack(s.q, s.q_pad),
-        # stack([k, v]) with [do; q] and lse | Dvec held
-        "stack kv": qdo + stats + _stack(s.kv, s.kv_pad),
-        # the loops (or row steps): operands, state, one step's temporaries
-        "loop": qdo + stats + kv + state + _backward_step(s),
-        # finish: [dv; dk] and the slice and reshape copies of its parts, dq held
-        "split dkdv": state + 2 * s.kv32_pad,
-    }
-    phases = {k: v - s.outputs for k, v in phases.items()}
-    # then dq, dk, dv, a scaled copy, an unpadded copy, and the casts (the outputs)
-    phases["finish"] = state + max(s.q32_pad, s.kv32_pad) + max(s.q32, s.kv32) * (
-        s.q_pad > s.q or s.kv_pad > s.kv)
-    return {k: v + s.constants for k, v in phases.items()}
+def _loops(sim, groups, step):
+    """The step groups in order: ``step(sim, group, loop)`` once per group (a loop body's
+    peak is its first step's; an inline group's slices are views)."""
+    for g in groups:
+        step(sim, g, not _steps.runs_inline(g))
+        sim.free("pat")
 
 
-#: A backward step's temporaries at its peak (``backward.grad_block`` on the step's slices),
-#: by (dtype, grouped-query): float32 score blocks (P, dP, dS, the stacked ``[P; dS]`` and the
-#: reshape copies of its parts, its cast), float32 q rows ``[G, rows, D]`` (the ``[do; q]``
-#: and ``dq`` slices, their parts, the folded copies, ``dS k_j``) and k/v rows ``[Gk, cols,
-#: D]`` (the ``[k; v]`` and ``[dv; dk]`` slices, their parts, the ``[dv; dk]`` product and
-#: sum): the least upper bound of the emulator's over the drawn shapes of
-#: ``tests/test_memory_model.py``.
-BACKWARD_STEP = {("float16", False): (3.75, 3.5, 6.0), ("float16", True): (4.25, 4.0, 5.5),
-                 ("float32", False): (4.75, 6.5, 7.0), ("float32", True): (4.75, 6.0, 4.5)}
+def _forward_walk(sched, G, Gk, D, item, folds, single, rows, lean=False):
+    """``graph/forward.py`` ``FlashAttention.build``, op by op (module docstring): the peak
+    less the outputs' bytes (out, lse), plus the constants (patterns, seen rows, the zero
+    results of rows that see nothing). ``lean``: its memory-lean structure (looped)."""
+    Lq, Lkv = sched.Lq, sched.Lkv
+    Q, R = G * Lq * D * item, G * Lq * _F32
+    sim = _Live()
+    if folds and not lean:  # k * scale, once; with [k; v] stacked, held with v's storage
+        sim.op(Gk * Lkv * D * item, "ks")
+    if single:
+        _single_pass(sim, G, Lq, Lkv, D, item, folds, sched.kind[0, 0] == PARTIAL,
+                     bool(sched.num_empty_rows), ("ks",))
+        seen = Lq if sched.num_empty_rows else 0
+        return sim.peak - Q - R + sched.patterns_nbytes + seen
+    if rows:  # one single_pass per q chunk; the results live until the concats
+        plan = _steps.row_pass_plan(sched)
+        last = max((n for n, p in enumerate(plan) if p.cols[1] > p.cols[0]), default=-1)
+        results, constants = [], 0
+        for n, p in enumerate(plan):
+            r, c = p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]
+            constants += p.pattern_nbytes + p.seen_nbytes
+            if not c:  # constants: out 0, lse -inf
+                constants += G * r * (D * item + _F32)
+                continue
+            _single_pass(sim, G, r, c, D, item, folds, p.masked, not p.all_seen,
+                         ("ks",) if n == last else ())
+            sim.held[f"r{n}"] = sim.held.pop("out") + sim.held.pop("lse")
+            results.append(f"r{n}")
+        sim.op(Q, "out")
+        sim.op(R, "lse", results)  # the concats
+        return sim.peak - Q - R + constants
+    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+    _pad(sim, Q, G * lq * D * item, "q")  # q padded
+    _pad(sim, 2 * Gk * Lkv * D * item, 2 * Gk * lkv * D * item, "kv")  # [k; v] padded
+    state = G * lq * (D + 2) * _F32  # acc | l | m
+    sim.op(state, "init")
+    if not lean:  # lean: the m column added in place
+        sim.op(state, "state", ("init",))  # where(is_m, INITIAL_MAX, 0)
+    else:
+        sim.held["state"] = sim.held.pop("init")
+
+    def step(b, g, loop):  # online_softmax_update
+        r, c = g.rows, g.cols
+        S, Rb, Qb32, acc = G * r * c * _F32, G * r * _F32, G * r * D * _F32, G * r * (D + 1) * _F32
+        if loop:  # dynamic slices (copies): the pattern, q_i, [k_j; v_j], the state's rows
+            if g.masked and g.num_patterns > 1:
+                b.op(r * c, "pat")
+            b.op(G * r * D * item, "q_i")
+            b.op(2 * Gk * c * D * item, "kv_j")
+            b.op(G * r * (D + 2) * _F32, "st_i")
+        if lean and folds:  # the step's k slice scaled
+            b.op(Gk * c * D * item, "ks_j")
+        b.op(S, "s", ("q_i", "ks_j"))
+        if not folds:
+            b.op(S, "s", ("s",))
+        if g.masked:
+            b.op(S, "smax")  # where(visible, s, INITIAL_MAX)
+        b.op(Rb, "mx", ("smax",))
+        b.op(Rb, "m_new", ("mx",))  # maximum(m_i, .)
+        b.op(S, "d", ("s",))
+        if g.masked:
+            b.op(S, "d", ("d", "pat"))
+        b.op(S, "p", ("d",))
+        b.op(Rb, "rowsum")
+        if item == 2:
+            b.op(S // 2, "p", ("p",))
+        b.op(Qb32, "pv", ("p", "kv_j"))
+        b.op(Rb, "a")  # m_i - m_new
+        b.op(Rb, "alpha", ("a",))
+        b.op(acc, "mul", ("alpha", "st_i"))  # alpha * acc_l
+        b.op(acc, "add", ("mul", "pv", "rowsum"))  # + [pv | rowsum] (a concat_ view)
+        b.free("add", "m_new")  # written back in place
+
+    _loops(sim, _steps.step_groups(sched, "q_major"), step)
+    sim.free("q", "kv")
+    if lean:
+        _lean_finish(sim, sched, G, D, item)
+        return sim.peak - Q - R + sched.patterns_nbytes
+    if sched.num_empty_rows:  # greater(l, 0), where(seen, l, 1)
+        sim.op(G * Lq, "seen")
+        sim.op(R, "l")
+    sim.op(G * Lq * D * _F32, "out", ("l",))  # acc / l
+    if item == 2:
+        sim.op(Q, "out", ("out",))
+    sim.op(R, "lg")
+    sim.op(R, "lse", ("lg", "state"))
+    if sched.num_empty_rows:
+        sim.op(R, "lse", ("lse", "seen"))
+    return sim.peak - Q - R + sched.patterns_nbytes
 
 
-#: The same for the backward's inline row steps (``blocks.row_steps``: static slices of the
-#: unpadded operands and state, every row pass's), fitted alike.
-ROW_STEP = {("float16", False): (4.0, 0.5, 8.0), ("float16", True): (4.25, 9.5, 6.5),
-            ("float32", False): (4.75, 0.0, 6.0), ("float32", True): (4.25, 4.0, 12.0)}
+def _lean_finish(sim, sched, G, D, item):
+    """The lean forward's finish: ``forward.normalise`` per q piece on views of the state
+    (its results are the outputs' pieces, held), the state freed after the last piece."""
+    empty = bool(sched.num_empty_rows)
+    for n, (r0, r1) in enumerate(_steps.lean_piece_rows(sched.nq, sched.chunk_q, sched.Lq)):
+        Rp = G * (r1 - r0) * _F32
+        if empty:  # greater(l, 0), where(seen, l, 1)
+            sim.op(G * (r1 - r0), "seen")
+            sim.op(Rp, "lp")
+        sim.op(G * (r1 - r0) * D * _F32, "o32", ("lp",))  # acc / l
+        if item == 2:
+            sim.op(G * (r1 - r0) * D * item, f"out{n}", ("o32",))
+        sim.op(Rp, "lg")
+        sim.op(Rp, f"lse{n}", ("lg",))
+        if empty:
+            sim.op(Rp, f"lse{n}", (f"lse{n}", "seen"))
+    sim.free("state")
 
 
-def _backward_step(s):
-    """Upper bound of one backward step's temporaries (:data:`BACKWARD_STEP`,
-    :data:`ROW_STEP`)."""
-    blocks, q_rows, kv_rows = (ROW_STEP if s.row_steps else BACKWARD_STEP)[s.dtype, s.gqa]
-    return blocks * s.block + q_rows * s.step_q + kv_rows * s.step_kv
+def _grad_block(sim, G, Gk, rows, cols, D, item, folds, visible, stacked, frees):
+    """``backward.grad_block`` on ``rows x cols`` (and, ``stacked``, the accumulation of
+    ``grad_block_update``: the ``[P; dS]`` path of the row steps and loops; else the one
+    block's). ``frees``: {event: names} of the operands whose last use that op is."""
+    S = G * rows * cols * _F32
+    Qb32, KVb32 = G * rows * D * _F32, Gk * cols * D * _F32
+
+    def f(event):
+        return tuple(frees.get(event, ()))
+    sim.op(S, "s", f("s"))  # q k^T
+    if not folds:
+        sim.op(S, "s", ("s",))
+    sim.op(S, "arg", ("s",) + f("arg"))  # s - lse
+    if visible:
+        sim.op(S, "arg", ("arg",))
+    sim.op(S, "p", ("arg",))  # exp
+    sim.op(S, "dp")  # do v^T
+    sim.op(S, "sub", ("dp",) + f("sub"))  # dP - Dvec
+    sim.op(S, "ds", ("sub",))  # P * (...)
+    if stacked:
+        if item == 2:
+            sim.op(S, "pds", ("p", "ds"))  # cast of the [P; dS] view
+        else:
+            sim.held["pds"] = sim.held.pop("p") + sim.held.pop("ds")
+        sim.op(2 * KVb32, "dkdv_b", f("dkdv"))  # [P; dS]^T [do; q]
+        sim.op(Qb32, "dq_b", ("pds",) + f("dq"))  # dS k
+        sim.op(Qb32, "dq+", ("dq_b",) + f("dq+"))
+        sim.op(2 * KVb32, "dkdv+", ("dkdv_b",) + f("dkdv+"))
+        sim.free("dq+", "dkdv+")  # written back in place
+        return
+    if item == 2:
+        sim.op(S // 2, "p", ("p",))
+        sim.op(S // 2, "ds", ("ds",))
+    sim.op(KVb32, "dv", ("p",))
+    sim.op(KVb32, "dk")
+    sim.op(Qb32, "dq", ("ds",) + f("dq"))
 
 
-def _single_terms(dtype, backward, G, Gk, rows, cols, D):
-    """The fitted terms of a one-block pass on ``rows x cols`` (:data:`SINGLE_BYTES`)."""
-    per_score, per_q, per_kv = SINGLE_BYTES[dtype, bool(backward)]
-    return per_score * G * rows * cols + (per_q * G * rows + per_kv * Gk * cols) * D * _F32
+def _backward_walk(sched, G, Gk, D, item, folds, single, rows, lean=False):
+    """``graph/backward.py`` ``FlashAttentionGrad.build``, op by op (module docstring): the
+    peak less the outputs' bytes (dq, dk, dv), plus the constants (patterns). ``lean``: its
+    memory-lean structure (looped; :func:`_lean_backward_loops`)."""
+    Lq, Lkv = sched.Lq, sched.Lkv
+    Q32, R = G * Lq * D * _F32, G * Lq * _F32
+    sim = _Live()
+    pieces = (_steps.lean_piece_rows(sched.nq, sched.chunk_q, Lq) if lean
+              else [(0, Lq)])
+    for r0, r1 in pieces:  # Dvec = rowsum(f32(dout) * f32(out)), per q piece when lean
+        P32 = G * (r1 - r0) * D * _F32
+        if item == 2:
+            sim.op(P32, "c1")
+            sim.op(P32, "c2")
+        sim.op(P32, "mu", ("c1", "c2"))
+        sim.op(G * (r1 - r0) * _F32, f"dvec{r0}", ("mu",))
+    sim.held["dvec"] = sum(sim.held.pop(f"dvec{r0}") for r0, _ in pieces)  # joined: views
+    if sched.num_empty_rows:  # where(lse > MASKED_SCORE, lse, 0)
+        sim.op(G * Lq, "g")
+        sim.op(R, "lse", ("g",))
+    if folds and not lean:  # k * scale; with [k; v] stacked, held with v's storage
+        sim.op(Gk * Lkv * D * item, "ks")
+    outputs = (G * Lq + 2 * Gk * Lkv) * D * item
+    if single:
+        _grad_block(sim, G, Gk, Lq, Lkv, D, item, folds, sched.kind[0, 0] == PARTIAL, False,
+                    {"arg": ("lse",), "sub": ("dvec",), "dq": ("ks",)})
+        _finish(sim, G, Gk, Lq, Lkv, D, item, folds, ("dk", "dv"), (Lq, Lkv))
+        return sim.peak - outputs + sched.patterns_nbytes
+    lq, lkv = (Lq, Lkv) if rows else (sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv)
+    _pad(sim, 2 * G * Lq * D * item, 2 * G * lq * D * item, "qdo")  # [do; q], a view unpadded
+    sim.op(2 * R, "stats", ("lse", "dvec"))  # lse | Dvec
+    _pad(sim, 2 * R, 2 * G * lq * _F32, "stats", ("stats",))
+    _pad(sim, 2 * Gk * Lkv * D * item, 2 * Gk * lkv * D * item, "kv")  # [k; v]
+    sim.op(G * lq * D * _F32, "dq")
+    if lean:
+        constants = _lean_backward_loops(sim, sched, G, Gk, D, item, folds)
+        sim.free("qdo", "stats", "kv")
+        _lean_finish_dq(sim, sched, G, D, item, folds)
+        return sim.peak - outputs + constants
+    sim.op(2 * Gk * lkv * D * _F32, "dkdv")
+    if rows:  # inline steps on static slices (views)
+        constants = 0
+        for p in _steps.row_pass_plan(sched):
+            r, c = p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]
+            if c:
+                constants += p.pattern_nbytes
+                _grad_block(sim, G, Gk, r, c, D, item, folds, p.masked, True, {})
+    else:
+        constants = sched.patterns_nbytes
+
+        _loops(sim, _steps.step_groups(sched, "kv_major"), lambda b, g, loop:
+               _backward_step(b, G, Gk, D, item, folds, g, loop))
+    sim.free("qdo", "stats", "kv")
+    _finish(sim, G, Gk, Lq, Lkv, D, item, folds, ("dkdv",), (lq, lkv))
+    return sim.peak - outputs + constants
 
 
-def _row_pass_bytes(sched, G, Gk, D, dtype):
-    """Row passes (:func:`popxl_flash.plan.steps.row_passes`) run one after another: the
-    largest pass's one-block bound, the scaled k they all slice, every pass's results until
-    the concats, and the constants (patterns, selects, the results of rows that see nothing)."""
-    item, worst, constants = _item(dtype), 0.0, 0
-    for rp in _steps.row_pass_plan(sched):
-        rows, cols = rp.rows[1] - rp.rows[0], rp.cols[1] - rp.cols[0]
-        if not cols:
-            constants += G * rows * (D * item + _F32)
-            continue
-        worst = max(worst, _single_terms(dtype, False, G, Gk, rows, cols, D))
-        constants += rp.pattern_nbytes + rp.seen_nbytes
-    # out and lse of every pass, live until the concats, are at most the outputs' bytes, which
-    # are not live before the concats: at the largest pass, the earlier passes' results are
-    # within the outputs' bytes; at the concats, the results are the extra
-    results = G * sched.Lq * (D * item + _F32)
-    kv_rows = ROW_PASS_KV_ROWS[dtype] * Gk * sched.Lkv * D * _F32
-    return int(REFIT_MARGIN * max(SINGLE_MARGIN * worst + kv_rows, results) + constants
-               + 8 * G * sched.Lq + LOOP_FIXED_BYTES)
+def _backward_step(b, G, Gk, D, item, folds, g, loop, lean=False):
+    """``backward.grad_block_update`` on a step of group ``g`` (``loop``: in a loop body, whose
+    slices are copies; inline: views). ``lean``: the step scales its k slice where the scale
+    folds."""
+    r, c = g.rows, g.cols
+    frees = {}
+    if loop:  # dynamic slices (copies) of the operands and the state
+        if g.masked and g.num_patterns > 1:
+            b.op(r * c, "pat")
+        b.op(2 * G * r * D * item, "qdo_i")
+        b.op(2 * G * r * _F32, "stats_i")
+        b.op(2 * Gk * c * D * item, "kv_j")
+        b.op(G * r * D * _F32, "dq_i")
+        b.op(2 * Gk * c * D * _F32, "dkdv_j")
+        frees = {"arg": ("pat",), "sub": ("stats_i",), "dkdv": ("qdo_i",),
+                 "dq": ("kv_j",), "dq+": ("dq_i",), "dkdv+": ("dkdv_j",)}
+    if lean and folds:  # k_j * scale, last read by dS k_j
+        b.op(Gk * c * D * item, "ks_j")
+        frees["dq"] = frees.get("dq", ()) + ("ks_j",)
+    _grad_block(b, G, Gk, r, c, D, item, folds, g.masked, True, frees)
 
 
-def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim,
-                      lean=True):
+def _lean_backward_loops(sim, sched, G, Gk, D, item, folds):
+    """The lean backward's kv pieces (``graph/lean.py``): per piece its ``[dv; dk]``
+    accumulator, the steps of each group in the piece (a loop, or one step inline with its
+    own pattern constant), and the flush (dv cast or copied, dk scaled and cast: the outputs'
+    pieces, held).
+
+    Returns:
+        The constants' bytes (the groups' patterns, the inline steps' own patterns)."""
+    constants = sched.patterns_nbytes
+    groups = _steps.step_groups(sched, "kv_major")
+    ranges = [_steps.lean_step_ranges(g, sched.nkv) for g in groups]
+    kv_rows = _steps.lean_piece_rows(sched.nkv, sched.chunk_kv, sched.Lkv)
+    c0, c1 = _steps.lean_pieces(sched.nkv)[0]
+    acc = 2 * Gk * (c1 - c0) * sched.chunk_kv * D * _F32
+    for n, (r0, r1) in enumerate(kv_rows):
+        sim.op(acc, "dkdv")
+        for g, r in zip(groups, ranges):
+            start, stop = r[n]
+            if stop > start:
+                _backward_step(sim, G, Gk, D, item, folds, g, stop - start > 1, lean=True)
+                sim.free("pat")
+                if stop - start == 1 and g.masked:
+                    constants += g.rows * g.cols
+        P = Gk * (r1 - r0) * D
+        sim.op(P * item, f"dv{n}")  # cast (float32: a copy)
+        sim.op(P * _F32, "dk_s", ("dkdv",))  # dk * scale
+        if item == 2:
+            sim.op(P * item, f"dk{n}", ("dk_s",))
+        else:
+            sim.held[f"dk{n}"] = sim.held.pop("dk_s")
+    return constants
+
+
+def _lean_finish_dq(sim, sched, G, D, item, folds):
+    """The lean backward's dq per q piece: scaled unless the scale folded, cast (views of the
+    accumulator where neither applies)."""
+    for n, (r0, r1) in enumerate(_steps.lean_piece_rows(sched.nq, sched.chunk_q, sched.Lq)):
+        P = G * (r1 - r0) * D
+        name = "dq"
+        if not folds:
+            sim.op(P * _F32, f"dqs{n}")
+            name = f"dqs{n}"
+        if item == 2:
+            sim.op(P * item, f"dq{n}", (name,) if name != "dq" else ())
+    if item == 2 or not folds:
+        sim.free("dq")
+
+
+def _finish(sim, G, Gk, Lq, Lkv, D, item, folds, dkdv, padded):
+    """``backward._finish``: dq (times the scale unless it folded), dk times the scale, the
+    casts of the unpadded views. ``dkdv``: the held names of dk and dv, or the one stacked
+    ``[dv; dk]``; ``padded``: the state's lengths."""
+    Q32, KV32 = G * padded[0] * D * _F32, Gk * padded[1] * D * _F32
+    dq = "dq"
+    if not folds:
+        sim.op(Q32, "dq_s", ("dq",))
+        dq = "dq_s"
+    sim.op(KV32, "dk_s", dkdv[:1] if len(dkdv) == 2 else ())
+    if item == 2:
+        sim.op(G * Lq * D * item, "dq_o", (dq,))
+        sim.op(Gk * Lkv * D * item, "dk_o", ("dk_s",))
+        sim.op(Gk * Lkv * D * item, "dv_o", (dkdv[-1],))
+
+
+def flash_lower_bound(*, groups, kv_groups, q_len, kv_len, chunk_q, chunk_kv, head_dim):
     """A cheap lower bound of :func:`flash_bytes`'s larger pass (no schedule needed), either
-    dtype: one block's score terms for a one-block pass; else the backward's float32 ``dq, dk,
-    dv`` state (live in its loop phase together with at least the ``[do; q]`` and ``[k; v]``
-    operands, which outweigh the outputs' bytes it is counted less) and the least step block
-    term. The choice skips candidates above the budget by it without planning them (a block as
-    long as a 32K sequence would make the planner materialise its mask)."""
-    block = groups * chunk_q * chunk_kv * _F32
-    single = min(SINGLE_BYTES[d, True][0] for d in ("float16", "float32")) / _F32
+    dtype: the backward holds P, dP and ``dP - Dvec`` of its largest step at once (for a
+    one-block pass less the float32 outputs' bytes; a looped step with its float32 state
+    live, which outweighs the outputs: at least half a chunk's rows by a chunk's columns; one
+    kv chunk may run as row passes, whose columns a window narrows: nothing counted). The
+    choice skips candidates above the budget by it without planning them (a block as long as
+    a 32K sequence would make the planner materialise its mask)."""
     if chunk_q >= q_len and chunk_kv >= kv_len:
-        return int(single * block)
-    state = groups * q_len * head_dim * _F32  # dq (the lean backward's floor)
-    if not lean:  # and [dv; dk] for the whole kv length
-        state += 2 * kv_groups * kv_len * head_dim * _F32
-    steps = min(min(b for b, _, _ in BACKWARD_STEP.values()),
-                min(b for b, _, _ in ROW_STEP.values()))
-    return int(state + steps * block)
+        outputs = (groups * q_len + 2 * kv_groups * kv_len) * head_dim * _F32
+        return max(0, 3 * groups * q_len * kv_len * _F32 - outputs)
+    if chunk_kv >= kv_len:
+        return 0
+    return 3 * groups * (chunk_q // 2) * chunk_kv * _F32
 
 
 def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
@@ -449,56 +603,3 @@ def naive_bytes(*, groups, q_len, kv_len, head_dim, dtype, backward, masked):
     rows = groups * max(q_len, kv_len) * head_dim * _F32 * NAIVE_ROWS[bool(backward)]
     return int(NAIVE_BYTES_PER_SCORE[(dtype, bool(backward))] * scores
                + (q_len * kv_len if masked else 0) + rows + FIXED_BYTES)
-
-
-#: Float32 k/v-row elements ``[Gk, cols, D]`` a lean step holds besides the usual step's
-#: (its scaled copy of the k slice, in the input dtype: at most one float32's bytes).
-LEAN_STEP_KV_ROWS = 1.0
-
-
-def lean_bytes(sched, s, G, Gk, D, backward):
-    """Upper bound of a looped pass's live bytes beyond its inputs and outputs in its
-    memory-lean structure (``graph/forward.py``, ``graph/backward.py`` and ``graph/lean.py``):
-    the float32 state that structure needs, one step's temporaries, and one piece
-    (:func:`popxl_flash.plan.steps.lean_pieces`) of the full-length float32 work.
-
-    Args:
-        sched: the schedule; s: its :class:`_LoopShape`; G, Gk, D: the groups and head dim.
-        backward: the backward (else the forward).
-
-    Returns:
-        int bytes.
-    """
-    item = s.item
-    q_piece = max(r1 - r0 for r0, r1 in _steps.lean_piece_rows(sched.nq, sched.chunk_q,
-                                                                sched.Lq))
-    q32_piece = G * q_piece * D * _F32  # float32 [G, piece rows, D]
-    q_pad = s.q_pad if s.q_pad > s.q else 0  # the padded q (and dout) copies
-    kv_pad = 2 * s.kv_pad if s.kv_pad > s.kv else 0  # the padded [k; v]
-    step_kv = LEAN_STEP_KV_ROWS * s.step_kv
-    if not backward:
-        state = s.q32_pad + 2 * s.rows_pad  # acc | l | m
-        phases = {
-            "loop": 2 * q_pad + kv_pad + state + _forward_step(s) + step_kv - s.outputs,
-            # a piece's acc / l (float32), its cast (an output's piece), m, l and lse terms
-            "finish": state + q32_piece + 6 * G * q_piece * _F32,
-        }
-    else:
-        kv_piece = (lambda p: (p[1] - p[0]) * sched.chunk_kv)(_steps.lean_pieces(sched.nkv)[0])
-        acc = 2 * Gk * kv_piece * D * _F32  # one kv piece's [dv; dk]
-        rows = 3 * s.rows + 2 * s.rows_pad  # Dvec, lse (and its where), lse | Dvec (padded)
-        dq = s.q32_pad
-        phases = {
-            # a q piece's float32 casts of dout and out and their product
-            "dvec": 3 * q32_piece + s.rows,
-            # the loops: dq, the statistics, a piece's accumulator, one step; dq's output
-            # is not live before the finish (dk's and dv's pieces so far are outputs)
-            "loop": (2 * q_pad + kv_pad + dq + rows + acc + _backward_step(s) + step_kv
-                     - G * sched.Lq * D * item),
-            # a piece's flush: dk * scale (float32) and the casts (outputs)
-            "flush": dq + rows + acc + Gk * kv_piece * D * _F32 - G * sched.Lq * D * item,
-            # dq's finish: a piece's scaled copy and its cast (an output's piece)
-            "finish": dq + rows + q32_piece,
-        }
-    constants = s.constants
-    return int(REFIT_MARGIN * max(phases.values()) + constants + LOOP_FIXED_BYTES)

@@ -318,7 +318,7 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
                 kv_groups=Gk, causal=causal, window=window, scale=scale)
     fwd, bwd = (pass_counts(sched, classes, backward=b, **args) for b in (False, True))
     mem = [_memory.flash_bytes(sched, groups=groups, kv_groups=Gk, head_dim=head_dim,
-                               dtype=dtype, backward=b, steps=c.iterations)
+                               dtype=dtype, backward=b, steps=c.iterations, scale=scale)
            + segment_bytes(sched, groups=groups, head_dim=head_dim, dtype=dtype, backward=b,
                            segments=segments, kv_groups=Gk)
            for b, c in ((False, fwd), (True, bwd))]
