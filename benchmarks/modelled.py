@@ -63,7 +63,7 @@ def prefill_rows():
     rows = []
     for name, heads, D, L, causal in PREFILL:
         choice = pf.explain(L, L, head_dim=D, groups=heads, causal=causal)
-        entries = [(f"flash {choice.chosen.chunk_q}x{choice.chosen.chunk_kv}", choice.chosen),
+        entries = [(f"flash {choice.chosen.structure}", choice.chosen),
                    ("seed's 256-row rule", choice.seed), ("naive", choice.naive)]
         for label, c in entries:
             rows.append(dict(
