@@ -5,7 +5,8 @@ main graph that loads q, k, v from the host, calls :func:`popxl_flash.flash_atte
 and prints the max error against the float64 reference and the activation memory saved against a
 naive PopXL attention (measured peak on the emulator; the planner's estimate on an IPU). With no
 ``memory_budget`` the call holds at most twice its own inputs' and outputs' bytes plus 4 MiB
-beyond them (:func:`popxl_flash.plan.memory.default_budget`): O(L), never the L x L scores.
+beyond them, and at most 1/8 of naive attention's working set
+(:func:`popxl_flash.plan.memory.default_budget`): O(L), never the L x L scores.
 """
 import argparse
 import numpy as np
@@ -79,8 +80,8 @@ def _print_extra(flash, naive, arrays, dtype):
                                    backward=False)
     print(f"beyond inputs and outputs: flash {f_extra / 2**20:.2f} MiB vs naive "
           f"{n_extra / 2**20:.2f} MiB -> {n_extra / max(f_extra, 1):.1f}x less (the default "
-          f"memory_budget of this forward: {budget / 2**20:.2f} MiB, 2 x its inputs and outputs "
-          "+ 4 MiB)")
+          f"memory_budget of this forward: {budget / 2**20:.2f} MiB: 2 x its inputs and outputs "
+          "+ 4 MiB, at most 1/8 of naive attention's working set)")
 
 
 if __name__ == "__main__":

@@ -69,11 +69,15 @@ def test_automatic_choice_within_1_15x_of_the_best_explicit_chunking(L, G, D, ca
 def test_seed_demo_shape_no_more_forward_compute_sets_than_the_seed_rule():
     """nanoGPT, the seed's demo (G = 24, L = 1024, D = 64, causal), within the memory the
     seed's 256-row chunks need: the choice runs no more forward compute sets than the seed's
-    rule and is modelled no slower. (The default budget, O(L), meets that need since the bound
-    walks the graphs' liveness: there the choice is the fastest that meets it.)"""
+    rule and is modelled no slower. (The default budget, at most 1/8 of naive attention's
+    working set here, is below the seed's backward: within it the choice fits, and is no
+    slower than any candidate that fits it.)"""
     default = pf.explain(1024, 1024, head_dim=64, groups=24)
     assert (default.seed.chunk_q, default.seed.chunk_kv) == (256, 256)
-    assert default.chosen.fits and default.chosen.seconds <= default.seed.seconds
+    assert default.chosen.fits
+    assert default.chosen.seconds <= min(c.seconds for c in default.candidates if c.fits)
+    if default.seed.fits:
+        assert default.chosen.seconds <= default.seed.seconds
     choice = pf.explain(1024, 1024, head_dim=64, groups=24,
                         memory_budget=default.seed.memory_bytes)
     assert choice.chosen.forward.compute_sets <= choice.seed.forward.compute_sets

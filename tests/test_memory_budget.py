@@ -193,12 +193,22 @@ def test_budget_validation(value, exc):
 
 def test_default_budget_is_per_pass_and_o_of_l():
     """The default: 2 x the pass's own inputs and outputs + 4 MiB (forward q, k, v, out, lse;
-    backward dout, q, k, v, out, lse, dq, dk, dv)."""
+    backward dout, q, k, v, out, lse, dq, dk, dv), at most 1/8 of naive attention's forward
+    working set where that is above 4 MiB (here, G = 2, L = 2048: it binds both passes), not
+    where it is below (G = 2, L = 512)."""
     G, L, D = 2, 2048, 64
     q = G * L * D * 2
     args = dict(groups=G, kv_groups=G, q_len=L, kv_len=L, head_dim=D, dtype="float16")
-    assert memory.default_budget(backward=False, **args) == 2 * (4 * q + 4 * G * L) + 4 * 2**20
-    assert memory.default_budget(backward=True, **args) == 2 * (8 * q + 4 * G * L) + 4 * 2**20
+    naive = memory.naive_bytes(groups=G, q_len=L, kv_len=L, head_dim=D, dtype="float16",
+                               backward=False, masked=False)
+    assert naive / 8 > 4 * 2**20
+    assert memory.default_budget(backward=False, **args) == min(
+        2 * (4 * q + 4 * G * L) + 4 * 2**20, int(naive / 8))
+    assert memory.default_budget(backward=True, **args) == min(
+        2 * (8 * q + 4 * G * L) + 4 * 2**20, int(naive / 8))
+    short = dict(args, q_len=512, kv_len=512)
+    q = G * 512 * D * 2
+    assert memory.default_budget(backward=True, **short) == 2 * (8 * q + 4 * G * 512) + 4 * 2**20
     assert memory.pass_budgets(None, **args) == tuple(
         memory.default_budget(backward=b, **args) for b in (False, True))
     assert memory.pass_budgets(123, **args) == (123, 123)

@@ -180,8 +180,9 @@ def flash_attention(q, k, v, *, num_chunks_q=None, num_chunks_kv=None, causal=Tr
             divisible (the tail chunk is padded).
         memory_budget: bytes the call may hold live beyond its own inputs and outputs; the
             automatic chunk choice is the least modelled IPU time within it (``None``: per
-            pass twice its own inputs' and outputs' bytes plus 4 MiB, O(L),
-            :func:`popxl_flash.plan.memory.default_budget`, and the least-memory chunking
+            pass twice its own inputs' and outputs' bytes plus 4 MiB, at most 1/8 of naive
+            attention's working set, O(L), :func:`popxl_flash.plan.memory.default_budget`;
+            a pass may run its memory-lean structure to meet it; the least-memory chunking
             when nothing meets that; see :func:`popxl_flash.explain`). An explicit budget no
             chunking meets raises ``ValueError``.
         causal: bottom-right aligned causal mask (row i sees j <= i + Lkv - Lq). Default

@@ -252,8 +252,9 @@ def _budget_text(choice):
     if not choice.default_budget:
         return f"memory_budget {b:,} bytes ({b / 2**20:.1f} MiB)"
     return (f"default memory budget (memory_budget=None): forward {b / 2**20:.1f} MiB, "
-            f"backward {bb / 2**20:.1f} MiB (2 x the pass's own inputs and outputs + 4 MiB: "
-            "temporaries O(L), as flash attention promises)")
+            f"backward {bb / 2**20:.1f} MiB (2 x the pass's own inputs and outputs + 4 MiB, at "
+            "most 1/8 of naive attention's working set: temporaries O(L), as flash attention "
+            "promises)")
 
 
 def _trade_lines(trade):

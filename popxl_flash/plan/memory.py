@@ -7,7 +7,8 @@ The functions here are upper bounds of that figure, held to the emulator's profi
 ``tests/test_memory_budget.py`` and ``tests/test_memory_model.py`` (never below it).
 
 Default budget (``memory_budget=None``): per pass, :data:`DEFAULT_IO_FACTOR` times the pass's
-own inputs' and outputs' bytes plus :data:`DEFAULT_FIXED_BYTES`, at most a quarter of one IPU
+own inputs' and outputs' bytes plus :data:`DEFAULT_FIXED_BYTES`, at most an eighth of naive
+attention's forward working set (where that is above 4 MiB) and a quarter of one IPU
 (:func:`default_budget`): flash
 attention's promise is that the L x L score matrix is never materialised, so by default a call's
 temporaries stay O(L) at every shape; within that the choice takes the least modelled time, and
@@ -80,6 +81,10 @@ NAIVE_ROWS = {False: 1.5, True: 4.0}
 DEFAULT_IO_FACTOR = 2
 #: ... plus this many bytes (the small tensors of short calls, whose I/O is a few KiB) ...
 DEFAULT_FIXED_BYTES = 4 * 2 ** 20
+#: ... at most this fraction of naive attention's forward working set (:func:`naive_bytes`,
+#: unmasked) where that exceeds :data:`DEFAULT_FIXED_BYTES`: adopting flash attention gives
+#: back at least 7/8 of what naive attention's scores would hold ...
+DEFAULT_NAIVE_FRACTION = 1 / 8
 #: ... and at most this fraction of one IPU's memory (calls whose I/O nears the IPU's own
 #: memory: attention is one part of a layer, whose weights, other activations and Poplar's
 #: code share the IPU; ~224 MiB on a GC200).
@@ -103,16 +108,23 @@ def io_bytes(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward):
 def default_budget(*, groups, kv_groups, q_len, kv_len, head_dim, dtype, backward) -> int:
     """The default ``memory_budget`` of one pass: :data:`DEFAULT_IO_FACTOR` times its
     :func:`io_bytes` plus :data:`DEFAULT_FIXED_BYTES`, so that with no ``memory_budget`` a
-    call's temporaries stay O(L), as flash attention promises (module docstring), and at most
-    :data:`DEFAULT_DEVICE_FRACTION` of one IPU's memory.
+    call's temporaries stay O(L), as flash attention promises (module docstring); at most
+    :data:`DEFAULT_NAIVE_FRACTION` of naive attention's forward working set where that is
+    above :data:`DEFAULT_FIXED_BYTES`; and at most :data:`DEFAULT_DEVICE_FRACTION` of one
+    IPU's memory.
 
     Returns:
         int bytes.
     """
     io = io_bytes(groups=groups, kv_groups=kv_groups, q_len=q_len, kv_len=kv_len,
                   head_dim=head_dim, dtype=dtype, backward=backward)
+    naive = naive_bytes(groups=groups, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                        dtype=dtype, backward=False, masked=False)
+    naive_cap = DEFAULT_NAIVE_FRACTION * naive
+    if naive_cap <= DEFAULT_FIXED_BYTES:  # short calls: naive's scores are small
+        naive_cap = float("inf")
     device = ipu_time.current().device_bytes * DEFAULT_DEVICE_FRACTION
-    return int(min(DEFAULT_IO_FACTOR * io + DEFAULT_FIXED_BYTES, device))
+    return int(min(DEFAULT_IO_FACTOR * io + DEFAULT_FIXED_BYTES, naive_cap, device))
 
 
 def pass_budgets(memory_budget, *, groups, kv_groups, q_len, kv_len, head_dim, dtype):
