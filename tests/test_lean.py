@@ -23,7 +23,7 @@ from popxl_flash.backend import popxl
 from popxl_flash.checks.harness import run_graph
 from popxl_flash.checks.tolerance import gradient_accum_steps
 from popxl_flash.plan import costmodel, memory, steps
-from attention_utils import assert_grads_within_rule
+from attention_utils import assert_grads_within_rule, run_flash, run_flash_grad
 from test_forward import check_forward_outputs, emulator_only
 
 pytestmark = emulator_only
@@ -198,3 +198,25 @@ def test_lean_option_is_checked():
     with pytest.raises(TypeError, match="lean"):
         pf.AttentionConfig.from_shapes((1, 8, 4), (1, 8, 4), (1, 8, 4), ("float32",) * 3,
                                        lean="yes")
+
+
+def test_floor_budget_results_within_the_rules():
+    """At FlashAttention-2's floor budgets (G = 2, L = 2048, D = 256, the floor shape small
+    enough for a float64 reference here) the calls are right by the 2x / 3x rules: out and lse
+    at the forward's floor, dq, dk, dv at the backward's (each pass built as its budget
+    chooses). The 16K floor shape's lean structures are the same code, held to the rules on
+    the drawn shapes above."""
+    G, L, D = 2, 2048, 256
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((G, L, D)).astype("float16") for _ in range(4))
+    fwd_budget = int(1.25 * 4 * G * L * (D + 2) + 2 * MiB)
+    bwd_budget = int(1.25 * 4 * G * L * (D + 1) + 2 * MiB)
+    opts = dict(causal=True, scale=None, window=None)
+    out, lse, _ = run_flash(q, k, v, memory_budget=fwd_budget, **opts)
+    cfg = check_forward_outputs(out, lse, q, k, v, opts, "float16")
+    grads, _ = run_flash_grad(do, q, k, v, memory_budget=bwd_budget, **opts)
+    cfg = pf.AttentionConfig.from_shapes(q.shape, k.shape, v.shape, ("float16",) * 3,
+                                         causal=True, memory_budget=bwd_budget)
+    assert cfg.lean_backward  # the floor needs the lean backward here
+    assert_grads_within_rule(grads, do, q, k, v, dtype="float16",
+                             steps=gradient_accum_steps(cfg), **opts)

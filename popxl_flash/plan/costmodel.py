@@ -588,7 +588,8 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
             default, each pass's :func:`popxl_flash.plan.memory.default_budget`, O(L)).
         scale, mods: as :func:`evaluate` (the memory bound weighs them).
         lean: the memory-lean structures, as :func:`evaluate` (``None``: where a chunking
-            needs them to meet the budget).
+            needs them to meet the budget; with both chunk lengths fixed and no explicit
+            budget, never, as such a call builds).
 
     Returns:
         A :class:`ChunkChoice`. When no candidate fits, ``chosen`` is the one needing the
@@ -596,6 +597,8 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
         entry points then raise ``ValueError``; the default never refuses).
     """
     explicit = _memory.check_budget(memory_budget)
+    if chunk_q is not None and chunk_kv is not None and explicit is None and lean is None:
+        lean = False  # as a call with both chunk counts and no budget builds (from_shapes)
     window = (-1, -1) if window is None else tuple(window)
     Gk = groups if kv_groups is None else kv_groups
     budgets = _memory.pass_budgets(explicit, groups=groups, kv_groups=Gk, q_len=Lq,
