@@ -534,7 +534,7 @@ def naive(Lq, Lkv, *, head_dim, groups, dtype, causal, window, memory_budget=Non
 #: up to eight, balanced (``ceil(L / n)`` rows; lengths need not be powers of two).
 CANDIDATE_COUNTS = (1, 2, 3, 4, 5, 6, 8)
 #: Chunk lengths tried on an axis (balanced over the sequence as counts ``ceil(L / c)``).
-CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024)
+CANDIDATE_CHUNK_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: Largest number of blocks a candidate may have (each visited block costs its compute sets, so
 #: finer chunkings only win where memory binds, and the planner's tables grow with them).
 MAX_CANDIDATE_BLOCKS = 2048
@@ -611,10 +611,16 @@ def choose(Lq, Lkv, *, head_dim, groups, dtype, causal=True, window=None, chunk_
     def bound(pair):
         return _memory.flash_lower_bound(groups=groups, kv_groups=Gk, q_len=Lq, kv_len=Lkv,
                                          chunk_q=pair[0], chunk_kv=pair[1], head_dim=head_dim)
-    # Candidates that cannot fit are not planned; if none can, the few needing the least.
+    # Candidates that cannot fit are not planned; if none planned fits, also the few needing
+    # the least by the lower bound and the few finest (the least memory is a fine looped
+    # chunking: the bound counts one kv chunk's row passes as nothing, though their blocks
+    # span every column).
     kept = [pair for pair in pairs if bound(pair) <= max(budgets)]
-    kept = kept or sorted(pairs, key=bound)[:4]
     candidates = tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in kept)
+    if not any(c.fits for c in candidates):
+        finest = sorted(pairs, key=lambda p: (max(p), p[0] * p[1], p))[:4]
+        more = (set(sorted(pairs, key=bound)[:4]) | set(finest)) - set(kept)
+        candidates += tuple(evaluate(Lq, Lkv, cq, ckv, **args) for cq, ckv in sorted(more))
     chosen, reason, worst = _pick(candidates, budgets, explicit is not None)
     seed_q, seed_kv = _baselines.seed_chunks(Lq, Lkv)
     seed = evaluate(Lq, Lkv, chunk_q or seed_q, chunk_kv or seed_kv, **{**args, "lean": False})
