@@ -220,3 +220,16 @@ def test_floor_budget_results_within_the_rules():
     assert cfg.lean_backward  # the floor needs the lean backward here
     assert_grads_within_rule(grads, do, q, k, v, dtype="float16",
                              steps=gradient_accum_steps(cfg), **opts)
+
+
+def test_a_call_nothing_fits_takes_a_lean_fine_chunking():
+    """L = 131072, G = 8, D = 128: the float32 state alone exceeds the default budget (a
+    quarter of an IPU), so the default takes the least memory, which is a lean looped
+    chunking within 2.5x of the float32 state each pass needs (forward acc | l | m, backward
+    dq), not one kv chunk's row passes over 131072 columns."""
+    G, L, D = 8, 131072, 128
+    choice = pf.explain(L, L, head_dim=D, groups=G)
+    chosen = choice.chosen
+    assert not chosen.fits and chosen.num_chunks_kv > 1
+    assert chosen.memory_forward <= 2.5 * 4 * G * L * (D + 2)
+    assert chosen.memory_backward <= 2.5 * 4 * G * L * D
