@@ -269,7 +269,7 @@ def _trade_lines(trade):
             continue
         c = choice.chosen
         fits = "" if c.fits else " (nothing fits: least memory)"
-        lines.append(f"  {label:>24}: chunks {c.chunk_q}x{c.chunk_kv}, "
+        lines.append(f"  {label:>24}: chunks {c.structure}, "
                      f"{c.memory_bytes / 2**20:,.1f} MiB, {c.seconds * 1e6:,.1f} us{fits}")
     return lines
 
