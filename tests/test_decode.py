@@ -182,9 +182,10 @@ def test_memory_model_bounds_the_emulator_and_the_call_keeps_to_the_budget():
     assert prof.loop_iterations == 0
     arrays = [a for a in case if a is not None]
     extra = prof.peak_live_bytes - sum(a.nbytes for a in arrays) - sum(o.nbytes for o in outs)
-    model = kvcache_plan.straight_bytes(kvcache.Dims(B, Lq, Lc, Lq, Hq, Hkv, D), "float16")
+    model = kvcache_plan.straight_bytes(kvcache.Dims(B, Lq, Lc, Lq, Hq, Hkv, D), "float16",
+                                        causal=True, return_lse=True)
     assert extra <= model <= 2 * extra
-    loop, _, _ = _decode(case, causal=True, memory_budget=model - 1)
+    loop, _, _ = _decode(case, causal=True, return_lse=True, memory_budget=model - 1)
     assert loop.loop_iterations > 0
     with pytest.raises(ValueError, match="memory_budget"):
         _decode(case, causal=True, memory_budget=1000)

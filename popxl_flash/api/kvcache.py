@@ -638,7 +638,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         dims, q.dtype.name, num_splits, num_chunks_q, num_chunks_kv, mods, causal=causal,
         window=window, return_lse=return_lse,
         runtime_lengths=isinstance(seqlens, popxl.Tensor), max_splits=max_splits,
-        memory_budget=memory_budget)
+        memory_budget=memory_budget, layouts=(k_layout, v_layout), scale=scale)
     with popxl.name_scope("flash_attn_with_kvcache"):
         bad = None
         read = seqlens

@@ -51,11 +51,14 @@ VEC_DECODE = dict(block=2.24, rows=4.46, step=225, cache=5.43)
 #: and per call (the negated slopes: 1, +1 to repeat ``[Hq]`` slopes over ``B > 1``, +1 with
 #: splits; the model counts ``[Hq]``). Skipped steps run none of them.
 OPS_MODS = dict(softcap=3, alibi=5, alibi_fixed=1)
-#: Bytes of the straight-line pass per score element ``[B, Hq, Lq, Lc]`` live beyond inputs and
-#: outputs (an upper bound of the emulator's liveness: float32 scores, masked scores, softmax,
-#: the cast; held by ``tests/test_decode.py``), and per mask element (bool, the int32 tables).
-STRAIGHT_BYTES_PER_SCORE = {"float16": 14, "float32": 12}
-STRAIGHT_BYTES_PER_MASK = 13
+#: The memory bounds (:func:`straight_bytes`, :func:`_loop_bytes`) walk the graphs op by op;
+#: what they leave out is bounded by this many float32 copies of the call's q and new rows (the
+#: guard, the write, rotary, the few-row tensors) ...
+DECODE_ROW_FACTOR = 4
+#: ... and a kv loop's step holds this many float32 score blocks of temporaries (the scores,
+#: their masked and exponentiated successors, the bool masks), by ``(softcap, alibi)``; measured
+#: on the emulator (``tests/test_kvcache_memory.py``).
+DECODE_BLOCKS = {(False, False): 2, (True, False): 2.5, (False, True): 3.5, (True, True): 4}
 
 
 @dataclass(frozen=True)
@@ -354,33 +357,192 @@ def flops_of(work):
     return sum(work.matmul_flops.values())
 
 
-def straight_bytes(dims, dtype="float16", alibi=False):
-    """Upper bound of the straight-line pass's live bytes beyond its inputs and outputs (the
-    scores and their successors, the mask and its int32 tables)."""
-    S = dims.batch * dims.q_heads * dims.q_len * dims.cache_len
-    M = dims.batch * dims.q_len * dims.cache_len
-    per_score = STRAIGHT_BYTES_PER_SCORE[dtype] + (8 if alibi else 0)
-    return int(per_score * S + (STRAIGHT_BYTES_PER_MASK + (12 if alibi else 0)) * M + 4096)
+def straight_bytes(dims, dtype="float16", alibi=False, *, softcap=False, causal=False,
+                   window=(-1, -1), return_lse=False, runtime_lengths=True, scale=None):
+    """Upper bound of the straight-line pass's live bytes beyond its inputs and outputs
+    (caches included: they are the caller's variables, live throughout): its graph
+    (:func:`popxl_flash.graph.decode.straight_pass`) walked op by op with the emulator's
+    liveness (:class:`popxl_flash.plan.memory._Live`), plus its constants (the int32 mask and
+    ALiBi tables) and :data:`DECODE_ROW_FACTOR` q-sized float32 tensors and
+    :data:`popxl_flash.plan.memory.FIXED_BYTES` for the guard, the write, rotary and the
+    few-row tensors the walk leaves out."""
+    from popxl_flash.plan import memory
+    B, Lq, Lc, Hq = dims.batch, dims.q_len, dims.cache_len, dims.q_heads
+    half = dtype == "float16"
+    S4 = 4 * B * Hq * Lq * Lc  # a float32 score tensor [B, Hkv, r, Lq, Lc]
+    M = B * Lq * Lc  # a bool mask [B, 1, 1, Lq, Lc]
+    T = Lq * Lc  # a static table [Lq, Lc]
+    left, right = _window(window)
+    empties = _empties_possible(Lq, dims.new_len, causal, window)
+    sim = memory._Live()
+    factor = 1.0 / math.sqrt(dims.head_dim) if scale is None else scale
+    if softcap:
+        factor = factor / (softcap if not isinstance(softcap, bool) else 3.0)
+    post = half and (runtime_lengths or math.frexp(factor)[0] != 0.5)
+    sim.op(S4, "s")  # q k^T, float32
+    if post:
+        sim.op(S4, "s", ("s",))  # * scale (float16 q: on the scores)
+    if softcap:
+        sim.op(S4, "s", ("s",))  # tanh
+        sim.op(S4, "s", ("s",))  # * cap
+    constants = 0
+    if alibi:
+        if runtime_lengths:
+            constants += 4 * T  # the relative positions
+            sim.op(4 * M, "dist")  # lengths + rel (int32)
+            sim.op(4 * M, "dist", ("dist",))  # cast
+            sim.op(4 * M, "dist", ("dist",))  # abs
+        else:
+            constants += 4 * T  # the distance, a constant
+        sim.op(S4, "bias", ("dist",))  # slope * distance
+        sim.op(S4, "s", ("s", "bias"))  # s - bias
+    if runtime_lengths:
+        constants += 4 * T * (2 if left is not None else 1)  # lo (and hi + 1)
+        sim.op(M, "first")  # lengths > lo
+        if left is not None:
+            sim.op(M, "upper")
+            sim.op(M, "valid", ("upper",) if empties else ("upper", "first"))
+        else:
+            sim.held["valid"] = 0
+    else:
+        constants += T  # the mask, a constant
+    sim.op(S4, "sm", ("s", "valid"))  # where(valid, s, MIN)
+    sim.op(S4, "p", () if return_lse else ("sm",))  # softmax
+    if half:
+        sim.op(S4 // 2, "p", ("p",))  # cast
+    sim.free("p")  # p v: out (an output)
+    sim.free("sm", "first")  # logsumexp, the rows that see nothing
+    rows = B * Hq * Lq * dims.head_dim
+    allowance = DECODE_ROW_FACTOR * 4 * (rows + B * dims.new_len * dims.kv_heads * dims.head_dim)
+    return int(sim.peak + constants + allowance + memory.FIXED_BYTES)
 
 
-def _loop_bytes(dims, dtype, splits, chunk_kv, chunk_q, padded):
-    """Upper bound of a kv loop's live bytes beyond inputs and outputs: the regrouped caches
-    (the ``"BSHD"`` transpose, split-KV), the segment ids and positions, the core's state and
-    block temporaries."""
+def _loop_bytes(dims, dtype, splits, chunk_kv, chunk_q, padded, *, layouts=("BSHD", "BSHD"),
+                scale=None, softcap=False, alibi=False):
+    """Upper bound of a kv loop's (one loop or split-KV) live bytes beyond its inputs and
+    outputs (caches included): the call's graph (:mod:`popxl_flash.api.kvcache`: the segment
+    ids and positions, the caches' regrouping or views; the core's segment-id forward,
+    ``graph/forward.py`` with ``graph/segments.py``: the scaled k, the state, the kv ids
+    repeated over grouped-query groups and classified, a step's dynamic slices and the
+    conditional's copies of them, the block) walked op by op with the emulator's liveness
+    (:class:`popxl_flash.plan.memory._Live`), plus the constants, :data:`DECODE_ROW_FACTOR`
+    float32 copies of the q-row tensors (the combine, the q groups) and
+    :data:`popxl_flash.plan.memory.LOOP_FIXED_BYTES`.
+
+    Args:
+        padded: the cache rows after padding to whole granules (``splits`` parts).
+        layouts: the k and v caches' layouts (one loop over ``"BHSD"``/``"BHDS"`` caches reads
+            them through views; ``"BSHD"``, split-KV and padding regroup them).
+        softcap, alibi: the score modifiers (more block temporaries per step).
+    """
+    from popxl_flash.plan import memory
     item = 2 if dtype == "float16" else 4
-    G = dims.batch * dims.q_heads * splits
-    Gk = dims.batch * dims.kv_heads * splits
+    B, Hkv, D, Lq = dims.batch, dims.kv_heads, dims.head_dim, dims.q_len
+    G = B * dims.q_heads * splits
+    Gk = B * Hkv * splits
     P = padded // splits
-    caches = 2 * Gk * P * dims.head_dim * item
-    segments = 3 * Gk * P * 4 + 2 * G * dims.q_len * 4
-    state = G * dims.q_len * (dims.head_dim + 2) * 4 * 3
-    blocks = 4 * G * chunk_q * chunk_kv * 4
-    return int(2 * (caches + segments) + state + blocks + 65536)
+    C = Gk * P * D * item  # one regrouped cache
+    nq = -(-Lq // chunk_q)
+    lq = nq * chunk_q
+    sim = memory._Live()
+    Q = dims.batch * dims.q_heads * Lq * D  # q's and out's elements
+    rows = Q + dims.batch * dims.new_len * Hkv * D
+    sim.op(DECODE_ROW_FACTOR * 4 * rows, "pre")  # the guard, rotary, the write
+    sim.free("pre")
+    # _segments: kv ids and positions [Gk', P] (their reshape is a copy), q's positions; q's
+    # groups (a transpose and a reshape: copies)
+    sim.op(4 * G * Lq, "qpos")
+    sim.op(item * G * Lq * D, "qg")
+    sim.op(B * padded, "valid")
+    sim.op(4 * Gk * P, "ids", ("valid",))
+    sim.op(4 * Gk * P, "ids", ("ids",))
+    sim.op(4 * Gk * P, "pos")
+    sim.op(4 * Gk * P, "pos", ("pos",))
+    for n, layout in enumerate(layouts):  # _cache_groups
+        name, src = f"cache{n}", ()
+        if padded > dims.cache_len:  # zeros, concat
+            sim.op(C * (padded - dims.cache_len) // padded, "zeros")
+            sim.op(C, name, ("zeros",))
+            src = (name,)
+        if layout == "BSHD" or splits > 1:
+            if splits > 1:
+                sim.op(C, "r", src)  # reshape (a copy)
+                src = ("r",)
+            sim.op(C, "t", src)  # transpose
+            sim.op(C, name, ("t",))  # reshape (a copy)
+    # the core (graph/forward.py, segment ids): k * scale where it folds, q padded, the state
+    if memory._scale_folds(D, scale):
+        sim.op(C, "ks")
+    if lq > Lq:
+        sim.op(G * lq * D * item, "qpad")
+    state = G * lq * (D + 2) * 4
+    sim.op(state, "init")
+    sim.op(state, "state", ("init",))
+    # segments.prepare: kv ids and positions repeated over the q groups of a kv group, their
+    # chunk statistics, the loop's copies of them
+    Gs = G if (Gk not in (1, G)) else Gk
+    I = 4 * Gs * P
+    for t in ("ids", "pos"):
+        if Gs != Gk:
+            sim.op(4 * Gk * P, "e")  # reshape (a copy)
+            sim.op(I, "e2", ("e",))  # concat
+            sim.op(I, f"x{t}", ("e2",))  # reshape (a copy)
+        else:
+            sim.held[f"x{t}"] = 0
+    sim.op(I, "cid")  # chunk_stats: ids reshape (a copy)
+    sim.op(Gs * P, "real")
+    sim.op(I, "w")
+    sim.op(I, "w", ("w",))
+    sim.op(Gs * P, "nreal")
+    sim.op(I, "cast", ("nreal", "w"))
+    sim.free("cast")
+    sim.op(I, "cpos")  # positions reshape (a copy)
+    sim.op(Gs * P, "eq")
+    sim.op(Gs * P, "amin", ("eq",))
+    sim.op(Gs * P, "eq")
+    sim.op(Gs * P, "amax", ("eq",))
+    sim.op(I, "w", ("amin",))
+    sim.op(I, "w", ("w", "amax", "real", "cid"))
+    sim.free("w", "cpos")
+    sim.op(Gs * P, "g")  # loop_tensors: greater, where, reshape (a copy)
+    sim.op(I, "lid", ("g", "xids"))
+    sim.op(I, "lid", ("lid",))
+    sim.op(I, "lpos", ("xpos",))
+    # a step (repeat body): dynamic slices (copies), the conditional's copies of them, the block
+    c, cq = chunk_kv, chunk_q
+    slices = 2 * Gk * c * D * item + G * cq * (D + 2) * 4 + G * cq * D * item \
+        + 2 * 4 * (Gs * c + G * cq)
+    extra = 4 * (Gs * c + G * cq) if (softcap or alibi) else 0  # the modifiers' per-step operands
+    sim.op(slices + extra, "slices")
+    sim.op(extra, "prep")  # (the run branch's, before its nested conditional)
+    sim.op(slices + extra, "branch", ("slices",))  # IfOpx copies the taken branch's inputs
+    sim.free("prep")
+    block = G * cq * c
+    sim.op(int(DECODE_BLOCKS[softcap, alibi] * 4 * block), "block")  # the step's temporaries
+    sim.free("block", "branch")
+    # the finish (out = acc / l, cast), then the call's own: split-KV's combine in float32,
+    # out's reshape and transpose (copies)
+    sim.free("lid", "lpos", "xids", "xpos", "ks", "qpad")
+    sim.op(4 * G * lq * D, "o32")
+    sim.op(item * G * Lq * D, "o", ("o32", "state"))
+    sim.free("ids", "pos", "qpos", "qg")
+    if splits > 1:
+        sim.op(item * G * Lq * D, "o", ("o",))  # reshape (a copy)
+        sim.op(4 * G * Lq * D, "o32")  # cast
+        sim.op(4 * G * Lq * D, "wo", ("o", "o32"))  # w * out
+        sim.op(4 * Q, "acc", ("wo",))  # sum over the parts
+        sim.op(4 * Q, "o", ("acc",))  # / total
+        sim.op(item * Q, "o", ("o",))  # cast
+    sim.op(item * Q, "o2", ("o",))  # reshape (a copy)
+    sim.op(item * Q, "o", ("o2",))  # transpose
+    allowance = 4 * 5 * G * lq  # the lse and its combine
+    constants = 4 * padded + 4 * G * Lq + memory.TABLE_BYTES_PER_STEP * nq * (P // c)
+    return int(sim.peak + constants + allowance + memory.LOOP_FIXED_BYTES)
 
 
 def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=False,
              alibi=False, *, straight=False, causal=False, window=(-1, -1), return_lse=False,
-             runtime_lengths=True, memory_budget=None):
+             runtime_lengths=True, memory_budget=None, layouts=("BSHD", "BSHD"), scale=None):
     """The model's figures of one structure (see :class:`DecodeCandidate`).
 
     Args:
@@ -393,6 +555,8 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
         causal, window, return_lse, runtime_lengths: the call's mask and options (counted by
             the straight-line pass).
         memory_budget: bytes (``None``: the default, :meth:`Dims.default_budget`).
+        layouts: the k and v caches' layouts; scale: the softmax scale (``None``: ``1 /
+            sqrt(D)``): both change the memory bound (views, the scaled k).
 
     A kv loop: FLOPs are exact for a step whose longest row holds that many rows: the executed
     steps are those with a row below that length, each ``4 x G' x cq x c x D`` FLOPs over the
@@ -415,7 +579,9 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
         w = straight_counts(dims, dtype, causal=causal, window=window, softcap=softcap,
                             alibi=alibi, return_lse=return_lse,
                             runtime_lengths=runtime_lengths)
-        mem = straight_bytes(dims, dtype, alibi)
+        mem = straight_bytes(dims, dtype, alibi, softcap=softcap, causal=causal,
+                             window=window, return_lse=return_lse,
+                             runtime_lengths=runtime_lengths, scale=scale)
         n = len(lengths)
         return DecodeCandidate(
             splits=1, chunk_kv=Lc, chunk_q=dims.q_len, steps=0, granule=Lc,
@@ -455,7 +621,8 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
         copied_mean += copied / len(lengths)
         seconds += ipu_time.time(ipu_time.from_ops(o, f, vec, copied, dtype)).seconds \
             / len(lengths)
-    mem = _loop_bytes(dims, dtype, splits, chunk_kv, cq, per_part * granule)
+    mem = _loop_bytes(dims, dtype, splits, chunk_kv, cq, per_part * granule, layouts=layouts,
+                      scale=scale, softcap=bool(softcap), alibi=bool(alibi))
     return DecodeCandidate(splits=splits, chunk_kv=chunk_kv, chunk_q=cq, steps=steps,
                            granule=granule, flops=tuple(flops), ops=tuple(op_counts),
                            bytes_copied=round(copied_mean), seconds=seconds,
@@ -467,7 +634,7 @@ def evaluate(dims, splits, chunk_kv, dtype="float16", lengths=None, softcap=Fals
 def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype="float16",
                   num_splits=None, chunk_kv=None, softcap=False, alibi=False, new_len=None,
                   causal=False, window=(-1, -1), return_lse=False, runtime_lengths=True,
-                  max_splits=None, memory_budget=None):
+                  max_splits=None, memory_budget=None, layouts=("BSHD", "BSHD"), scale=None):
     """Choose the structure of a cache call: the straight-line pass, one kv loop with chunks,
     or split-KV, by least modelled time within ``memory_budget``.
 
@@ -492,6 +659,7 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
         max_splits: largest split count tried (``None``: all of :data:`DECODE_SPLITS`).
         memory_budget: bytes beyond inputs and outputs (``None``: the default,
             :meth:`Dims.default_budget`, O(L)).
+        layouts, scale: the caches' layouts and the softmax scale (for the memory bounds).
 
     Returns:
         :class:`DecodeChoice`.
@@ -504,7 +672,8 @@ def decode_choice(batch, q_len, cache_len, *, q_heads, kv_heads, head_dim, dtype
     if budget is None:
         budget = dims.default_budget(dtype)
     common = dict(causal=causal, window=window, return_lse=return_lse,
-                  runtime_lengths=runtime_lengths, memory_budget=budget)
+                  runtime_lengths=runtime_lengths, memory_budget=budget, layouts=layouts,
+                  scale=scale)
     if num_splits is not None:
         split_options = (num_splits,)
     else:
@@ -591,7 +760,7 @@ def explain(batch, q_len, cache_len, *, q_heads, kv_heads=None, head_dim, dtype=
 
 def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None, *,
                causal=False, window=(-1, -1), return_lse=False, runtime_lengths=True,
-               max_splits=None, memory_budget=None):
+               max_splits=None, memory_budget=None, layouts=("BSHD", "BSHD"), scale=None):
     """``(straight, splits, chunk_q, num_chunks_q, chunk_kv, num_chunks_kv_per_part)`` of a
     call."""
     num_splits, chunk_kv, nq_fixed = check_structure_options(dims, num_splits, num_chunks_q,
@@ -603,7 +772,7 @@ def _structure(dims, dtype, num_splits, num_chunks_q, num_chunks_kv, mods=None, 
                            alibi=mods is not None and mods.alibi, new_len=dims.new_len,
                            causal=causal, window=window, return_lse=return_lse,
                            runtime_lengths=runtime_lengths, max_splits=max_splits,
-                           memory_budget=memory_budget)
+                           memory_budget=memory_budget, layouts=layouts, scale=scale)
     chosen = choice.chosen
     if chosen.straight and nq_fixed not in (None, 1):
         loops = [c for c in choice.candidates if not c.straight and c.fits] or \
