@@ -188,7 +188,7 @@ def test_memory_bound_per_replica(R, L, steps, split, dtype):
 
 
 def test_choice_is_the_least_modelled_time_within_the_budget():
-    plan = _plan(4096, 4, G=4, Gk=4, D=64, dtype="float16", memory_budget=48 * 2 ** 20)
+    plan = _plan(4096, 4, G=4, Gk=4, D=64, dtype="float16", memory_budget=24 * 2 ** 20)
     choice = plan.choice
     fitting = [c for c in choice.candidates if c.fits]
     assert choice.chosen.fits and choice.chosen.seconds == min(c.seconds for c in fitting)

@@ -528,12 +528,25 @@ def modelled_time(plan, backward=False):
 
 def replica_bytes(plan, backward=False):
     """Upper bound of the bytes one replica holds beyond the context-parallel call's own inputs
-    and outputs: one round's gathered K/V (and the gather's transient copies), the largest
-    flash call's working set (:func:`popxl_flash.plan.memory.flash_bytes`, plus
-    :func:`popxl_flash.plan.packed.segment_bytes` with positions) and its outputs, the
-    float32 accumulators of the merge (forward) or of dq and the rounds' dk/dv (backward), and
-    the final casts and concatenations (held to the emulator by
-    ``tests/test_context_parallel.py``)."""
+    and outputs: the largest of its phases (held to the emulator within 1.2x + 1 MiB by
+    ``tests/test_context_parallel_plan.py``), plus the constants (the position table, the
+    rounds' kv positions and zero ids, the step tables) and
+    :data:`popxl_flash.plan.memory.FIXED_BYTES`:
+
+    * a round's gather: what the rounds hold so far, the K and V pieces, their all-gathers and
+      the gather wrapper's transposed copies (at most twice one round's gathered K/V);
+    * a round's flash call: what the rounds hold, the gathered K/V, the call's bound
+      (:func:`popxl_flash.plan.memory.flash_bytes`, or :func:`popxl_flash.plan.packed.
+      pass_bytes` for a positions call, with its run-time step table) and its outputs;
+    * the forward's merge (the round's out and lse, the weights, one row slice's float32
+      products) or the backward's float32 casts of a call's gradients and the reduce-scatter's
+      by-owner copies;
+    * the end: the float32 accumulators, the parts' or rounds' results and their concats.
+
+    What the rounds hold: the forward's float32 accumulator and lse (merged rounds or parts);
+    the backward's float32 dq (per part with the split), the round's dk/dv sums over its calls
+    (split) and the owners' dk/dv of the rounds so far.
+    """
     G, Gk, D = plan.q_shape[0], plan.kv_shape[0], plan.q_shape[2]
     b, f32 = plan.itemsize, 4
     local, cols = plan.local_len, plan.replicas * plan.piece
@@ -542,34 +555,45 @@ def replica_bytes(plan, backward=False):
     for call in plan.calls:
         rows = call.rows[1] - call.rows[0]
         cq, ckv = min(plan.chunk_q, rows), plan.chunk_kv
-        positions_ = call.kind == "mixed"
         sched = _schedule.plan(rows, cols, cq, ckv, causal=False, window=(-1, -1))
-        args = dict(groups=G, kv_groups=Gk, head_dim=D, dtype=plan.dtype, backward=backward)
-        w = _memory.flash_bytes(sched, steps=sched.visited_blocks, **args)
-        if positions_:
-            w += _packed.segment_bytes(sched, segments=SegmentConfig(1, 1, True), **args)
-            w += 4 * (rows + cols)  # the call's id and position rows
+        args = dict(groups=G, kv_groups=Gk, head_dim=D, dtype=plan.dtype, backward=backward,
+                    scale=plan.scale)
+        if call.kind == "mixed":
+            table = plan.step_table(call)
+            seg = SegmentConfig(1, 1, True, 0 if table is None else table.shape[1])
+            w = _packed.pass_bytes(sched, segments=seg, mods=plan.mods, **args)
+            w += 4 * (rows + 3 * (0 if table is None else table.shape[1]))  # its rows' positions
+        else:
+            w = _memory.flash_bytes(sched, steps=sched.visited_blocks, mods=plan.mods, **args)
         if backward:
             w += (G * rows * D + 2 * Gk * cols * D) * b  # its dq, dk, dv
         else:
             w += G * rows * D * b + f32 * G * rows  # its out and lse
         work = max(work, w)
+    rows_f32 = f32 * G * local * D
+    owner = 2 * Gk * plan.piece * D * f32  # a round's dk and dv on their owner
     if backward:
-        accum = f32 * (G * local * D + 2 * Gk * cols * D + 2 * Gk * local * D)
-        final = (G * local * D + 2 * Gk * local * D) * b
+        held = rows_f32 * (2 if plan.split else 1) + (plan.steps - 1) * owner
+        if plan.split:
+            held += 2 * Gk * cols * D * f32
+        after = (G * local + 2 * Gk * cols) * D * b + rows_f32 + 3 * Gk * cols * D * f32
+        end = rows_f32 * (2 if plan.split else 1) + 2 * plan.steps * owner
     else:
-        accum = f32 * (G * local * D + 2 * G * local) * (plan.steps > 1 or plan.split)
-        accum += f32 * G * local * D * 3 // _MERGE_SLICES
-        final = (G * local * D * b + f32 * G * local) * (len(plan.parts) > 1)
-    tables = sum(t.nbytes for t in plan.tables.values())
-    total = GATHER_COPIES * gathered + work + accum + final + 4 * plan.table.size + tables
-    return int(_memory.MARGIN * total + _memory.FIXED_BYTES)
+        merging = plan.steps > 1 or plan.split
+        held = f32 * G * local * (D + 1) * merging
+        after = (G * local * D * b + f32 * G * local + 8 * f32 * G * local
+                 + 3 * rows_f32 // _MERGE_SLICES) * merging
+        end = held + (G * local * D * b + f32 * G * local) * (len(plan.parts) > 1)
+    peak = max(held + GATHER_COPIES * gathered, held + gathered + work, held + after, end)
+    constants = 4 * plan.table.size + sum(t.nbytes for t in plan.tables.values()) \
+        + 4 * plan.steps * 2 * cols + 4 * local
+    return int(peak + constants + _memory.FIXED_BYTES)
 
 
 #: The merge works in this many row slices (``context_parallel_graphs.MERGE_SLICES``).
 _MERGE_SLICES = 8
-#: Copies of a round's gathered K/V live at once (the result and the gather wrapper's
-#: reshape/transpose copies).
+#: A round's gather holds at most this many times its gathered K/V (the pieces, the
+#: all-gathers' results and the gather wrapper's transposed copies).
 GATHER_COPIES = 2
 
 

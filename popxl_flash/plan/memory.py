@@ -40,8 +40,8 @@ from popxl_flash.plan.schedule import PARTIAL
 
 _F32 = 4
 
-#: Proportional margin of the estimates that are not walked op by op (naive attention, the
-#: packed and context-parallel terms built on these).
+#: Proportional margin for estimates that are not walked op by op (the packed and
+#: context-parallel bounds now walk or take phase maxima and do not use it).
 MARGIN = 1.10
 #: Small tensors of any pass (scalars, counters, one-element constants): a fixed allowance.
 FIXED_BYTES = 16384

@@ -26,8 +26,9 @@ loop and per pass; ``tests/test_packed_choice.py`` holds it within :data:`OPS_TO
 the emulator), priced at :data:`popxl_flash.plan.ipu_time.CS_PER_OP` compute sets each (an
 estimate until the packed dispatch is fitted to PopART's lowering like the plain passes), and
 vector work and the views' and ops' copies (the plain pass's fitted parts on the running
-steps; an estimate, within 0.5x-2.6x of the emulator's at the shapes the tests draw). Memory is the plain
-pass's upper bound (:func:`popxl_flash.plan.memory.flash_bytes`) plus :func:`segment_bytes`.
+steps; an estimate, within 0.5x-2.6x of the emulator's at the shapes the tests draw). Memory is :func:`pass_bytes`,
+the packed pass's graph walked op by op with the emulator's liveness (an upper bound within
+1.2x + 1 MiB of the emulator's peak, ``tests/test_packed_memory.py``).
 """
 from __future__ import annotations
 
@@ -269,25 +270,264 @@ def pass_counts(sched, classes, *, groups, head_dim, dtype, backward, segments,
 
 
 # -- memory ----------------------------------------------------------------------------------
-def segment_bytes(sched, *, groups, head_dim, dtype, backward, segments, kv_groups=None):
-    """Bytes a packed pass holds beyond :func:`popxl_flash.plan.memory.flash_bytes`: the
-    largest step's branch copies (``IfOpx`` copies every input and output of the taken
-    branch, at two levels: state slices in and out, operand and segment slices in), the loop's
-    id (and position) tensors and their padded copies, the block classes and the per-group
-    flag tables (an upper bound of the emulator's; ``tests/test_packed_choice.py``)."""
+#: Small tensors of a packed pass the walk leaves out (scalars, counters, step and class
+#: table entries, the chunk statistics and the block classes' ``[nq, nkv]`` temporaries of a
+#: few chunks): a fixed allowance, as :data:`popxl_flash.plan.memory.LOOP_FIXED_BYTES`.
+SEG_FIXED_BYTES = 65536
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A step group as the packed walk sees it: every running step is masked at run time (its
+    static pattern, if any, ANDed with the segment mask)."""
+    rows: int
+    cols: int
+    patterned: bool
+    gathers: bool
+
+
+def pass_bytes(sched, *, groups, head_dim, dtype, backward, segments, kv_groups=None,
+               scale=None, mods=None):
+    """Upper bound of one packed (segment-id) pass's live bytes beyond its inputs and outputs:
+    the emulator's liveness walked op by op over the pass's graph (the forward's or the
+    backward's looped structure, :mod:`popxl_flash.graph.segments` and ``blocks._dispatch``),
+    as :func:`popxl_flash.plan.memory.flash_bytes` walks a plain pass (its ``_Live``).
+
+    A packed pass always loops (one block too), every step in a loop body; the segment
+    preparation pads the ids (and positions) to whole chunks, classifies the blocks and keeps
+    the loop's id tensors (``[Gs, L, 1]`` / ``[Gs, 1, L]`` int32 copies; positions views of
+    the inputs unless padded or repeated for grouped-query kv rows) and each group's bool
+    flag tables through the loops. A step slices its operands, state rows and segment
+    operands (copies), then the conditional copies them into the taken branch (``IfOpx``:
+    for that moment both are live; the body's slices are then released, their last use) and
+    again at a second level; the running branch builds the bool mask ``[Gs, rows, cols]``
+    and runs the masked update; the new state rows come out and are written back in place.
+    Plus the constants (patterns, step and class-index tables) and :data:`SEG_FIXED_BYTES`;
+    score modifiers and dropout add :func:`popxl_flash.plan.memory.flash_bytes`' fitted
+    blocks.
+
+    Args:
+        sched: the static :class:`~popxl_flash.plan.schedule.BlockSchedule`.
+        groups, head_dim, kv_groups, dtype, scale: the call (``kv_groups`` ``None``: G).
+        backward: the stash-mode backward (else the forward).
+        segments: the call's :class:`~popxl_flash.plan.segments.SegmentConfig` (with
+            ``table_steps``, context parallelism's run-time step table: one group of whole
+            blocks looped that many times).
+        mods: ``None`` or the call's :class:`~popxl_flash.plan.score_mods.ScoreMods`.
+
+    Returns:
+        int bytes.
+    """
     G, D = groups, head_dim
     Gk = G if kv_groups is None else kv_groups
     item = 2 if dtype == "float16" else 4
-    branch = 0
-    for g in _steps.step_groups(sched, "kv_major" if backward else "q_major"):
-        state, operands, ids = _costmodel._step_bytes(g, G, Gk, D, item, backward, segments)
-        branch = max(branch, 2 * (2 * state + operands + ids))
-    kv_rows = 1 if segments.kv_groups == 1 else G
-    lq_pad, lkv_pad = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
-    loop_ids = 2 * 4 * (segments.q_groups * lq_pad + kv_rows * lkv_pad) * (
-        2 if segments.positions else 1)
-    tables = 16 * sched.nq * sched.nkv + 6 * _steps.loop_steps(sched, True)
-    return int(_memory.MARGIN * (branch + loop_ids + tables))
+    folds = _memory._scale_folds(D, scale)
+    order = "kv_major" if backward else "q_major"
+    groups_ = _steps.step_groups(sched, order)
+    if segments.table_steps:
+        g0 = groups_[0]
+        groups_ = [_steps.StepGroup(g0.rows, g0.cols, False, g0.q_row[:1], g0.kv_row[:1],
+                                    g0.q_chunk[:1], g0.kv_chunk[:1])]
+        steps_ = [segments.table_steps]
+    else:
+        steps_ = [g.steps for g in groups_]
+    walk = [_Step(g.rows, g.cols, bool(g.masked), bool(g.masked and g.num_patterns > 1))
+            for g in groups_]
+    sim = _memory._Live()
+    lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+    seg = _SegWalk(sched, G, Gk, segments, steps_, groups_, backward, dtype, D, scale)
+    if backward:
+        _packed_backward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg)
+        outputs = (G * sched.Lq + 2 * Gk * sched.Lkv) * D * item
+    else:
+        _packed_forward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg)
+        outputs = G * sched.Lq * (D * item + _F32)
+    constants = sched.patterns_nbytes + seg.constants
+    extra = _memory._mod_bytes(sched, G, backward, mods, False, False)
+    return int(sim.peak - outputs + constants + extra + SEG_FIXED_BYTES)
+
+
+_F32 = _I32 = 4
+
+
+class _SegWalk:
+    """The segment parts of a packed pass for the walk: what the preparation holds and peaks
+    at, what a step slices."""
+
+    def __init__(self, sched, G, Gk, segments, steps_, groups_, backward, dtype, D, scale):
+        self.G, self.Gk, self.cfg = G, Gk, segments
+        lq, lkv = sched.nq * sched.chunk_q, sched.nkv * sched.chunk_kv
+        self.q_rows = segments.q_groups
+        self.kv_rows = 1 if segments.kv_groups == 1 else G
+        self.mask_rows = max(self.q_rows, self.kv_rows)
+        pos = bool(segments.positions)
+        # held through the loops: the loop ids (``where`` copies), positions where padded or
+        # repeated (else views of the inputs), the flag tables (two with a second level)
+        q_pos = lq > sched.Lq
+        kv_pos = lkv > sched.Lkv or self.kv_rows != segments.kv_groups
+        self.held = _I32 * (self.q_rows * lq * (1 + (pos and q_pos))
+                            + self.kv_rows * lkv * (1 + (pos and kv_pos)))
+        tables = 0
+        for g, n in zip(groups_, steps_):
+            two = _costmodel.second_level(g, groups=G, head_dim=D, dtype=dtype,
+                                          backward=backward, segments=segments, kv_groups=Gk,
+                                          window=(-1, -1), causal=False)
+            tables += n * (1 + bool(two))
+        self.held += tables
+        # the preparation's peak beyond what it keeps: the padded (and repeated) ids and
+        # positions, then chunk statistics' temporaries of a padded row (a few int32 and bool
+        # copies), the classes' [nq, nkv] temporaries
+        sides = (self.q_rows * lq, self.kv_rows * lkv)
+        self.prep = _I32 * (1 + pos) * sum(sides) + 3 * _I32 * max(sides) \
+            + 6 * _I32 * sched.nq * sched.nkv
+        # constants: the class-index tables (int32 per step of a group), the padding tails
+        self.constants = (_I32 + _memory.TABLE_BYTES_PER_STEP) * sum(steps_) + _I32 * (1 + pos) * (
+            self.q_rows * (lq - sched.Lq) + segments.kv_groups * (lkv - sched.Lkv))
+        self.pos = pos
+
+    def slices(self, g):
+        """Bytes of a step's segment operands (ids, positions: int32)."""
+        return _I32 * (self.q_rows * g.rows + self.kv_rows * g.cols) * (1 + self.pos)
+
+    def mask(self, b, g):
+        """The running branch's ``block_mask`` (and the static pattern ANDed): held as
+        ``pat`` (bool ``[Gs, rows, cols]``), the segment operands freed."""
+        M = self.mask_rows * g.rows * g.cols
+        b.op(M, "eq")
+        if self.pos:  # a band term: greater, logical_not, logical_and
+            b.op(M, "gt")
+            b.op(M, "ng", ("gt",))
+            b.op(M, "eq", ("eq", "ng", "seg_i"))
+        else:
+            b.free("seg_i")
+        if g.patterned:
+            b.op(M, "eq", ("eq", "spat"))
+        b.held["pat"] = b.held.pop("eq")
+
+
+def _prepare(sim, seg):
+    """Segment preparation (``segments.prepare``, ``PassLoops.step_classes``)."""
+    sim.op(seg.prep, "prep")
+    sim.op(seg.held, "segs", ("prep",))
+
+
+def _enter(b, g, slices):
+    """A step's conditional entry: the branch's copies of the slices while the body's are
+    still live (then released: the branch holds the copies under the same names)."""
+    b.op(slices, "copy")
+    b.free("copy")
+
+
+def _packed_forward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg):
+    """``FlashAttention.build`` with segment ids (looped, never lean), op by op."""
+    Lq, Lkv = sched.Lq, sched.Lkv
+    Q, R = G * Lq * D * item, G * Lq * _F32
+    if folds:
+        sim.op(Gk * Lkv * D * item, "ks")
+    _memory._pad(sim, Q, G * lq * D * item, "q")
+    _memory._pad(sim, 2 * Gk * Lkv * D * item, 2 * Gk * lkv * D * item, "kv")
+    state = G * lq * (D + 2) * _F32
+    sim.op(state, "init")
+    sim.op(state, "state", ("init",))
+    _prepare(sim, seg)
+    for g in walk:
+        b = sim
+        r, c = g.rows, g.cols
+        S, Rb, Qb32, acc = G * r * c * _F32, G * r * _F32, G * r * D * _F32, G * r * (D + 1) * _F32
+        if g.gathers:
+            b.op(r * c, "spat")
+        b.op(G * r * D * item, "q_i")
+        b.op(2 * Gk * c * D * item, "kv_j")
+        b.op(G * r * (D + 2) * _F32, "st_i")
+        b.op(seg.slices(g), "seg_i")
+        _enter(b, g, G * r * D * item + 2 * Gk * c * D * item + G * r * (D + 2) * _F32
+               + seg.slices(g) + (r * c if g.patterned else 0))
+        seg.mask(b, g)
+        b.op(S, "s", ("q_i",))
+        if not folds:
+            b.op(S, "s", ("s",))
+        b.op(S, "smax")
+        b.op(Rb, "mx", ("smax",))
+        b.op(Rb, "m_new", ("mx",))
+        b.op(S, "d", ("s",))
+        b.op(S, "d", ("d", "pat"))
+        b.op(S, "p", ("d",))
+        b.op(Rb, "rowsum")
+        if item == 2:
+            b.op(S // 2, "p", ("p",))
+        b.op(Qb32, "pv", ("p", "kv_j"))
+        b.op(Rb, "a")
+        b.op(Rb, "alpha", ("a",))
+        b.op(acc, "mul", ("alpha", "st_i"))
+        b.op(acc, "add", ("mul", "pv", "rowsum"))
+        b.free("add", "m_new", "spat")  # the branch returns
+        b.op(G * r * (D + 2) * _F32, "new")  # its output, written back in place
+        b.free("new")
+    sim.free("q", "kv", "segs")
+    sim.op(G * Lq, "seen")  # rows may see nothing: greater(l, 0), where(seen, l, 1)
+    sim.op(R, "l")
+    sim.op(G * Lq * D * _F32, "out", ("l",))
+    if item == 2:
+        sim.op(Q, "out", ("out",))
+    sim.op(R, "lg")
+    sim.op(R, "lse", ("lg", "state"))
+    sim.op(R, "lse", ("lse", "seen"))
+
+
+def _packed_backward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg):
+    """``FlashAttentionGrad.build`` with segment ids (looped, never lean), op by op."""
+    Lq, Lkv = sched.Lq, sched.Lkv
+    R = G * Lq * _F32
+    P32 = G * Lq * D * _F32
+    if item == 2:
+        sim.op(P32, "c1")
+        sim.op(P32, "c2")
+    sim.op(P32, "mu", ("c1", "c2"))
+    sim.op(R, "dvec", ("mu",))
+    sim.op(G * Lq, "g")  # rows may see nothing: where(lse > MASKED_SCORE, lse, 0)
+    sim.op(R, "lse", ("g",))
+    if folds:
+        sim.op(Gk * Lkv * D * item, "ks")
+    _memory._pad(sim, 2 * G * Lq * D * item, 2 * G * lq * D * item, "qdo")
+    sim.op(2 * R, "stats", ("lse", "dvec"))
+    _memory._pad(sim, 2 * R, 2 * G * lq * _F32, "stats", ("stats",))
+    _memory._pad(sim, 2 * Gk * Lkv * D * item, 2 * Gk * lkv * D * item, "kv")
+    sim.op(G * lq * D * _F32, "dq")
+    sim.op(2 * Gk * lkv * D * _F32, "dkdv")
+    _prepare(sim, seg)
+    for g in walk:
+        b = sim
+        r, c = g.rows, g.cols
+        if g.gathers:
+            b.op(r * c, "spat")
+        slices = [(2 * G * r * D * item, "qdo_i"), (2 * G * r * _F32, "stats_i"),
+                  (2 * Gk * c * D * item, "kv_j"), (G * r * D * _F32, "dq_i"),
+                  (2 * Gk * c * D * _F32, "dkdv_j"), (seg.slices(g), "seg_i")]
+        for nbytes, name in slices:
+            b.op(nbytes, name)
+        _enter(b, g, sum(n for n, _ in slices) + (r * c if g.patterned else 0))
+        seg.mask(b, g)
+        _memory._grad_block(b, G, Gk, r, c, D, item, folds, True, True, {
+            "arg": ("pat",), "sub": ("stats_i",), "dkdv": ("qdo_i",), "dq": ("kv_j",),
+            "dq+": ("dq_i",), "dkdv+": ("dkdv_j",)})
+        b.free("spat")
+        b.op((G * r * D + 2 * Gk * c * D) * _F32, "new")  # the branch's outputs
+        b.free("new")
+    sim.free("qdo", "stats", "kv", "segs")
+    _memory._finish(sim, G, Gk, Lq, Lkv, D, item, folds, ("dkdv",), (lq, lkv))
+
+
+def segment_bytes(sched, *, groups, head_dim, dtype, backward, segments, kv_groups=None,
+                  scale=None):
+    """What a packed pass's bound (:func:`pass_bytes`) adds to the plain pass's
+    (:func:`popxl_flash.plan.memory.flash_bytes`) at the same schedule: the segment parts,
+    and the looped structure where the plain pass would run one block or row passes (may be
+    negative where the plain bound's structure holds more)."""
+    Gk = groups if kv_groups is None else kv_groups
+    args = dict(groups=groups, kv_groups=Gk, head_dim=head_dim, dtype=dtype,
+                backward=backward, scale=scale)
+    plain = _memory.flash_bytes(sched, steps=_steps.loop_steps(sched), **args)
+    return pass_bytes(sched, segments=segments, **args) - plain
 
 
 # -- the choice ------------------------------------------------------------------------------
@@ -317,11 +557,9 @@ def evaluate(Lq, Lkv, chunk_q, chunk_kv, *, head_dim, groups, dtype, causal, win
     args = dict(groups=groups, head_dim=head_dim, dtype=dtype, segments=segments,
                 kv_groups=Gk, causal=causal, window=window, scale=scale)
     fwd, bwd = (pass_counts(sched, classes, backward=b, **args) for b in (False, True))
-    mem = [_memory.flash_bytes(sched, groups=groups, kv_groups=Gk, head_dim=head_dim,
-                               dtype=dtype, backward=b, steps=c.iterations, scale=scale)
-           + segment_bytes(sched, groups=groups, head_dim=head_dim, dtype=dtype, backward=b,
-                           segments=segments, kv_groups=Gk)
-           for b, c in ((False, fwd), (True, bwd))]
+    mem = [pass_bytes(sched, groups=groups, head_dim=head_dim, dtype=dtype, backward=b,
+                      segments=segments, kv_groups=Gk, scale=scale)
+           for b in (False, True)]
     useful = sched.forward_flops(head_dim, groups).useful
     return _costmodel.Candidate(
         chunk_q=chunk_q, chunk_kv=chunk_kv, num_chunks_q=sched.nq, num_chunks_kv=sched.nkv,
