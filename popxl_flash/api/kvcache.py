@@ -442,9 +442,9 @@ def _segments(lengths, dims, splits, chunk_kv, per_part):
     rows_c = _i32(rows.reshape(1, 1, splits, P))
     kv_valid = ops.greater(lengths.reshape((B, 1, 1, 1)), rows_c)  # [B, 1, S, P]
     zero = _i32(np.zeros((1, Hkv, 1, 1)))
-    kv_ids = ops.where(kv_valid, zero, _i32(-1)).reshape((B * Hkv * splits, P))
+    kv_ids = ops.where(kv_valid, zero, _i32(-1)).reshape_((B * Hkv * splits, P))
     # broadcast on the device: no constant of the cache's row count per group
-    kv_pos = (rows_c + _i32(np.zeros((B, Hkv, 1, 1)))).reshape((B * Hkv * splits, P))
+    kv_pos = (rows_c + _i32(np.zeros((B, Hkv, 1, 1)))).reshape_((B * Hkv * splits, P))
     q_offsets = _i32((np.arange(Lq) - Lq).reshape(1, 1, 1, 1, Lq))
     zeros_q = _i32(np.zeros((1, Hkv, splits, r, 1)))
     q_pos = (lengths.reshape((B, 1, 1, 1, 1)) + q_offsets + zeros_q).reshape(
@@ -481,8 +481,8 @@ def _cache_groups(cache, dims, splits, chunk_kv, per_part, layout="BSHD"):
 
     ``"BHSD"`` and ``"BHDS"`` with one part are views of the cache (``transpose_``,
     ``reshape_``): the core reads the cache where it is, no copy. ``"BSHD"`` and split-KV
-    regroup it (a transpose: one copy of the cache per call), as does padding a cache whose
-    length is not a whole number of granules.
+    regroup it (one transpose: one copy of the cache per call, its reshapes views), as does
+    padding a cache whose length is not a whole number of granules.
     """
     B, Lc, Hkv, D = dims.batch, dims.cache_len, dims.kv_heads, dims.head_dim
     padded = per_part * chunk_kv * splits
@@ -493,18 +493,18 @@ def _cache_groups(cache, dims, splits, chunk_kv, per_part, layout="BSHD"):
         cache = ops.concat([cache, ops.init(tuple(shape), cache.dtype, init_type="zero")],
                            axis=axis)
     if layout == "BSHD":
-        if splits == 1:
-            return cache.transpose((0, 2, 1, 3)).reshape((B * Hkv, padded, D))
-        g = cache.reshape((B, per_part, splits, chunk_kv, Hkv, D))
-        g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]
-        return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
+        if splits == 1:  # one copy (the transpose); its reshape is a view
+            return cache.transpose((0, 2, 1, 3)).reshape_((B * Hkv, padded, D))
+        g = cache.reshape_((B, per_part, splits, chunk_kv, Hkv, D))  # a view
+        g = g.transpose((0, 4, 2, 1, 3, 5))  # [B, Hkv, S, M, c, D]: the one copy
+        return g.reshape_((B * Hkv * splits, per_part * chunk_kv, D))
     if layout == "BHDS":
         cache = cache.transpose_((0, 1, 3, 2))  # [B, Hkv, Lc, D] view
     if splits == 1:
         return cache.reshape_((B * Hkv, padded, D))  # a view: B and Hkv are adjacent
-    g = cache.reshape((B, Hkv, per_part, splits, chunk_kv, D))
-    g = g.transpose((0, 1, 3, 2, 4, 5))  # [B, Hkv, S, M, c, D]
-    return g.reshape((B * Hkv * splits, per_part * chunk_kv, D))
+    g = cache.reshape_((B, Hkv, per_part, splits, chunk_kv, D))  # a view
+    g = g.transpose((0, 1, 3, 2, 4, 5))  # [B, Hkv, S, M, c, D]: the one copy
+    return g.reshape_((B * Hkv * splits, per_part * chunk_kv, D))
 
 
 def _combine(out, lse, dims, splits):

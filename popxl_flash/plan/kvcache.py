@@ -449,15 +449,13 @@ def _loop_bytes(dims, dtype, splits, chunk_kv, chunk_q, padded, *, layouts=("BSH
     rows = Q + dims.batch * dims.new_len * Hkv * D
     sim.op(DECODE_ROW_FACTOR * 4 * rows, "pre")  # the guard, rotary, the write
     sim.free("pre")
-    # _segments: kv ids and positions [Gk', P] (their reshape is a copy), q's positions; q's
+    # _segments: kv ids and positions [Gk', P] (their reshapes are views), q's positions; q's
     # groups (a transpose and a reshape: copies)
     sim.op(4 * G * Lq, "qpos")
     sim.op(item * G * Lq * D, "qg")
     sim.op(B * padded, "valid")
     sim.op(4 * Gk * P, "ids", ("valid",))
-    sim.op(4 * Gk * P, "ids", ("ids",))
     sim.op(4 * Gk * P, "pos")
-    sim.op(4 * Gk * P, "pos", ("pos",))
     for n, layout in enumerate(layouts):  # _cache_groups
         name, src = f"cache{n}", ()
         if padded > dims.cache_len:  # zeros, concat
@@ -465,11 +463,7 @@ def _loop_bytes(dims, dtype, splits, chunk_kv, chunk_q, padded, *, layouts=("BSH
             sim.op(C, name, ("zeros",))
             src = (name,)
         if layout == "BSHD" or splits > 1:
-            if splits > 1:
-                sim.op(C, "r", src)  # reshape (a copy)
-                src = ("r",)
-            sim.op(C, "t", src)  # transpose
-            sim.op(C, name, ("t",))  # reshape (a copy)
+            sim.op(C, name, src)  # the transpose (a copy; its reshapes are views)
     # the core (graph/forward.py, segment ids): k * scale where it folds, q padded, the state
     if memory._scale_folds(D, scale):
         sim.op(C, "ks")
