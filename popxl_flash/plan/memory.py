@@ -17,8 +17,8 @@ where no chunking meets it the least memory (a default never refuses). ``memory_
 meets raises ``ValueError``.
 
 The flash bound (:func:`flash_bytes`) walks the pass's graph (``popxl_flash/graph/forward.py``,
-``backward.py``, every structure: one block, the forward's row passes, the backward's row
-steps, the loops) op by op, one line per tensor-sized op (``_forward_walk``,
+``backward.py``, ``lean.py``, every structure: one block, the forward's row passes, the
+backward's row steps, the loops, and the loops' memory-lean structures) op by op, one line per tensor-sized op (``_forward_walk``,
 ``_backward_walk``), with the emulator's liveness (``popxl_flash/emulator/plan.py``): an op's
 output is allocated before the storage whose last use it is is freed; ``_`` views (``slice_``,
 ``reshape_``, ``transpose_``, ``concat_``) allocate nothing and a view group is freed with its
@@ -40,9 +40,6 @@ from popxl_flash.plan.schedule import PARTIAL
 
 _F32 = 4
 
-#: Proportional margin for estimates that are not walked op by op (the packed and
-#: context-parallel bounds now walk or take phase maxima and do not use it).
-MARGIN = 1.10
 #: Small tensors of any pass (scalars, counters, one-element constants): a fixed allowance.
 FIXED_BYTES = 16384
 #: Small tensors of a flash pass the walk leaves out (scalars, counters, step-table rows,
