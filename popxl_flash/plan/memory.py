@@ -350,25 +350,7 @@ def _forward_walk(sched, G, Gk, D, item, folds, single, rows, lean=False):
             b.op(G * r * (D + 2) * _F32, "st_i")
         if lean and folds:  # the step's k slice scaled
             b.op(Gk * c * D * item, "ks_j")
-        b.op(S, "s", ("q_i", "ks_j"))
-        if not folds:
-            b.op(S, "s", ("s",))
-        if g.masked:
-            b.op(S, "smax")  # where(visible, s, INITIAL_MAX)
-        b.op(Rb, "mx", ("smax",))
-        b.op(Rb, "m_new", ("mx",))  # maximum(m_i, .)
-        b.op(S, "d", ("s",))
-        if g.masked:
-            b.op(S, "d", ("d", "pat"))
-        b.op(S, "p", ("d",))
-        b.op(Rb, "rowsum")
-        if item == 2:
-            b.op(S // 2, "p", ("p",))
-        b.op(Qb32, "pv", ("p", "kv_j"))
-        b.op(Rb, "a")  # m_i - m_new
-        b.op(Rb, "alpha", ("a",))
-        b.op(acc, "mul", ("alpha", "st_i"))  # alpha * acc_l
-        b.op(acc, "add", ("mul", "pv", "rowsum"))  # + [pv | rowsum] (a concat_ view)
+        softmax_block_walk(b, G, r, c, D, item, folds, g.masked)
         b.free("add", "m_new")  # written back in place
 
     _loops(sim, _steps.step_groups(sched, "q_major"), step)
@@ -387,6 +369,33 @@ def _forward_walk(sched, G, Gk, D, item, folds, single, rows, lean=False):
     if sched.num_empty_rows:
         sim.op(R, "lse", ("lse", "seen"))
     return sim.peak - Q - R + sched.patterns_nbytes
+
+
+def softmax_block_walk(b, G, rows, cols, D, item, folds, masked):
+    """``forward.softmax_block`` on ``rows x cols``, op by op, from the scores (which free
+    ``q_i`` and a lean step's ``ks_j``) to the updated ``acc | l`` (held as ``add``, with
+    ``m_new``); ``masked``: the pattern (``pat``, freed at its second use) applies."""
+    S, Rb = G * rows * cols * _F32, G * rows * _F32
+    Qb32, acc = G * rows * D * _F32, G * rows * (D + 1) * _F32
+    b.op(S, "s", ("q_i", "ks_j"))
+    if not folds:
+        b.op(S, "s", ("s",))
+    if masked:
+        b.op(S, "smax")  # where(visible, s, INITIAL_MAX)
+    b.op(Rb, "mx", ("smax",))
+    b.op(Rb, "m_new", ("mx",))  # maximum(m_i, .)
+    b.op(S, "d", ("s",))
+    if masked:
+        b.op(S, "d", ("d", "pat"))
+    b.op(S, "p", ("d",))
+    b.op(Rb, "rowsum")
+    if item == 2:
+        b.op(S // 2, "p", ("p",))
+    b.op(Qb32, "pv", ("p", "kv_j"))
+    b.op(Rb, "a")  # m_i - m_new
+    b.op(Rb, "alpha", ("a",))
+    b.op(acc, "mul", ("alpha", "st_i"))  # alpha * acc_l
+    b.op(acc, "add", ("mul", "pv", "rowsum"))  # + [pv | rowsum] (a concat_ view)
 
 
 def _lean_finish(sim, sched, G, D, item):

@@ -433,7 +433,6 @@ def _packed_forward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg):
     for g in walk:
         b = sim
         r, c = g.rows, g.cols
-        S, Rb, Qb32, acc = G * r * c * _F32, G * r * _F32, G * r * D * _F32, G * r * (D + 1) * _F32
         if g.gathers:
             b.op(r * c, "spat")
         b.op(G * r * D * item, "q_i")
@@ -443,23 +442,7 @@ def _packed_forward(sim, sched, G, Gk, D, item, folds, lq, lkv, walk, seg):
         _enter(b, g, G * r * D * item + 2 * Gk * c * D * item + G * r * (D + 2) * _F32
                + seg.slices(g) + (r * c if g.patterned else 0))
         seg.mask(b, g)
-        b.op(S, "s", ("q_i",))
-        if not folds:
-            b.op(S, "s", ("s",))
-        b.op(S, "smax")
-        b.op(Rb, "mx", ("smax",))
-        b.op(Rb, "m_new", ("mx",))
-        b.op(S, "d", ("s",))
-        b.op(S, "d", ("d", "pat"))
-        b.op(S, "p", ("d",))
-        b.op(Rb, "rowsum")
-        if item == 2:
-            b.op(S // 2, "p", ("p",))
-        b.op(Qb32, "pv", ("p", "kv_j"))
-        b.op(Rb, "a")
-        b.op(Rb, "alpha", ("a",))
-        b.op(acc, "mul", ("alpha", "st_i"))
-        b.op(acc, "add", ("mul", "pv", "rowsum"))
+        _memory.softmax_block_walk(b, G, r, c, D, item, folds, True)
         b.free("add", "m_new", "spat")  # the branch returns
         b.op(G * r * (D + 2) * _F32, "new")  # its output, written back in place
         b.free("new")
