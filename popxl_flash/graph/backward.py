@@ -163,15 +163,13 @@ def row_statistic(cfg, dout, out, pieces=None):
     Args:
         dout, out: ``[G, Lq, D]`` in the input dtype.
     """
+    def rowsum(do_p, o_p):  # [G, rows, 1]
+        return ops.sum(blocks.to_float32(do_p) * blocks.to_float32(o_p), axis=-1,
+                       keepdims=True)
     if pieces is None:
-        pieces = [(0, dout.shape[1])]
-    parts = []
-    for r0, r1 in pieces:
-        do_p, o_p = (blocks.unpad_rows(ops.slice_(t, start=[r0], stop=[r1], axis=[1]), r1 - r0)
-                     for t in (dout, out))
-        parts.append(ops.sum(blocks.to_float32(do_p) * blocks.to_float32(o_p), axis=-1,
-                             keepdims=True))  # [G, rows, 1]
-    return blocks.join(parts, axis=1)
+        return rowsum(dout, out)
+    return blocks.join([rowsum(*(ops.slice_(t, start=[r0], stop=[r1], axis=[1])
+                                 for t in (dout, out))) for r0, r1 in pieces], axis=1)
 
 
 def _finish_dq(cfg, dq):

@@ -20,8 +20,6 @@ Each group keeps one body graph, so the graph grows with the pieces (at most 8),
 Graph code: it runs inside the backward module's graph and uses only the documented PopXL API.
 """
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 
 from popxl_flash.backend import popxl
@@ -47,8 +45,9 @@ class PieceGroup:
     def __getattr__(self, name):  # rows, cols, masked, q_row, kv_row, patterns, ...
         return getattr(self.group, name)
 
-    def step_pattern(self, step) -> Optional[np.ndarray]:
-        """The static pattern of one step, bool ``[1, rows, cols]`` (``None`` unmasked)."""
+    def step_pattern(self, step):
+        """The static pattern of one step: a bool ``[1, rows, cols]`` constant of the current
+        graph (``None`` for an unmasked group)."""
         if not self.group.masked:
             return None
         return popxl.constant(np.ascontiguousarray(
@@ -60,7 +59,7 @@ class PieceLoops:
     runs per kv piece.
 
     Create before the ops that need ordering (as :class:`popxl_flash.graph.blocks.PassLoops`),
-    then :meth:`run` inside :func:`popxl_flash.graph.blocks.in_order`.
+    then :meth:`run_piece` per kv piece inside :func:`popxl_flash.graph.blocks.in_order`.
 
     Args:
         spec: the backward's lean :class:`popxl_flash.graph.blocks.LoopSpec` (state ``dq`` on q
